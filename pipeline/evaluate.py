@@ -1,0 +1,193 @@
+"""Stage 3, evaluate: every checkpoint inside the project's speculative decoder, judged by measured speed.
+
+For each checkpoint (and the n-gram baseline) on the held-out prompts, greedy, batch 1: α, τ,
+acceptance per draft position, tokens/s of speculative and of plain decoding in the same decoder,
+speedup, the draft/target cost ratio c and the speedup predicted from α and c. Greedy speculative
+output is compared with plain greedy output on every prompt: in the recipe's dtype (bf16: match rate,
+and every divergence must be a near-tie of the target's top two logits) and exactly in fp32 on a
+subset. The checkpoint with the best measured speedup, not the lowest loss, is promoted to best/.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eval.decoder import SpeculativeDecoder
+from eval.exactness import compare_greedy
+from eval.proposers import load_proposer
+
+from .data import encode_prompt
+from .shards import read_manifest, write_json_atomic
+from .tracking import NoOpTracker
+
+
+class EvaluateError(ValueError):
+    pass
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def heldout_ids(recipe, run_dir: Path, tokenizer) -> list[list[int]]:
+    path = Path(run_dir) / "prompts" / "heldout.jsonl"
+    if not path.exists():
+        raise EvaluateError(f"{path} is missing; run the generate stage first (it writes the prompt sets)")
+    rows = _read_jsonl(path)
+    n = recipe.evaluate.n_prompts or len(rows)
+    return [encode_prompt(r, tokenizer, recipe.data.chat) for r in rows[:n]]
+
+
+def decode_batch1(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos,
+                  desc: str) -> tuple[list[list[int]], dict]:
+    """Run the decoder one prompt at a time (batch 1) and aggregate its counters over prompts."""
+    dec = SpeculativeDecoder(target, proposer, k=k)
+    dec.generate([prompts[0][:16]], max_new_tokens=4, eos_token_id=eos)  # warm-up, not timed
+    seqs, per = [], []
+    for p in tqdm(prompts, desc=desc, leave=False):
+        res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
+        seqs.append(res.sequences[0])
+        per.append(res.stats)
+    return seqs, aggregate(per)
+
+
+def aggregate(per: list[dict]) -> dict:
+    """Sum counters over batch-1 runs; rates are recomputed from the sums, not averaged."""
+    tot = lambda key: sum(s.get(key, 0) or 0 for s in per)  # noqa: E731
+    n_tokens, wall = tot("n_tokens"), tot("wall_s")
+    out = {"n_tokens": n_tokens, "wall_s": wall, "tokens_per_s": n_tokens / wall if wall else 0.0,
+           "target_forwards": tot("target_forwards"), "proposed": tot("proposed"), "accepted": tot("accepted"),
+           "draft_time_s": tot("draft_time_s"), "verify_time_s": tot("verify_time_s"),
+           "peak_mem_bytes": max((s.get("peak_mem_bytes") or 0) for s in per)}
+    out["tau"] = n_tokens / out["target_forwards"] if out["target_forwards"] else 0.0
+    out["alpha"] = out["accepted"] / out["proposed"] if out["proposed"] else 0.0
+    hists = [s.get("accept_len_hist") or [] for s in per]
+    width = max((len(h) for h in hists), default=0)
+    hist = [sum(h[j] if j < len(h) else 0 for h in hists) for j in range(width)]
+    out["accept_len_hist"] = hist
+    # P(draft position i accepted | position i reached), from the summed histogram.
+    out["accept_per_pos"] = [sum(hist[i + 1:]) / sum(hist[i:]) if sum(hist[i:]) else 0.0
+                             for i in range(max(width - 1, 0))]
+    cs = [(s["c"], s.get("proposed", 0)) for s in per if s.get("c") is not None]
+    w = sum(x[1] for x in cs)
+    out["c"] = sum(c * n for c, n in cs) / w if w else None
+    ks = [s.get("k") for s in per if s.get("k") is not None]
+    out["k"] = sum(ks) / len(ks) if ks else None
+    if out["c"] is not None and out["k"]:
+        a, K, c = min(out["alpha"], 0.999999), out["k"], out["c"]
+        out["predicted_speedup"] = (1 - a ** (K + 1)) / ((1 - a) * (K * c + 1))
+    return out
+
+
+def _fp32_check(target, proposer_src, prompts, k, max_new_tokens, eos) -> bool:
+    """Greedy speculative == plain greedy, token for token, with the target (and draft) in fp32."""
+    t32 = copy.deepcopy(target).float()
+    plain, _ = decode_batch1(t32, None, prompts, k, max_new_tokens, eos, "fp32 plain")
+    spec, _ = decode_batch1(t32, load_proposer(proposer_src, t32), prompts, k, max_new_tokens, eos, "fp32 spec")
+    del t32
+    return plain == spec
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    m = read_manifest(Path(run_dir) / "train")
+    names = m.get("checkpoints") or []
+    if not names:
+        raise EvaluateError(f"{run_dir}/train has no checkpoints; run the train stage first")
+    return [Path(run_dir) / "train" / n for n in names]
+
+
+def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict:
+    """Evaluate every checkpoint (resumable: finished ones are read back), promote the best, write
+    metrics.json and return it."""
+    tracker = tracker or NoOpTracker()
+    cfg = recipe.evaluate
+    run_dir = Path(run_dir)
+    out_dir = run_dir / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    eos = tokenizer.eos_token_id
+    prompts = heldout_ids(recipe, run_dir, tokenizer)
+    key = {"evaluate": recipe.to_dict()["evaluate"], "dtype": recipe.dtype, "n": len(prompts)}
+
+    def cached(name: str, fn) -> dict:
+        path = out_dir / f"{name}.json"
+        if path.exists():
+            prev = json.loads(path.read_text())
+            if prev.get("key") == key:
+                return prev
+        result = fn()
+        result["key"] = key
+        write_json_atomic(path, result)
+        return result
+
+    # Plain decoding in our own decoder: the denominator of every speedup.
+    plain_seqs, plain = decode_batch1(target, None, prompts, cfg.k, cfg.max_new_tokens, eos, "plain")
+    plain = {"sequences": plain_seqs, "stats": plain}
+    write_json_atomic(out_dir / "plain.json", plain)
+
+    def evaluate_one(name: str, src) -> dict:
+        seqs, stats = decode_batch1(target, load_proposer(src, target), prompts, cfg.k, cfg.max_new_tokens,
+                                    eos, name)
+        match = compare_greedy(target, prompts, plain["sequences"], seqs, tol=cfg.near_tie_tol)
+        n32 = min(cfg.fp32_prompts, len(prompts))
+        fp32_exact = _fp32_check(target, src, prompts[:n32], cfg.k, cfg.max_new_tokens, eos) if n32 else None
+        if recipe.dtype == "float32":
+            exact = bool(match["exact"]) and fp32_exact is not False
+        else:
+            exact = bool(match["all_near_ties"]) and fp32_exact is not False
+        return {"name": name, "source": str(src), "stats": stats,
+                "speedup": stats["tokens_per_s"] / plain["stats"]["tokens_per_s"],
+                "match_rate": match["match_rate"], "divergences": match["divergences"],
+                "all_near_ties": match["all_near_ties"], "fp32_exact": fp32_exact,
+                "fp32_prompts": n32, "greedy_exact": exact}
+
+    results = []
+    ckpts = checkpoints(run_dir)
+    for ck in tqdm(ckpts, desc="evaluate checkpoints"):
+        results.append(cached(ck.name, lambda ck=ck: evaluate_one(ck.name, ck)))
+    baseline = cached("ngram", lambda: evaluate_one("ngram", "ngram")) if cfg.baselines else None
+
+    for r in results + ([baseline] if baseline else []):
+        s = r["stats"]
+        tracker.log({f"eval/{r['name']}/{k}": s[k] for k in ("alpha", "tau", "tokens_per_s") if k in s}
+                    | {f"eval/{r['name']}/speedup": r["speedup"]})
+        tracker.table(f"eval/{r['name']}/per_position", ["position", "acceptance"],
+                      [[i + 1, a] for i, a in enumerate(s["accept_per_pos"])])
+
+    best = max(results, key=lambda r: r["speedup"])
+    best_dir = run_dir / "best"
+    tmp = run_dir / ".best-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(best["source"], tmp, ignore=shutil.ignore_patterns("trainer_state.pt"))
+    shutil.rmtree(best_dir, ignore_errors=True)
+    tmp.rename(best_dir)
+
+    draft_meta = json.loads((best_dir / "draftsmith_draft.json").read_text())
+    s = best["stats"]
+    metrics = {
+        "domain": recipe.domain, "target": recipe.target, "draft_method": draft_meta.get("method", draft_meta["kind"]),
+        "divergence": draft_meta.get("divergence"), "checkpoint": best["name"], "k": cfg.k,
+        "alpha": s["alpha"], "tau": s["tau"], "accept_per_pos": s["accept_per_pos"],
+        "tokens_per_s_plain": plain["stats"]["tokens_per_s"], "tokens_per_s_spec": s["tokens_per_s"],
+        "speedup": best["speedup"], "c": s.get("c"), "predicted_speedup": s.get("predicted_speedup"),
+        "greedy_exact": best["greedy_exact"], "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
+        "fp32_exact": best["fp32_exact"], "n_divergences": len(best["divergences"]),
+        "max_divergence_margin": max((d["margin"] for d in best["divergences"]), default=None),
+        "near_tie_tol": cfg.near_tie_tol, "n_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
+        "dtype": recipe.dtype, "device": str(next(target.parameters()).device),
+        "checkpoints": [{"name": r["name"], "alpha": r["stats"]["alpha"], "tau": r["stats"]["tau"],
+                         "tokens_per_s": r["stats"]["tokens_per_s"], "speedup": r["speedup"],
+                         "greedy_exact": r["greedy_exact"]} for r in results],
+        "ngram_baseline": None if baseline is None else {
+            "alpha": baseline["stats"]["alpha"], "tau": baseline["stats"]["tau"],
+            "tokens_per_s": baseline["stats"]["tokens_per_s"], "speedup": baseline["speedup"],
+            "greedy_exact": baseline["greedy_exact"]},
+    }
+    write_json_atomic(run_dir / "metrics.json", metrics)
+    tracker.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))})
+    return metrics

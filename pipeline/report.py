@@ -1,0 +1,93 @@
+"""The report a model owner reads: report.md and two plots, from metrics.json and the eval files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _plots(run_dir: Path, metrics: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    ev = run_dir / "eval"
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for ck in metrics["checkpoints"] + ([{"name": "ngram"}] if metrics.get("ngram_baseline") else []):
+        p = ev / f"{ck['name']}.json"
+        if p.exists():
+            acc = json.loads(p.read_text())["stats"]["accept_per_pos"]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=ck["name"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | reached)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance per draft position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(run_dir / "acceptance_per_position.png", dpi=110)
+    made.append("acceptance_per_position.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [c["name"] for c in metrics["checkpoints"]]
+    speeds = [c["speedup"] for c in metrics["checkpoints"]]
+    if metrics.get("ngram_baseline"):
+        names.append("ngram")
+        speeds.append(metrics["ngram_baseline"]["speedup"])
+    ax.bar(range(len(names)), speeds, color=["C0"] * len(metrics["checkpoints"]) + ["C1"] * (len(names) - len(metrics["checkpoints"])))
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("measured speedup vs plain")
+    ax.set_title("Speedup per checkpoint (batch 1, greedy)")
+    fig.tight_layout()
+    fig.savefig(run_dir / "speedup.png", dpi=110)
+    made.append("speedup.png")
+    plt.close(fig)
+    return made
+
+
+def write_report(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    m = json.loads((run_dir / "metrics.json").read_text())
+    plots = _plots(run_dir, m)
+    f = lambda x, d=2: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
+    lines = [
+        f"# draftsmith report: {m['domain']} ({run_dir.name})",
+        "",
+        f"Target `{m['target']}` ({m['dtype']}, {m['device']}). Promoted draft: **{m['draft_method']}** "
+        f"checkpoint `{m['checkpoint']}` (divergence {m.get('divergence')}), in `best/`.",
+        "",
+        f"On {m['n_prompts']} held-out prompts, greedy, batch 1, {m['max_new_tokens']} new tokens, K={m['k']}:",
+        "",
+        "| figure | value |",
+        "| --- | --- |",
+        f"| acceptance rate α | {f(m['alpha'], 3)} |",
+        f"| tokens per target forward τ | {f(m['tau'])} |",
+        f"| plain decoding tokens/s | {f(m['tokens_per_s_plain'], 1)} |",
+        f"| speculative tokens/s | {f(m['tokens_per_s_spec'], 1)} |",
+        f"| **measured speedup** | **{f(m['speedup'])}×** |",
+        f"| predicted speedup (from α and c={f(m.get('c'), 3)}) | {f(m.get('predicted_speedup'))}× |",
+        f"| greedy output identical to plain decoding | {m['greedy_exact']} |",
+    ]
+    if m.get("bf16_match_rate") is not None:
+        lines.append(f"| bf16 token match rate (divergences all near-ties < {m['near_tie_tol']}) | "
+                     f"{f(m['bf16_match_rate'], 4)} ({m['n_divergences']} divergences, max margin "
+                     f"{f(m.get('max_divergence_margin'), 3)}) |")
+    lines.append(f"| fp32 exact on a subset | {m.get('fp32_exact')} |")
+    if m.get("ngram_baseline"):
+        b = m["ngram_baseline"]
+        lines += ["", f"Baseline without training (n-gram prompt lookup): α {f(b['alpha'], 3)}, τ {f(b['tau'])}, "
+                      f"speedup {f(b['speedup'])}×."]
+    lines += ["", "## Every checkpoint", "", "| checkpoint | α | τ | tokens/s | speedup | greedy exact |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for c in m["checkpoints"]:
+        lines.append(f"| {c['name']} | {f(c['alpha'], 3)} | {f(c['tau'])} | {f(c['tokens_per_s'], 1)} | "
+                     f"{f(c['speedup'])}× | {c['greedy_exact']} |")
+    lines += ["", "Acceptance per draft position (P(accepted | reached)): "
+              + ", ".join(f(a, 3) for a in m.get("accept_per_pos", [])), ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
