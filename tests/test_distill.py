@@ -1,0 +1,98 @@
+"""End to end through the CLI: a tiny target built from a config, then the real embedded target
+with a tiny budget (generate -> train -> evaluate), checking the files a user relies on."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.cli import main
+
+METRIC_KEYS = {"domain", "target", "draft_method", "checkpoint", "k", "alpha", "tau", "tokens_per_s_plain",
+               "tokens_per_s_spec", "speedup", "greedy_exact", "n_prompts", "max_new_tokens"}
+
+TINY_BUDGET = [
+    "data.max_prompts=24", "data.max_prompt_tokens=96",
+    "generate.max_new_tokens=12", "generate.batch_size=4", "generate.batches_per_shard=2",
+    "train.steps=4", "train.save_every=2", "train.batch_size=4", "train.seq_len=64", "train.draft_vocab_size=512",
+    "evaluate.n_prompts=2", "evaluate.max_new_tokens=12", "evaluate.fp32_prompts=1",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, real_tokenizer):
+    """A 2-layer Llama with the real tokenizer's vocabulary, saved as an HF checkpoint directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = real_tokenizer
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id)
+    d = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def _wandb_files(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_distill_tiny_target_end_to_end(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    args = ["distill", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={tmp_path}", "wandb.mode=offline", *TINY_BUDGET]
+    assert main(args) == 0
+    latest = tmp_path / "code" / "latest"
+    assert latest.is_symlink()
+    m = json.loads((latest / "metrics.json").read_text())
+    assert METRIC_KEYS <= set(m)
+    assert m["greedy_exact"] is True, "fp32 speculative output must equal plain greedy output"
+    assert m["n_prompts"] == 2 and m["max_new_tokens"] == 12
+    assert 0.0 <= m["alpha"] <= 1.0 and m["tau"] >= 1.0
+    assert (latest / "best" / "draftsmith_draft.json").exists()
+    assert (latest / "report.md").exists() and (latest / "acceptance_per_position.png").exists()
+    # Real W&B offline run files, one per stage, holding what was logged.
+    files = _wandb_files(latest)
+    assert len(files) == 3
+    blob = b"".join(f.read_bytes() for f in files)
+    for key in (b"alpha", b"tau", b"speedup", b"loss"):
+        assert key in blob
+    # The promoted draft loads in the decoder with the target alone.
+    from eval.proposers import load_proposer
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    load_proposer(str(latest / "best"), target)
+
+    # Running the same command again on a finished run starts a new run (the old one is kept).
+    first = latest.resolve().name
+    import time
+
+    time.sleep(1.1)
+    assert main(args + ["train.steps=2"]) == 0
+    assert latest.resolve().name != first and (tmp_path / "code" / first / "metrics.json").exists()
+
+
+@pytest.mark.integration
+def test_distill_real_embedded_target_tiny_budget(tmp_path, monkeypatch):
+    """The real SmolLM2-135M target, a handful of prompts and steps: every stage runs for real."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    args = ["distill", "--recipe", "recipes/code.yaml", f"runs_dir={tmp_path}", "wandb.mode=offline",
+            *TINY_BUDGET, "data.max_prompts=16", "train.draft_vocab_size=2048"]
+    assert main(args) == 0
+    latest = tmp_path / "code" / "latest"
+    m = json.loads((latest / "metrics.json").read_text())
+    assert METRIC_KEYS <= set(m)
+    assert m["target"] == "embedded:smollm2-135m-instruct"
+    assert m["fp32_exact"] is True
+    assert m["greedy_exact"] is True
+    assert len(_wandb_files(latest)) == 3
+    gen = json.loads((latest / "generate" / "manifest.json").read_text())
+    assert gen["complete"] and sum(s["rows"] for s in gen["shards"].values()) > 0
