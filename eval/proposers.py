@@ -1,0 +1,285 @@
+"""Draft proposers for the speculative decoder: n-gram prompt lookup, a small draft LM, an EAGLE head.
+
+One small interface (`Proposer`), driven by `eval.decoder.SpeculativeDecoder`:
+
+    begin(prompts, first, max_len, sampling, features)
+        prompts: list of B token lists; first [B]: the token the target's prefill produced (at
+        position len(prompt)); features [B, Lmax, H] the target's prefill features (or None when
+        `uses_features` is False).
+    propose(k) -> (drafts [B, k] long, q [B, k, V] float or None)
+        drafts continue the current token; q is the draft distribution each draft was sampled from
+        (None under greedy decoding, or when the proposal is deterministic: q is then one-hot).
+        May return fewer than k columns (0: "nothing to propose this round").
+    accept(tokens [B, T], start [B], n_acc [B], bonus [B], features [B, T, H] | None)
+        tokens: the verified input [current, drafts...] written at positions start..start+T-1;
+        row b kept tokens[b, :n_acc[b]+1] and then the target produced `bonus[b]`, the new current
+        token at position start + n_acc + 1. n_acc == -1 marks a finished row (nothing changed).
+
+Positions are absolute token positions in each row; caches are position-indexed, so a rejected
+draft's slot is overwritten by a later write and never needs cropping.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .heads import HEAD_FILE, EagleHead
+from .target import make_runner
+
+
+class Sampling:
+    """Temperature / top-k / top-p warping shared by the target and the drafts; greedy at T == 0."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None):
+        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+        self.generator = generator
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, top-p."""
+        x = logits.float() / self.temperature
+        if self.top_k > 0 and self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1.0:
+            s, idx = torch.sort(x, dim=-1, descending=True)
+            ps = s.softmax(-1)
+            drop = ps.cumsum(-1) - ps > self.top_p  # keep the smallest prefix with mass >= top_p
+            x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+        return x.softmax(-1)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., V] probabilities -> [...] token ids (exponential race: argmax p / Exp(1))."""
+        e = torch.empty_like(probs).exponential_(1.0, generator=self.generator)
+        return (probs / e).argmax(-1)
+
+
+class Proposer:
+    uses_features = False  # True: the decoder passes the target's features to begin/accept
+    name = "proposer"
+
+    def begin(self, prompts, first, max_len, sampling, features=None) -> None:
+        raise NotImplementedError
+
+    def propose(self, k: int):
+        raise NotImplementedError
+
+    def accept(self, tokens, start, n_acc, bonus, features=None) -> None:
+        raise NotImplementedError
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = max_ngram..1) in
+    prompt + generated text and propose the tokens that followed it. No model, no training."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        self.hist = [list(p) + [int(t)] for p, t in zip(prompts, first.tolist())]
+        self.device = first.device
+
+    def _lookup(self, h: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
+            tail = h[-n:]
+            for s in range(len(h) - n - 1, -1, -1):  # latest match first
+                if h[s:s + n] == tail:
+                    return h[s + n:s + n + k]
+        return []
+
+    def propose(self, k):
+        found = [self._lookup(h, k) for h in self.hist]
+        width = max((len(f) for f in found), default=0)
+        if width == 0:
+            return torch.empty(len(self.hist), 0, dtype=torch.long, device=self.device), None
+        # Rows with shorter (or no) matches are padded with their last token; they are verified and
+        # most likely rejected, which costs nothing extra in a batched verify.
+        rows = [f + [(f or h)[-1]] * (width - len(f)) for f, h in zip(found, self.hist)]
+        return torch.tensor(rows, dtype=torch.long, device=self.device), None  # q one-hot
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        for b, (a, t) in enumerate(zip(n_acc.tolist(), bonus.tolist())):
+            if a >= 0:
+                self.hist[b] += tokens[b, 1:a + 1].tolist() + [t]
+
+
+def _draw(logits: torch.Tensor, sampling: Sampling):
+    """[B, V] draft logits -> (tokens [B], q [B, V] or None)."""
+    if sampling.greedy:
+        return logits.argmax(-1), None
+    q = sampling.probs(logits)
+    return sampling.sample(q), q
+
+
+class DraftLMProposer(Proposer):
+    """A small HF causal LM with the target's tokenizer, with its own position-indexed KV cache."""
+
+    name = "draft_lm"
+
+    def __init__(self, model, vocab_size: int | None = None, lean: bool = True):
+        self.model = model.eval()
+        self.runner = make_runner(model, lean)
+        self.vocab_size = vocab_size  # the target's; draft logits beyond it (padding rows) are dropped
+
+    def _logits(self, tokens, pos, s_len, idx):
+        logits, _ = self.runner(tokens, pos, s_len, idx)  # [B, 1, Vd]
+        return logits[:, 0, : self.vocab_size]  # [B, V]
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        B, dev = len(prompts), first.device
+        self.sampling = sampling
+        self.runner.reset(B, max_len)
+        L = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
+        T = int(L.max()) + 1
+        toks = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            toks[b, : len(p)] = torch.tensor(p, device=dev)
+        toks[torch.arange(B, device=dev), L] = first  # [B, T]: prompt + first token, right-padded
+        pos = torch.arange(T, device=dev).expand(B, T)
+        self.next_logits = self._logits(toks, pos, T, L)  # [B, V] predicts the token after `first`
+        self.pos = L  # [B] position of the current token
+        self.max_pos = T - 1  # host int: the largest current-token position over rows
+
+    def propose(self, k):
+        drafts, qs = [], []
+        logits = self.next_logits
+        for i in range(k):
+            tok, q = _draw(logits, self.sampling)  # [B], [B, V]
+            drafts.append(tok)
+            qs.append(q)
+            if i + 1 < k:  # feed draft i at position pos + 1 + i to get the next one
+                p = (self.pos + 1 + i)[:, None]  # [B, 1]
+                logits = self._logits(tok[:, None], p, self.max_pos + 2 + i, None)
+        q = None if self.sampling.greedy else torch.stack(qs, 1)
+        return torch.stack(drafts, 1) if drafts else torch.empty(self.pos.shape[0], 0, dtype=torch.long), q
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        # Feed [token before the new current one, new current one] at [n'-1, n']: the first slot is
+        # the last accepted draft, which is missing from the draft's cache only when all k were
+        # accepted (the last draft is never fed while drafting); rewriting it otherwise is harmless.
+        B = tokens.shape[0]
+        rows = torch.arange(B, device=tokens.device)
+        a = n_acc.clamp(min=0)
+        prev = tokens[rows, a]  # [B]
+        new_pos = start + n_acc + 1  # [B]
+        pos = torch.stack([new_pos - 1, new_pos], 1)  # [B, 2]
+        self.max_pos = int(new_pos.max())  # host sync: attended cache length
+        toks = torch.stack([prev, bonus], 1)  # [B, 2]
+        last = torch.ones(B, dtype=torch.long, device=tokens.device)
+        self.next_logits = self._logits(toks, pos, self.max_pos + 1, last)  # [B, V]
+        self.pos = new_pos
+
+
+class EagleProposer(Proposer):
+    """EAGLE head over the target's features and token embeddings.
+
+    Head slot s holds the head's step for token position s + 1: input [feature_s ⊕ embed(token_{s+1})],
+    output ≈ feature_{s+1}, whose logits propose token s + 2. (Slots start at 0 so a head trained
+    on plain sequences with positions 0.. sees exactly the same RoPE offsets.)
+    """
+
+    name = "eagle"
+    uses_features = True
+
+    def __init__(self, head: EagleHead, target):
+        p = target.get_output_embeddings().weight
+        self.head = head.to(device=p.device, dtype=p.dtype).eval()
+        self.embed = target.get_input_embeddings()
+        self.d2t = self.head.d2t.to(p.device)  # [Vd] draft row -> target id
+        self.vocab_size = target.config.vocab_size
+
+    def _run(self, toks, feats, pos, idx):
+        """toks [B, T] token ids at positions pos [B, T]; feats [B, T, H] target features at pos - 1.
+        Writes head slots pos - 1; keeps the predicted feature at column idx [B] as the current one."""
+        h = self.head(feats.to(self.dtype), self.embed(toks).to(self.dtype), pos - 1, self.caches)  # [B, T, H]
+        rows = torch.arange(toks.shape[0], device=toks.device)
+        self.cur_h = h[rows, idx]  # [B, H] predicted feature at the current token's position
+        self.pos = pos[rows, idx]  # [B] position of the current token
+        self.prev_feat = feats[rows, idx][:, None]  # [B, 1, H] true feature at (current position) - 1
+
+    @property
+    def dtype(self):
+        return self.head.fc.weight.dtype
+
+    def _logits(self, h):
+        """[B, H] -> [B, V] target-vocab logits (rows outside the draft vocab at -inf)."""
+        d = self.head.logits(h).float()  # [B, Vd]
+        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), device=h.device)
+        return out.index_copy_(1, self.d2t, d)
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        B, dev = len(prompts), first.device
+        self.sampling = sampling
+        self.caches = self.head.new_caches(B, max_len)
+        L = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
+        T = int(L.max())
+        toks = torch.zeros(B, T, dtype=torch.long, device=dev)  # tokens at positions 1..T
+        for b, p in enumerate(prompts):
+            toks[b, : len(p) - 1] = torch.tensor(p[1:], device=dev)
+        toks[torch.arange(B, device=dev), L - 1] = first
+        pos = torch.arange(1, T + 1, device=dev).expand(B, T)
+        self._run(toks, features[:, :T], pos, L - 1)
+
+    def propose(self, k):
+        drafts, qs = [], []
+        h = self.cur_h
+        for i in range(k):
+            tok, q = _draw(self._logits(h), self.sampling)  # [B], [B, V]
+            drafts.append(tok)
+            qs.append(q)
+            if i + 1 < k:  # predicted feature ⊕ embed(draft) at the next position
+                p = (self.pos + 1 + i)[:, None]  # [B, 1]
+                e = self.embed(tok[:, None]).to(self.dtype)
+                h = self.head(h[:, None], e, p - 1, self.caches)[:, 0]  # [B, H]
+        q = None if self.sampling.greedy else torch.stack(qs, 1)
+        return torch.stack(drafts, 1), q
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        # Re-run the head over the accepted tokens with the TRUE target features, plus the new current
+        # token: inputs at positions start..start+T (T = k + 1 verified tokens, one more for `bonus`):
+        #   column j < n_acc + 1: feature_{start+j-1} ⊕ embed(tokens[j])
+        #   column n_acc + 1:     feature_{start+n_acc} ⊕ embed(bonus)
+        # Columns past that are junk written into slots that later rounds overwrite before reading.
+        B, T = tokens.shape
+        rows = torch.arange(B, device=tokens.device)
+        idx = n_acc + 1  # [B] column of the new current token (0 for finished rows: n_acc == -1)
+        toks = torch.cat([tokens, tokens[:, -1:]], 1)  # [B, T + 1]
+        toks[rows, idx] = bonus
+        prev = self.prev_feat  # [B, 1, H] feature at start - 1
+        feats = torch.cat([prev, features.to(prev.dtype)], 1)  # [B, T + 1, H]: feature at pos - 1
+        pos = start[:, None] + torch.arange(T + 1, device=tokens.device)  # [B, T + 1]
+        self._run(toks, feats, pos, idx)
+
+
+def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
+    """"ngram" -> NgramProposer(); an EagleHead -> EagleProposer; an HF model -> DraftLMProposer;
+    a draft directory (draftsmith_draft.json says {"kind": "eagle" | "draft_lm"}) -> its proposer."""
+    if isinstance(path_or_kind, Proposer):
+        return path_or_kind
+    if isinstance(path_or_kind, EagleHead):
+        return EagleProposer(path_or_kind, target)
+    if isinstance(path_or_kind, torch.nn.Module):
+        return DraftLMProposer(path_or_kind, target.config.vocab_size)
+    if path_or_kind == "ngram":
+        return NgramProposer()
+    d = Path(path_or_kind)
+    meta = json.loads((d / HEAD_FILE).read_text())
+    p = target.get_output_embeddings().weight
+    dtype = dtype or p.dtype
+    if meta.get("kind") == "eagle":
+        return EagleProposer(EagleHead.load(d, dtype=dtype, device=p.device), target)
+    if meta.get("kind") == "draft_lm":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).to(p.device)
+        return DraftLMProposer(model, target.config.vocab_size)
+    raise ValueError(f"{d}: unknown draft kind {meta.get('kind')!r} (expected 'eagle' or 'draft_lm')")

@@ -1,0 +1,146 @@
+"""A lean forward for a causal LM with a preallocated, position-indexed KV cache.
+
+The speculative decoder needs three things from the target's forward that HF's cache classes do
+not give directly: (1) every row of a ragged batch writes keys/values at its *own* absolute
+positions, (2) a rejected draft's slot is simply overwritten by the next round (no cropping), and
+(3) it returns both logits and the features (final hidden state after the final norm, the input of
+the LM head) that EAGLE heads read.
+
+`LeanLlama` reuses the HF module's weights (no copy) for Llama-family decoders (Llama, Mistral
+without sliding window, Qwen2: q/k/v/o + SwiGLU MLP + RMSNorm + the model's own rotary module).
+Anything else goes through `HFFallback`: the HF forward with a DynamicCache cropped after each round
+(batch 1 only; ragged batches need per-row positions that DynamicCache does not have).
+
+Both expose the same interface:
+    runner.reset(batch, max_len)                       # allocate/zero the cache
+    logits, feats = runner(tokens [B,T], pos [B,T], s_len, logit_idx=None)
+s_len (host int) is the number of cache slots attended (max position written + 1); `logit_idx`
+[B] picks one position per row for the LM head (prefill), else logits for all T positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .heads import KVCache
+
+
+def _is_llama_like(model) -> bool:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return False
+    cfg = model.config
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return False
+    l0 = layers[0]
+    att, mlp = getattr(l0, "self_attn", None), getattr(l0, "mlp", None)
+    need_att = all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    need_mlp = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+    act = getattr(cfg, "hidden_act", "silu")
+    return need_att and need_mlp and not hasattr(att, "q_norm") and act == "silu" \
+        and hasattr(l0, "input_layernorm") and hasattr(l0, "post_attention_layernorm")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class LeanLlama:
+    """Llama-family forward over the HF module's own weights, writing K/V at absolute positions."""
+
+    def __init__(self, model):
+        if not _is_llama_like(model):
+            raise TypeError(f"{type(model).__name__} is not a Llama-family decoder")
+        self.model = model
+        cfg = model.config
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = getattr(model.model.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        p = model.lm_head.weight
+        self.dtype, self.device = p.dtype, p.device
+        self.caches: list[KVCache] = []
+
+    def reset(self, batch: int, max_len: int) -> None:
+        # Reuse the allocation when the shape fits; stale slots are never attended (mask: slot <= pos).
+        c = self.caches
+        if c and c[0].k.shape[0] == batch and c[0].k.shape[2] >= max_len:
+            return
+        self.caches = [KVCache(batch, self.n_kv, max_len, self.head_dim, self.dtype, self.device)
+                       for _ in self.model.model.layers]
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, s_len: int,
+                 logit_idx: torch.Tensor | None = None):
+        m = self.model.model
+        B, T = tokens.shape
+        x = m.embed_tokens(tokens)  # [B, T, H]
+        cos, sin = m.rotary_emb(x, pos)  # [B, T, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+        # Query at position p sees slots 0..p of its own row; no mask when B == 1, T == 1 and every
+        # attended slot is valid (s_len == pos + 1), which lets SDPA take its fast path.
+        if T == 1 and B == 1:
+            mask = None
+        else:
+            slots = torch.arange(s_len, device=x.device)
+            mask = (slots[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+        gqa = self.n_heads != self.n_kv
+        for layer, cache in zip(m.layers, self.caches):
+            att, mlp = layer.self_attn, layer.mlp
+            h = layer.input_layernorm(x)
+            q = att.q_proj(h).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
+            k = att.k_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
+            v = att.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            ck, cv = cache.write(pos, k, v)  # [B, nkv, S_max, hd]
+            a = F.scaled_dot_product_attention(q, ck[:, :, :s_len], cv[:, :, :s_len], attn_mask=mask,
+                                               scale=self.scale, enable_gqa=gqa)  # [B, nh, T, hd]
+            x = x + att.o_proj(a.transpose(1, 2).reshape(B, T, -1))
+            h = layer.post_attention_layernorm(x)
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        feats = m.norm(x)  # [B, T, H]
+        if logit_idx is not None:
+            feats_sel = feats[torch.arange(B, device=x.device), logit_idx][:, None]  # [B, 1, H]
+            return self.model.lm_head(feats_sel), feats
+        return self.model.lm_head(feats), feats
+
+
+class HFFallback:
+    """Any HF causal LM with a `.model` body and an LM head, batch 1: DynamicCache cropped to the
+    position being written before each forward."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model = model
+        self._cache_cls = DynamicCache
+        self.cache = None
+        p = model.get_output_embeddings().weight
+        self.dtype, self.device = p.dtype, p.device
+
+    def reset(self, batch: int, max_len: int) -> None:
+        if batch != 1:
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: ragged batches need the lean Llama-family forward; use batch 1")
+        self.cache = self._cache_cls(config=self.model.config)
+
+    def __call__(self, tokens, pos, s_len, logit_idx=None):
+        start = int(pos[0, 0])  # host sync; the fallback is the slow path anyway
+        self.cache.crop(start)  # drop rejected drafts' slots
+        body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        out = body(input_ids=tokens, position_ids=pos, past_key_values=self.cache, use_cache=True)
+        feats = out.last_hidden_state
+        head = self.model.get_output_embeddings()
+        if logit_idx is not None:
+            return head(feats[torch.arange(tokens.shape[0]), logit_idx][:, None]), feats
+        return head(feats), feats
+
+
+def make_runner(model, lean: bool = True):
+    """The lean forward where the architecture allows it, else the HF fallback."""
+    if lean and _is_llama_like(model):
+        return LeanLlama(model)
+    return HFFallback(model)
