@@ -1,0 +1,172 @@
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eval.heads import EagleHead
+from pipeline.config import Recipe, TrainConfig
+from pipeline.shards import record_shard, save_shard
+from pipeline.train import EagleTrainer, TrainError, _collate, _Seqs, cache_features, draft_vocab, run_train
+
+V, K = 128, 8
+torch.set_num_threads(1)  # tiny matrices: threads only contend on the shared CPU
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=256, initializer_range=0.2,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def _greedy(target, prompt, n):
+    ids = list(prompt)
+    tk_ids, tk_lp = [], []
+    for _ in range(n):
+        lp = torch.log_softmax(target(torch.tensor([ids])).logits[0, -1].float(), -1)
+        v, ix = lp.topk(K)
+        tk_ids.append(ix.tolist()), tk_lp.append(v.tolist())
+        ids.append(int(ix[0]))
+    return ids[len(prompt):], tk_ids, tk_lp
+
+
+def _make_generate(run_dir, target, n_rows=12, plen=6, clen=24, seed=0, target_name="tiny"):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_rows):
+        prompt = torch.randint(0, V, (plen,), generator=g).tolist()
+        comp, tk_ids, tk_lp = _greedy(target, prompt, clen)
+        rows.append({"id": str(i), "prompt_ids": prompt, "completion_ids": comp, "topk_ids": tk_ids,
+                     "topk_logprobs": tk_lp})
+    gen = run_dir / "generate"
+    e = save_shard(gen, 0, Dataset.from_list(rows))
+    record_shard(gen, 0, e, header={"complete": True, "target": target_name, "top_k": K})
+    return rows
+
+
+def _recipe(**train):
+    base = dict(steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2, draft_vocab_size=0)
+    base.update(train)
+    return Recipe(target="tiny", dtype="float32", device="cpu", seed=0, train=TrainConfig(**base))
+
+
+@pytest.fixture(scope="module")
+def gen_dir(tmp_path_factory, target):
+    d = tmp_path_factory.mktemp("run")
+    _make_generate(d, target)
+    return d
+
+
+def _copy_gen(src, dst):
+    import shutil
+    shutil.copytree(src / "generate", dst / "generate")
+    return dst
+
+
+def test_eagle_alignment_learns_next_next_token(tmp_path, target):
+    """Head index t reads feat[t] ⊕ emb(tok[t+1]) at pos t+1 and must predict tok[t+2]: training makes
+    its argmax agree with the target's next-next token far above chance (1/128)."""
+    rows = _make_generate(tmp_path, target, n_rows=16, clen=24, seed=1)
+    recipe = _recipe(steps=120, save_every=1000, unroll=1, lr=1e-2, warmup_steps=5, feature_loss_weight=0.1)
+    seqs = [{"ids": (r["prompt_ids"] + r["completion_ids"]), "P": 6, "tk_ids": r["topk_ids"],
+             "tk_lp": r["topk_logprobs"]} for r in rows]
+
+    def agreement(head):
+        feats = cache_features(target, seqs, tmp_path / "f.safetensors", "k")
+        batch = _collate([_Seqs(seqs, feats)[i] for i in range(len(seqs))])
+        with torch.no_grad():
+            ids, feat = batch["ids"], batch["feat"].float()
+            L = ids.shape[1]
+            h = head(feat[:, :L - 2], target.get_input_embeddings()(ids[:, 1:L - 1]), torch.arange(1, L - 1)[None])
+            pred = head.d2t[head.logits(h).argmax(-1)]
+        m = batch["has_t"][:, 2:]
+        return ((pred == ids[:, 2:]) & m).sum().item() / m.sum().item()
+
+    torch.manual_seed(0)
+    before = agreement(EagleHead.from_target(target, 1).float())
+    train_dir = run_train(recipe, tmp_path, target=target)
+    head = EagleHead.load(train_dir / "checkpoint-000120")
+    after = agreement(head)
+    print(f"next-next agreement before {before:.2f} after {after:.2f}")
+    assert after > 0.6 and after > before + 0.2, (before, after)
+
+
+def test_eagle_resume_equals_uninterrupted(tmp_path, gen_dir, target):
+    a, b = _copy_gen(gen_dir, tmp_path / "a"), _copy_gen(gen_dir, tmp_path / "b")
+    recipe = _recipe(steps=6, save_every=2, unroll=2, draft_vocab_size=40)
+    run_train(recipe, a, target=target)
+
+    class Crash:
+        def log(self, d, step=None):
+            if step == 5:
+                raise KeyboardInterrupt
+
+        def finish(self):
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        run_train(recipe, b, target=target, tracker=Crash())
+    assert sorted(p.name for p in (b / "train").glob("checkpoint-*")) == ["checkpoint-000002", "checkpoint-000004"]
+    run_train(recipe, b, target=target)
+    wa = load_file(str(a / "train/checkpoint-000006/head.safetensors"))
+    wb = load_file(str(b / "train/checkpoint-000006/head.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+    m = json.loads((b / "train/manifest.json").read_text())
+    assert m["checkpoints"] == ["checkpoint-000002", "checkpoint-000004", "checkpoint-000006"]
+    assert m["method"] == "eagle" and m["draft_vocab_size"] == 40 and m["tokens_per_s"] > 0
+    meta = json.loads((b / "train/checkpoint-000006/draftsmith_draft.json").read_text())
+    assert meta["kind"] == "eagle" and meta["step"] == 6 and meta["target"] == "tiny"
+    head = EagleHead.load(b / "train/checkpoint-000006")
+    assert head.lm_head.weight.dtype == torch.float32 and len(head.d2t) == 40
+    assert not list((b / "train").glob(".checkpoint-*"))  # no temp dirs left behind
+
+
+def test_draft_vocab_is_most_frequent_sorted():
+    rows = [{"ids": [5, 5, 5, 7, 7, 9, 1]}]
+    assert draft_vocab(rows, 16, 3).tolist() == [1, 5, 7]  # 5 (x3), 7 (x2), then the lowest id of the ties
+    assert draft_vocab(rows, 16, 0).tolist() == list(range(16))
+
+
+def test_draft_lm_trains_and_loads(tmp_path, gen_dir, target):
+    from transformers import AutoModelForCausalLM
+
+    d = _copy_gen(gen_dir, tmp_path / "r")
+    recipe = _recipe(method="draft_lm", steps=4, save_every=2, num_layers=1, divergence="jsd")
+    train_dir = run_train(recipe, d, target=target)
+    ck = train_dir / "checkpoint-000004"
+    assert json.loads((ck / "draftsmith_draft.json").read_text())["kind"] == "draft_lm"
+    m = AutoModelForCausalLM.from_pretrained(ck)
+    assert m.config.num_hidden_layers == 1
+    out = m(torch.tensor([[1, 2, 3]])).logits
+    assert out.shape == (1, 3, V) and torch.isfinite(out).all()
+
+
+def test_clear_errors(tmp_path, gen_dir, target):
+    with pytest.raises(TrainError, match="generate"):
+        run_train(_recipe(), tmp_path / "nothing", target=target)
+    # shards from another target
+    d = _copy_gen(gen_dir, tmp_path / "x")
+    r = _recipe()
+    r.target = "other"
+    with pytest.raises(TrainError, match="generated by target"):
+        run_train(r, d, target=target)
+    # token ids beyond the target's vocabulary: another tokenizer
+    big = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    with pytest.raises(TrainError, match="vocabulary"):
+        run_train(_recipe(), _copy_gen(gen_dir, tmp_path / "y"), target=big)
+    # empty data
+    e = tmp_path / "e" / "generate"
+    ent = save_shard(e, 0, Dataset.from_list([{"id": "0", "prompt_ids": [1] * 40, "completion_ids": [2],
+                                               "topk_ids": [[2] * K], "topk_logprobs": [[-1.0] * K]}]))
+    record_shard(e, 0, ent, header={"complete": True, "target": "tiny"})
+    with pytest.raises(TrainError, match="no trainable rows"):
+        run_train(_recipe(), tmp_path / "e", target=target)
