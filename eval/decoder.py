@@ -173,7 +173,7 @@ class SpeculativeDecoder:
             k = self._choose_k(st) if prop is not None else 0
             if k > 0 and not synced:  # back on after plain rounds: re-prefill the proposer
                 t = time.perf_counter()
-                hist = [p + o[:-1] for p, o in zip(prompts, out)]
+                hist = [(p + o)[:m] for p, o, m in zip(prompts, out, n_host)]  # tokens before each row's current one
                 prop.begin(hist, cur, max_len, sampling, featbuf[:, : max(n_host)] if keep_feats else None)
                 st.draft_prefill_s += time.perf_counter() - t
                 synced = True

@@ -129,7 +129,9 @@ class HFFallback:
 
     def __call__(self, tokens, pos, s_len, logit_idx=None):
         start = int(pos[0, 0])  # host sync; the fallback is the slow path anyway
-        self.cache.crop(start)  # drop rejected drafts' slots
+        extra = self.cache.get_seq_length() - start
+        if extra > 0:
+            self.cache.crop(-extra)  # drop rejected drafts' slots (transformers 5: negative = tokens to remove)
         body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         out = body(input_ids=tokens, position_ids=pos, past_key_values=self.cache, use_cache=True)
         feats = out.last_hidden_state

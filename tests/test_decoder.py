@@ -1,0 +1,203 @@
+"""Greedy exactness of the speculative decoder (fp32, tiny models): for every proposer and K, the
+output equals plain greedy decoding token for token — HF generate and our own plain mode — at
+batch 1 and in ragged batches, with EOS and max_new_tokens stopping exactly."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eval.decoder import GenerationResult, SpeculativeDecoder, best_k
+from eval.heads import EagleHead
+from eval.proposers import DraftLMProposer, EagleProposer, NgramProposer, load_proposer
+
+V = 96
+PROMPTS = [[1, 5, 9, 3, 5, 9, 4], [7, 7, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [12]]
+N_NEW = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls: thread hand-off costs more than the work on a shared CPU (13x slower with 2 threads).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(seed, layers=2, hidden=48, heads=4, kv=2):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
+                      initializer_range=0.1, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny(0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny(1, layers=1, hidden=32, heads=2, kv=1)
+
+
+@pytest.fixture(scope="module")
+def hf_ref(target):
+    out = []
+    for p in PROMPTS:
+        g = target.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def proposers(target, draft):
+    ids = torch.arange(0, V, 2)  # a truncated draft vocabulary (every other id)
+    return {
+        "ngram": NgramProposer(),
+        "draft_lm": DraftLMProposer(draft, V),
+        "self": DraftLMProposer(target, V),  # target as its own draft: every draft accepted
+        "eagle": EagleProposer(EagleHead.from_target(target), target),
+        "eagle_trunc": EagleProposer(EagleHead.from_target(target, draft_ids=ids), target),
+    }
+
+
+def test_plain_equals_hf_generate(target, hf_ref):
+    dec = SpeculativeDecoder(target, None)
+    for p, ref in zip(PROMPTS, hf_ref):
+        res = dec.generate([p], max_new_tokens=N_NEW)
+        assert isinstance(res, GenerationResult)
+        assert res.sequences == [ref]
+        assert res.stats["n_tokens"] == N_NEW and res.stats["proposed"] == 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_batch1_every_proposer_exact(target, draft, hf_ref, k):
+    for name, prop in proposers(target, draft).items():
+        dec = SpeculativeDecoder(target, prop, k=k)
+        for p, ref in zip(PROMPTS[:3], hf_ref[:3]):
+            res = dec.generate([p], max_new_tokens=N_NEW)
+            assert res.sequences == [ref], (name, k, p)
+            s = res.stats
+            assert s["n_tokens"] == N_NEW
+            assert 0 <= s["alpha"] <= 1 and len(s["accept_len_hist"]) == k + 1
+            if name == "self":
+                assert s["alpha_hat"] == 1.0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_ragged_batch_exact(target, draft, hf_ref, k):
+    for name, prop in proposers(target, draft).items():
+        res = SpeculativeDecoder(target, prop, k=k).generate(PROMPTS, max_new_tokens=N_NEW)
+        assert res.sequences == hf_ref, (name, k)
+
+
+def test_plain_batch_equals_plain_batch1(target, hf_ref):
+    res = SpeculativeDecoder(target, None).generate(PROMPTS, max_new_tokens=N_NEW)
+    assert res.sequences == hf_ref
+
+
+def test_eos_and_max_new_tokens_per_sequence(target, draft, hf_ref):
+    # EOS = a token each reference emits at some step > 0: every row must stop right after it.
+    eos = hf_ref[0][5]
+    want = []
+    for ref in hf_ref:
+        want.append(ref[: ref.index(eos) + 1] if eos in ref else ref)
+    for name, prop in proposers(target, draft).items():
+        for k in (2, 4):
+            res = SpeculativeDecoder(target, prop, k=k).generate(PROMPTS, max_new_tokens=N_NEW, eos_token_id=[eos, V + 7])
+            assert res.sequences == want, (name, k)
+            res = SpeculativeDecoder(target, prop, k=k).generate(PROMPTS, max_new_tokens=5, eos_token_id=eos)
+            assert res.sequences == [w[:5] for w in want], (name, k)
+    assert SpeculativeDecoder(target, None).generate([PROMPTS[0]], max_new_tokens=1).sequences == [hf_ref[0][:1]]
+
+
+def test_self_draft_accepts_everything(target):
+    res = SpeculativeDecoder(target, DraftLMProposer(target, V), k=4).generate(PROMPTS, max_new_tokens=N_NEW)
+    s = res.stats
+    assert s["alpha_hat"] == 1.0 and s["accept_per_pos"] == [1.0] * 4
+    assert s["accept_len_hist"][4] >= 1 and sum(s["accept_len_hist"][:4]) <= len(PROMPTS)  # only truncated rounds
+
+
+def test_eagle_drafts_match_uncached_head(target):
+    """The head's cached, position-indexed state after verification equals a from-scratch run of the
+    head over the true target features: its first draft of every round is the uncached argmax."""
+    head = EagleHead.from_target(target)
+    prop = EagleProposer(head, target)
+    seen = []
+    orig = prop.propose
+
+    def spy(k):
+        d, q = orig(k)
+        seen.append((prop.pos.clone(), d[:, 0].clone()))
+        return d, q
+
+    prop.propose = spy
+    p = PROMPTS[2]
+    res = SpeculativeDecoder(target, prop, k=3).generate([p], max_new_tokens=N_NEW)
+    seq = p + res.sequences[0]
+    with torch.no_grad():
+        ids = torch.tensor([seq])
+        feats = target.model(ids).last_hidden_state  # [1, S, H]
+        emb = target.get_input_embeddings()(ids)
+        S = len(seq)
+        h = head(feats[:, : S - 1], emb[:, 1:], torch.arange(S - 1)[None])  # slot s: token s+1
+        ref = head.d2t[head.logits(h).argmax(-1)][0]  # ref[s] proposes token s + 2
+    assert len(seen) >= 3
+    for pos, d1 in seen:
+        n = int(pos[0])  # current token position; its head slot is n - 1
+        assert int(d1[0]) == int(ref[n - 1])
+
+
+def test_stream_equals_generate(target, draft):
+    dec = SpeculativeDecoder(target, DraftLMProposer(draft, V), k=3)
+    chunks = list(dec.stream(PROMPTS, max_new_tokens=N_NEW, eos_token_id=7))
+    joined = [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))]
+    assert joined == dec.generate(PROMPTS, max_new_tokens=N_NEW, eos_token_id=7).sequences
+    assert all(len(c) == len(PROMPTS) for c in chunks)
+
+
+def test_k_auto_exact_and_switches(target, draft, hf_ref):
+    for prop in (DraftLMProposer(target, V), DraftLMProposer(draft, V), NgramProposer(),
+                 EagleProposer(EagleHead.from_target(target), target)):
+        res = SpeculativeDecoder(target, prop, k="auto").generate(PROMPTS, max_new_tokens=N_NEW)
+        assert res.sequences == hf_ref
+        assert all(0 <= k <= 8 for k in res.stats["k_choices"])
+
+
+def test_k_auto_turns_off_and_probes(target, draft, monkeypatch):
+    """A useless draft (alpha ~ 0) makes every K lose: rounds go plain, with periodic probes,
+    and the output stays exact after each proposer resync."""
+    import eval.decoder as D
+
+    monkeypatch.setattr(D, "PROBE_EVERY", 4)
+    prop = EagleProposer(EagleHead.from_target(target, draft_ids=torch.tensor([V - 1, V - 2])), target)
+    res = SpeculativeDecoder(target, prop, k="auto").generate([PROMPTS[0]], max_new_tokens=40)
+    ref = SpeculativeDecoder(target, None).generate([PROMPTS[0]], max_new_tokens=40).sequences
+    assert res.sequences == ref
+    ks = res.stats["k_choices"]
+    assert 0 in ks and any(k > 0 for k in ks[ks.index(0):])  # off, then probed back on
+
+
+def test_best_k():
+    assert best_k(0.9, 0.05)[0] >= 5
+    k, v = best_k(0.05, 0.5)
+    assert v < 1
+    assert best_k(0.6, 0.0, 8)[0] == 8
+
+
+def test_load_proposer(tmp_path, target, draft):
+    assert isinstance(load_proposer("ngram", target), NgramProposer)
+    EagleHead.from_target(target).save(tmp_path / "e")
+    assert isinstance(load_proposer(str(tmp_path / "e"), target), EagleProposer)
+    draft.save_pretrained(tmp_path / "d")
+    (tmp_path / "d" / "draftsmith_draft.json").write_text('{"kind": "draft_lm"}')
+    p = load_proposer(tmp_path / "d", target)
+    assert isinstance(p, DraftLMProposer)
+    res = SpeculativeDecoder(target, p, k=2).generate([PROMPTS[0]], max_new_tokens=6)
+    assert len(res.sequences[0]) == 6
+
+
+def test_hf_fallback_batch1_exact(target, hf_ref):
+    dec = SpeculativeDecoder(target, DraftLMProposer(target, V), k=3, lean=False)
+    assert dec.generate([PROMPTS[1]], max_new_tokens=N_NEW).sequences == [hf_ref[1]]
