@@ -74,7 +74,7 @@ def verify_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
     u = torch.rand(B, k, device=p.device, generator=sampling.generator)
     ok = (u * q_d < p_d).long()  # accept with probability min(1, p/q)
     n_acc = ok.cumprod(1).sum(1)  # [B]
-    q_at = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, n_acc]  # [B, V]; zeros when all accepted
+    q_at = torch.cat([q, q.new_zeros(B, 1, V)], 1)[rows, n_acc]  # [B, V]; zeros when all accepted
     nxt = sampling.sample(residual(p[rows, n_acc], q_at))  # [B]
     return n_acc, nxt
 
