@@ -201,3 +201,23 @@ def test_load_proposer(tmp_path, target, draft):
 def test_hf_fallback_batch1_exact(target, hf_ref):
     dec = SpeculativeDecoder(target, DraftLMProposer(target, V), k=3, lean=False)
     assert dec.generate([PROMPTS[1]], max_new_tokens=N_NEW).sequences == [hf_ref[1]]
+
+
+def test_compare_greedy(target, hf_ref):
+    from eval.exactness import compare_greedy
+
+    rep = compare_greedy(target, PROMPTS, hf_ref, [list(r) for r in hf_ref])
+    assert rep["exact"] and rep["match_rate"] == 1.0 and rep["divergences"] == [] and rep["all_near_ties"]
+    b = [list(r) for r in hf_ref]
+    b[1][4] = (b[1][4] + 1) % V  # diverge at position 4 of prompt 1
+    b[2] = b[2][:10]  # shorter, no differing token
+    rep = compare_greedy(target, PROMPTS, hf_ref, b, tol=1e9)
+    assert not rep["exact"] and rep["all_near_ties"]
+    d = {x["prompt_index"]: x for x in rep["divergences"]}
+    assert d[1]["position"] == 4 and d[1]["token_a"] == hf_ref[1][4] and d[1]["token_b"] == b[1][4]
+    assert d[2]["position"] == 10 and d[2]["token_b"] is None
+    with torch.no_grad():
+        top = torch.topk(target(torch.tensor([PROMPTS[1] + hf_ref[1][:4]])).logits[0, -1], 2).values
+    assert abs(d[1]["margin"] - float(top[0] - top[1])) < 1e-5 and d[1]["margin"] > 0
+    assert rep["match_rate"] == (N_NEW * 2 + 4 + 10) / (N_NEW * 4)
+    assert not compare_greedy(target, PROMPTS, hf_ref, b, tol=0.0)["all_near_ties"]
