@@ -4,6 +4,9 @@ Run in-process (`draftsmith distill` passes the loaded model/tokenizer) or under
 
     accelerate launch --num_processes 2 -m pipeline.generate --recipe recipes/code.yaml --run-dir runs/code/X
 
+On a CPU-only machine use `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ...`:
+in accelerate 1.15 `--cpu` always starts a single process.
+
 Prompts are sorted by token length (then id) and cut into batches; shard i holds batches
 [i*batches_per_shard, (i+1)*batches_per_shard) and process p of n writes the shards with i % n == p,
 so the rows do not depend on the process count. Sampling (temperature > 0) reseeds from

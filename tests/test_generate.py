@@ -166,7 +166,9 @@ def test_accelerate_two_processes_match_one(tmp_path, tok, model):
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(ROOT))
     exe = Path(sys.executable).with_name("accelerate")
-    cmd = [str(exe), "launch", "--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+    # accelerate 1.15: `--cpu` always takes the single-process simple launcher; `--multi_gpu` goes through
+    # torchrun, and ACCELERATE_USE_CPU=1 makes each process a CPU (gloo) worker.
+    cmd = [str(exe), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", "29517", "-m", "pipeline.generate",
            "--recipe", str(tmp_path / "recipe.yaml"), "--run-dir", str(run)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
