@@ -261,7 +261,9 @@ def _merge_stats(stats: list[dict]) -> dict:
             continue
         vals = [s.get(key) for s in stats]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-            if key in ("n_tokens", "draft_time_s", "verify_time_s", "n_steps", "steps"):
+            if key in ("k", "k_setting") and len(set(vals)) == 1:
+                out[key] = vals[0]
+            elif key in ("n_tokens", "draft_time_s", "verify_time_s", "n_steps", "steps"):
                 out[key] = sum(vals)
             elif key == "peak_mem_bytes":
                 out[key] = max(vals)
@@ -385,7 +387,7 @@ def _table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['method']:<18}{_fmt(r.get('tokens_per_s'), '.1f'):>10}{_fmt(r.get('speedup')):>9}"
-                     f"{_fmt(r.get('alpha'), '.3f'):>8}{_fmt(r.get('tau')):>7}{str(r.get('k', '-')):>6}"
+                     f"{_fmt(r.get('alpha'), '.3f'):>8}{_fmt(r.get('tau')):>7}{_fmt(r.get('k'), 'g'):>6}"
                      f"{_fmt(r.get('match_rate'), '.3f'):>7}")
     return "\n".join(lines)
 
