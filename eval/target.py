@@ -63,6 +63,21 @@ class LeanLlama:
         p = model.lm_head.weight
         self.dtype, self.device = p.dtype, p.device
         self.caches: list[KVCache] = []
+        # Fused projections (q|k|v and gate|up): one matmul instead of three/two per layer, which
+        # matters on CPU at batch 1 where per-call overhead is a large part of a token's time. They
+        # are copies taken now: a runner must be rebuilt if the model's weights change afterwards.
+        self.fused = []
+        with torch.no_grad():
+            for layer in model.model.layers:
+                att, mlp = layer.self_attn, layer.mlp
+                qkv = [att.q_proj, att.k_proj, att.v_proj]
+                w_qkv = torch.cat([l.weight for l in qkv])
+                b_qkv = torch.cat([l.bias for l in qkv]) if att.q_proj.bias is not None else None
+                w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                b_gu = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
+                self.fused.append((w_qkv, b_qkv, w_gu, b_gu))
+        self.q_dim = self.n_heads * self.head_dim
+        self.kv_dim = self.n_kv * self.head_dim
 
     def reset(self, batch: int, max_len: int) -> None:
         # Reuse the allocation when the shape fits; stale slots are never attended (mask: slot <= pos).
@@ -87,12 +102,13 @@ class LeanLlama:
             slots = torch.arange(s_len, device=x.device)
             mask = (slots[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
         gqa = self.n_heads != self.n_kv
-        for layer, cache in zip(m.layers, self.caches):
+        for layer, cache, (w_qkv, b_qkv, w_gu, b_gu) in zip(m.layers, self.caches, self.fused):
             att, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm(x)
-            q = att.q_proj(h).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
-            k = att.k_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
-            v = att.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k, v = F.linear(h, w_qkv, b_qkv).split([self.q_dim, self.kv_dim, self.kv_dim], -1)
+            q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
+            k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
+            v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             ck, cv = cache.write(pos, k, v)  # [B, nkv, S_max, hd]
@@ -100,7 +116,8 @@ class LeanLlama:
                                                scale=self.scale, enable_gqa=gqa)  # [B, nh, T, hd]
             x = x + att.o_proj(a.transpose(1, 2).reshape(B, T, -1))
             h = layer.post_attention_layernorm(x)
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+            gate, up = F.linear(h, w_gu, b_gu).chunk(2, -1)
+            x = x + mlp.down_proj(F.silu(gate) * up)
         feats = m.norm(x)  # [B, T, H]
         if logit_idx is not None:
             feats_sel = feats[torch.arange(B, device=x.device), logit_idx][:, None]  # [B, 1, H]
