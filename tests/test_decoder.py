@@ -221,3 +221,14 @@ def test_compare_greedy(target, hf_ref):
     assert abs(d[1]["margin"] - float(top[0] - top[1])) < 1e-5 and d[1]["margin"] > 0
     assert rep["match_rate"] == (N_NEW * 2 + 4 + 10) / (N_NEW * 4)
     assert not compare_greedy(target, PROMPTS, hf_ref, b, tol=0.0)["all_near_ties"]
+
+
+def test_stats_keys(target, draft):
+    res = SpeculativeDecoder(target, DraftLMProposer(draft, V), k=3).generate(PROMPTS, max_new_tokens=8)
+    s = res.stats
+    for key in ("alpha", "tau", "accept_per_pos", "accept_len_hist", "proposed", "accepted", "target_forwards",
+                "n_tokens", "wall_s", "tokens_per_s", "draft_time_s", "verify_time_s", "c", "predicted_speedup",
+                "k", "peak_mem_bytes"):
+        assert key in s, key
+    assert s["n_tokens"] == sum(len(x) for x in res.sequences) == 8 * len(PROMPTS)
+    assert sum(s["accept_len_hist"]) * 3 == s["proposed"] and s["c"] > 0 and s["peak_mem_bytes"] > 0
