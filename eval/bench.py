@@ -227,25 +227,39 @@ class Runner:
                            eos_token_id=self.eos_id)
         return [_trim(list(s), self.eos, None, max_new) for s in res.sequences], dict(getattr(res, "stats", {}) or {})
 
-    def measure(self, fn, prompts: list[list[int]], batch_size: int) -> dict:
-        """fn(batch, max_new) -> (sequences, stats|None). Warm-up on the first batch, untimed."""
-        batches = _batches(prompts, batch_size)
-        fn(batches[0], min(self.args.max_new_tokens, 16))
-        seqs, stats, elapsed = [], [], 0.0
-        for b in batches:
-            _sync(self.device)
-            t0 = time.perf_counter()
-            s, st = fn(b, self.args.max_new_tokens)
-            _sync(self.device)
-            elapsed += time.perf_counter() - t0
-            seqs.extend(s)
-            if st:
-                st["_n"] = sum(len(x) for x in s)
-                stats.append(st)
-        n_tok = sum(len(s) for s in seqs)
-        r = {"tokens_per_s": n_tok / elapsed if elapsed > 0 else None, "n_tokens": n_tok,
-             "time_s": elapsed, "batch_size": batch_size}
-        return {"result": r, "sequences": seqs, "stats": stats}
+    def measure(self, methods: dict, prompts: list[list[int]]) -> dict:
+        """methods: name -> (fn(batch, max_new) -> (sequences, stats|None), batch_size).
+
+        Every method gets an untimed warm-up, then the methods take turns batch by batch (the order
+        rotating each turn) rather than each running all its prompts in one block: on a shared or
+        throttling machine, speed drifts by tens of percent over minutes, and interleaving makes
+        the drift fall on every method alike, so the ratios between them hold."""
+        plans = {name: _batches(prompts, bs) for name, (fn, bs) in methods.items()}
+        for name, (fn, _) in methods.items():
+            fn(plans[name][0], min(self.args.max_new_tokens, 16))
+        acc = {name: {"seqs": [], "stats": [], "elapsed": 0.0} for name in methods}
+        names = list(methods)
+        for turn in range(max(len(b) for b in plans.values())):
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                if turn >= len(plans[name]):
+                    continue
+                fn, _ = methods[name]
+                _sync(self.device)
+                t0 = time.perf_counter()
+                s, st = fn(plans[name][turn], self.args.max_new_tokens)
+                _sync(self.device)
+                acc[name]["elapsed"] += time.perf_counter() - t0
+                acc[name]["seqs"].extend(s)
+                if st:
+                    st["_n"] = sum(len(x) for x in s)
+                    acc[name]["stats"].append(st)
+        out = {}
+        for name, a in acc.items():
+            n_tok = sum(len(x) for x in a["seqs"])
+            r = {"tokens_per_s": n_tok / a["elapsed"] if a["elapsed"] > 0 else None, "n_tokens": n_tok,
+                 "time_s": a["elapsed"], "batch_size": methods[name][1]}
+            out[name] = {"result": r, "sequences": a["seqs"], "stats": a["stats"]}
+        return out
 
 
 def _merge_stats(stats: list[dict]) -> dict:
@@ -460,46 +474,38 @@ def run(args) -> dict:
         out["decoder_error"] = decoder_error
     seqs: dict[str, list[list[int]]] = {}
 
-    # plain (ours)
+    # All methods on the same prompts, interleaved batch by batch (see Runner.measure).
+    methods = {}
     if SpeculativeDecoder is not None:
         plain_dec = SpeculativeDecoder(target, None)
-        m = R.measure(lambda b, n: R.dec_call(plain_dec, b, n), prompts, B)
-        out["plain"] = m["result"]
-        seqs["plain"] = m["sequences"]
-
-    # HF generate
-    m = R.measure(lambda b, n: (R.hf_call(b, n), None), prompts, B)
-    out["hf_generate"] = m["result"]
-    seqs["hf_generate"] = m["sequences"]
-
-    # speculative (ours)
+        spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
+        methods["plain"] = (lambda b, n: R.dec_call(plain_dec, b, n), B)
+    methods["hf_generate"] = (lambda b, n: (R.hf_call(b, n), None), B)
     if SpeculativeDecoder is not None:
-        proposer = make_proposer()
-        spec_dec = SpeculativeDecoder(target, proposer, k=k)
-        m = R.measure(lambda b, n: R.dec_call(spec_dec, b, n), prompts, B)
-        st = _merge_stats(m["stats"])
-        r = m["result"]
-        r.update({"alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k", k),
-                  "c": st.get("c"), "predicted_speedup": st.get("predicted_speedup"),
-                  "accept_per_pos": st.get("accept_per_pos"), "decoder_stats": _jsonable(st)})
-        out["speculative"] = r
-        seqs["speculative"] = m["sequences"]
-        if k == "auto" and isinstance(st.get("k"), (int, float)):
-            R.k_int = max(1, int(round(st["k"])))
-
-    # HF assisted / prompt lookup (HF runs these at batch 1 only)
+        methods["speculative"] = (lambda b, n: R.dec_call(spec_dec, b, n), B)
+    # HF assisted / prompt lookup run at batch 1 only (transformers refuses larger batches); with
+    # --k auto they use K=4.
     if kind == "draft_lm":
         gc = draft_model.generation_config
         gc.num_assistant_tokens = R.k_int
         gc.num_assistant_tokens_schedule = "constant"
         gc.assistant_confidence_threshold = 0.0  # no early stop: exactly K draft tokens per step
-        m = R.measure(lambda b, n: (R.hf_call(b, n, assistant_model=draft_model), None), prompts, 1)
-        out["hf_assisted"] = {**m["result"], "k": R.k_int, "schedule": "constant"}
-        seqs["hf_assisted"] = m["sequences"]
+        methods["hf_assisted"] = (lambda b, n: (R.hf_call(b, n, assistant_model=draft_model), None), 1)
     elif kind == "ngram":
-        m = R.measure(lambda b, n: (R.hf_call(b, n, prompt_lookup_num_tokens=R.k_int), None), prompts, 1)
-        out["hf_prompt_lookup"] = {**m["result"], "k": R.k_int}
-        seqs["hf_prompt_lookup"] = m["sequences"]
+        methods["hf_prompt_lookup"] = (lambda b, n: (R.hf_call(b, n, prompt_lookup_num_tokens=R.k_int), None), 1)
+    measured = R.measure(methods, prompts)
+    for name, m in measured.items():
+        out[name] = m["result"]
+        seqs[name] = m["sequences"]
+    if "speculative" in measured:
+        st = _merge_stats(measured["speculative"]["stats"])
+        out["speculative"].update({"alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k", k),
+                                   "c": st.get("c"), "predicted_speedup": st.get("predicted_speedup"),
+                                   "accept_per_pos": st.get("accept_per_pos"), "decoder_stats": _jsonable(st)})
+    if "hf_assisted" in out:
+        out["hf_assisted"].update({"k": R.k_int, "schedule": "constant"})
+    if "hf_prompt_lookup" in out:
+        out["hf_prompt_lookup"]["k"] = R.k_int
 
     # speedups, match rates, exactness
     ref_name = "plain" if "plain" in seqs else "hf_generate"
@@ -544,8 +550,9 @@ def _sweep(R: Runner, prompts, sizes, SpeculativeDecoder, make_proposer, k, targ
     plain_dec = SpeculativeDecoder(target, None)
     spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
     for b in sizes:
-        p = R.measure(lambda bb, n: R.dec_call(plain_dec, bb, n), prompts, b)["result"]
-        s = R.measure(lambda bb, n: R.dec_call(spec_dec, bb, n), prompts, b)
+        m = R.measure({"plain": (lambda bb, n: R.dec_call(plain_dec, bb, n), b),
+                       "speculative": (lambda bb, n: R.dec_call(spec_dec, bb, n), b)}, prompts)
+        p, s = m["plain"]["result"], m["speculative"]
         st = _merge_stats(s["stats"])
         sr = s["result"]
         res["rows"].append({"batch_size": b, "plain_tokens_per_s": p["tokens_per_s"],
