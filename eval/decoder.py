@@ -127,6 +127,8 @@ class SpeculativeDecoder:
         gen = torch.Generator(device=dev).manual_seed(seed)
         sampling = Sampling(temperature, top_k, top_p, gen)
         k_cap = K_MAX_AUTO if self.k == "auto" else self.k
+        # A proposer may propose longer runs than k (a hybrid's free n-gram lookups): size for them.
+        k_cap = max(k_cap, getattr(self.proposer, "max_k", 0))
         L = [len(p) for p in prompts]
         max_len = max(L) + max_new_tokens + k_cap + 2
         st = _Stats(k_cap)

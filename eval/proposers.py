@@ -63,6 +63,7 @@ class Sampling:
 
 class Proposer:
     uses_features = False  # True: the decoder passes the target's features to begin/accept
+    max_k = 0  # > 0: may propose up to this many tokens even when asked for fewer
     name = "proposer"
 
     def begin(self, prompts, first, max_len, sampling, features=None) -> None:
@@ -98,6 +99,7 @@ class NgramProposer(Proposer):
 
     def propose(self, k):
         found = [self._lookup(h, k) for h in self.hist]
+        self.found = [bool(f) for f in found]  # per row: did the lookup match (read by HybridProposer)
         width = max((len(f) for f in found), default=0)
         if width == 0:
             return torch.empty(len(self.hist), 0, dtype=torch.long, device=self.device), None
@@ -152,6 +154,7 @@ class DraftLMProposer(Proposer):
     def propose(self, k):
         drafts, qs = [], []
         logits = self.next_logits
+        self.fed_drafts = True  # accept() may rely on drafts 1..k-1 being in the cache
         for i in range(k):
             tok, q = _draw(logits, self.sampling)  # [B], [B, V]
             drafts.append(tok)
@@ -163,6 +166,8 @@ class DraftLMProposer(Proposer):
         return torch.stack(drafts, 1) if drafts else torch.empty(self.pos.shape[0], 0, dtype=torch.long), q
 
     def accept(self, tokens, start, n_acc, bonus, features=None):
+        if not getattr(self, "fed_drafts", True):  # the drafts came from elsewhere (hybrid): feed them all
+            return self._feed_all(tokens, start, n_acc, bonus)
         # Feed [token before the new current one, new current one] at [n'-1, n']: the first slot is
         # the last accepted draft, which is missing from the draft's cache only when all k were
         # accepted (the last draft is never fed while drafting); rewriting it otherwise is harmless.
@@ -177,6 +182,61 @@ class DraftLMProposer(Proposer):
         last = torch.ones(B, dtype=torch.long, device=tokens.device)
         self.next_logits = self._logits(toks, pos, self.max_pos + 1, last)  # [B, V]
         self.pos = new_pos
+
+
+    def _feed_all(self, tokens, start, n_acc, bonus):
+        """Feed the verified tokens [current, accepted drafts..., bonus] at positions start.. (columns
+        past each row's bonus are junk in slots that later writes overwrite before they are read)."""
+        B, T = tokens.shape
+        rows = torch.arange(B, device=tokens.device)
+        idx = n_acc.clamp(min=0) + 1  # [B] column of the bonus token
+        toks = torch.cat([tokens, tokens[:, -1:]], 1)  # [B, T + 1]
+        toks[rows, idx] = bonus
+        pos = start[:, None] + torch.arange(T + 1, device=tokens.device)  # [B, T + 1]
+        self.max_pos = int((start + idx).max())  # host sync: attended cache length
+        self.next_logits = self._logits(toks, pos, int(pos.max()) + 1, idx)  # [B, V]
+        self.pos = start + n_acc + 1
+        self.fed_drafts = True
+
+
+class HybridProposer(Proposer):
+    """n-gram prompt lookup where it finds a match of at least `min_match` tokens, the trained draft
+    elsewhere. Code output repeats the prompt and itself (names, signatures, boilerplate), where a
+    lookup proposes long runs for free; the model covers what has not been seen yet.
+
+    The model proposer sees every verified token whoever proposed it (`accept` always runs), so its
+    cache and features stay in sync. `k_ngram` lets lookups propose longer runs than the model
+    (verifying a few more tokens costs little; drafting them with the model does not)."""
+
+    name = "hybrid"
+
+    def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = None, max_ngram: int = 3):
+        self.model = model
+        self.ngram = NgramProposer(max_ngram=max_ngram, min_ngram=min_match)
+        self.uses_features = model.uses_features
+        self.k_ngram = k_ngram
+        self.max_k = k_ngram or 0
+        self.from_ngram = 0  # rounds proposed by the lookup (for stats)
+        self.from_model = 0
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        self.ngram.begin(prompts, first, max_len, sampling)
+        self.model.begin(prompts, first, max_len, sampling, features)
+
+    def propose(self, k):
+        drafts, q = self.ngram.propose(self.k_ngram or k)
+        # Batch rows share one verify forward: use the lookup only when it found a run for every row.
+        if drafts.shape[1] > 0 and all(self.ngram.found):
+            if isinstance(self.model, DraftLMProposer):
+                self.model.fed_drafts = False
+            self.from_ngram += 1
+            return drafts, q
+        self.from_model += 1
+        return self.model.propose(k)
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        self.ngram.accept(tokens, start, n_acc, bonus)
+        self.model.accept(tokens, start, n_acc, bonus, features)
 
 
 class EagleProposer(Proposer):
@@ -261,7 +321,7 @@ class EagleProposer(Proposer):
 
 
 def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
-    """"ngram" -> NgramProposer(); an EagleHead -> EagleProposer; an HF model -> DraftLMProposer;
+    """"ngram" -> NgramProposer(); "hybrid:<draft dir>" -> HybridProposer over that draft; an EagleHead -> EagleProposer; an HF model -> DraftLMProposer;
     a draft directory (draftsmith_draft.json says {"kind": "eagle" | "draft_lm"}) -> its proposer."""
     if isinstance(path_or_kind, Proposer):
         return path_or_kind
@@ -271,6 +331,8 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
         return DraftLMProposer(path_or_kind, target.config.vocab_size)
     if path_or_kind == "ngram":
         return NgramProposer()
+    if isinstance(path_or_kind, str) and path_or_kind.startswith("hybrid:"):
+        return HybridProposer(load_proposer(path_or_kind[len("hybrid:"):], target, dtype))
     d = Path(path_or_kind)
     meta = json.loads((d / HEAD_FILE).read_text())
     p = target.get_output_embeddings().weight

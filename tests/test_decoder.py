@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.decoder import GenerationResult, SpeculativeDecoder, best_k
 from eval.heads import EagleHead
-from eval.proposers import DraftLMProposer, EagleProposer, NgramProposer, load_proposer
+from eval.proposers import DraftLMProposer, EagleProposer, HybridProposer, NgramProposer, load_proposer
 
 V = 96
 PROMPTS = [[1, 5, 9, 3, 5, 9, 4], [7, 7, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [12]]
@@ -59,6 +59,10 @@ def proposers(target, draft):
         "self": DraftLMProposer(target, V),  # target as its own draft: every draft accepted
         "eagle": EagleProposer(EagleHead.from_target(target), target),
         "eagle_trunc": EagleProposer(EagleHead.from_target(target, draft_ids=ids), target),
+        # n-gram where it matches, the model elsewhere; the draft LM must catch up on lookup rounds.
+        "hybrid_draft_lm": HybridProposer(DraftLMProposer(draft, V), min_match=1),
+        "hybrid_eagle": HybridProposer(EagleProposer(EagleHead.from_target(target, draft_ids=ids), target),
+                                       min_match=1, k_ngram=6),
     }
 
 
@@ -80,7 +84,7 @@ def test_batch1_every_proposer_exact(target, draft, hf_ref, k):
             assert res.sequences == [ref], (name, k, p)
             s = res.stats
             assert s["n_tokens"] == N_NEW
-            assert 0 <= s["alpha"] <= 1 and len(s["accept_len_hist"]) == k + 1
+            assert 0 <= s["alpha"] <= 1 and len(s["accept_len_hist"]) == max(k, prop.max_k) + 1
             if name == "self":
                 assert s["alpha_hat"] == 1.0
 
@@ -232,3 +236,15 @@ def test_stats_keys(target, draft):
         assert key in s, key
     assert s["n_tokens"] == sum(len(x) for x in res.sequences) == 8 * len(PROMPTS)
     assert sum(s["accept_len_hist"]) * 3 == s["proposed"] and s["c"] > 0 and s["peak_mem_bytes"] > 0
+
+
+def test_hybrid_uses_both_sources_and_keeps_the_model_in_sync(target, hf_ref):
+    """With the target as the model draft, every model proposal must still be accepted after n-gram
+    rounds: that only holds if the model's cache saw every verified token."""
+    hyb = HybridProposer(DraftLMProposer(target, V), min_match=1)
+    res = SpeculativeDecoder(target, hyb, k=3).generate([PROMPTS[0]], max_new_tokens=N_NEW)
+    assert res.sequences == [hf_ref[0]]
+    assert hyb.from_ngram > 0 and hyb.from_model > 0
+    model_only = HybridProposer(DraftLMProposer(target, V), min_match=99)  # lookup never matches
+    res = SpeculativeDecoder(target, model_only, k=3).generate([PROMPTS[0]], max_new_tokens=N_NEW)
+    assert res.stats["alpha_hat"] == 1.0 and model_only.from_ngram == 0

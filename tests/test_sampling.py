@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import eval.decoder as D
 from eval.decoder import SpeculativeDecoder, verify_sample
 from eval.heads import EagleHead
-from eval.proposers import DraftLMProposer, EagleProposer, NgramProposer, Sampling
+from eval.proposers import DraftLMProposer, EagleProposer, HybridProposer, NgramProposer, Sampling
 
 V = 24
 PROMPT = [3, 7, 3, 7, 3]
@@ -134,10 +134,13 @@ def proposer(kind, target):
         return DraftLMProposer(tiny(1, layers=1, init=0.3), V)
     if kind == "ngram":
         return NgramProposer()
+    if kind == "hybrid":  # one-hot lookup rounds mixed with sampled draft-LM rounds
+        return HybridProposer(DraftLMProposer(tiny(1, layers=1, init=0.3), V), min_match=1)
     return EagleProposer(EagleHead.from_target(target), target)
 
 
-@pytest.mark.parametrize("kind,warp", [("draft_lm", "t1"), ("draft_lm", "warped"), ("ngram", "t1"), ("eagle", "t1")])
+@pytest.mark.parametrize("kind,warp", [("draft_lm", "t1"), ("draft_lm", "warped"), ("ngram", "t1"), ("eagle", "t1"),
+                                       ("hybrid", "warped")])
 def test_speculative_sampling_matches_target(target, kind, warp):
     pv, stats = e2e_pvalues(target, proposer(kind, target), WARPS[warp])
     assert stats["proposed"] > 0 and 0 < stats["alpha"] < 1  # drafts were both accepted and rejected
