@@ -321,8 +321,10 @@ class EagleProposer(Proposer):
 
 
 def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
-    """"ngram" -> NgramProposer(); "hybrid:<draft dir>" -> HybridProposer over that draft; an EagleHead -> EagleProposer; an HF model -> DraftLMProposer;
-    a draft directory (draftsmith_draft.json says {"kind": "eagle" | "draft_lm"}) -> its proposer."""
+    """"ngram" -> NgramProposer(); "hybrid:<draft dir>" -> HybridProposer over that draft;
+    an EagleHead -> EagleProposer; an HF model -> DraftLMProposer; a draft directory
+    (draftsmith_draft.json says {"kind": "eagle" | "draft_lm"}, and "proposer": "hybrid" when it
+    was promoted as a hybrid) -> its proposer."""
     if isinstance(path_or_kind, Proposer):
         return path_or_kind
     if isinstance(path_or_kind, EagleHead):
@@ -334,9 +336,17 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     if isinstance(path_or_kind, str) and path_or_kind.startswith("hybrid:"):
         return HybridProposer(load_proposer(path_or_kind[len("hybrid:"):], target, dtype))
     d = Path(path_or_kind)
+    if not (d / HEAD_FILE).exists():
+        raise ValueError(f"{d} is not a draft directory (no {HEAD_FILE}); give a checkpoint or best/ dir, or 'ngram'")
     meta = json.loads((d / HEAD_FILE).read_text())
+    dtype = dtype or target.get_output_embeddings().weight.dtype
+    if meta.get("proposer") == "hybrid":  # a promoted draft that is served with n-gram lookups
+        return HybridProposer(_model_proposer(d, meta, target, dtype))
+    return _model_proposer(d, meta, target, dtype)
+
+
+def _model_proposer(d: Path, meta: dict, target, dtype) -> Proposer:
     p = target.get_output_embeddings().weight
-    dtype = dtype or p.dtype
     if meta.get("kind") == "eagle":
         return EagleProposer(EagleHead.load(d, dtype=dtype, device=p.device), target)
     if meta.get("kind") == "draft_lm":

@@ -112,6 +112,8 @@ class EvaluateConfig:
     near_tie_tol: float = _f(0.5, "bf16 divergences count as near-ties when the target's top-2 logit "
                                   "margin is below this.")
     baselines: bool = _f(True, "Also evaluate the n-gram (prompt lookup) proposer as a baseline.")
+    hybrid: bool = _f(True, "Also evaluate the best checkpoint served as a hybrid (n-gram lookups where "
+                            "they match, the draft elsewhere); promoted if it is faster.")
 
     def __post_init__(self):
         for k in ("max_new_tokens", "k"):
