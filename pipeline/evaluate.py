@@ -18,7 +18,6 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from eval.decoder import SpeculativeDecoder

@@ -2,7 +2,6 @@
 with a tiny budget (generate -> train -> evaluate), checking the files a user relies on."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest

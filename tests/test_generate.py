@@ -12,7 +12,7 @@ import torch
 
 from pipeline import shards
 from pipeline.config import DataConfig, GenerateConfig, Recipe
-from pipeline.data import build_prompt_sets, encode_prompt, read_jsonl
+from pipeline.data import build_prompt_sets, encode_prompt
 from pipeline.generate import run_generate
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eval.heads import EagleHead
 from pipeline.config import Recipe, TrainConfig
 from pipeline.shards import record_shard, save_shard
-from pipeline.train import EagleTrainer, TrainError, _collate, _Seqs, cache_features, draft_vocab, run_train
+from pipeline.train import TrainError, _collate, _Seqs, cache_features, draft_vocab, run_train
 
 V, K = 128, 8
 torch.set_num_threads(1)  # tiny matrices: threads only contend on the shared CPU
