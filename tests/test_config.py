@@ -83,3 +83,13 @@ def test_cli_unknown_recipe_key(tmp_path):
 def test_cli_missing_target_path(tmp_path):
     r = _cli("distill", "--recipe", "recipes/code.yaml", f"target={tmp_path}/no-such-model", f"runs_dir={tmp_path}")
     assert r.returncode == 2 and "does not exist" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_cli_prompt_source_with_no_prompts(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    r = _cli("generate", "--recipe", "recipes/code.yaml", f"data.source={empty}", f"runs_dir={tmp_path}",
+             "--run-id", "x")
+    errors = [line for line in r.stderr.splitlines() if line.startswith("draftsmith: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr
+    assert "empty.jsonl" in errors[0] and "no prompts" in errors[0]
