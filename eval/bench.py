@@ -518,11 +518,15 @@ def _sweep(R: Runner, prompts, sizes, SpeculativeDecoder, make_proposer, k, targ
         res["rows"].append({"batch_size": b, "plain_tokens_per_s": p["tokens_per_s"],
                             "speculative_tokens_per_s": sr["tokens_per_s"],
                             "speedup": (sr["tokens_per_s"] / p["tokens_per_s"]) if p["tokens_per_s"] else None,
-                            "alpha": st.get("alpha"), "tau": st.get("tau")})
-    md = ["| batch | plain tok/s | speculative tok/s | speedup | τ |", "| ---: | ---: | ---: | ---: | ---: |"]
+                            "alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k"),
+                            # k="auto": share of rounds run plain because speculation would not pay
+                            "spec_off_fraction": st.get("spec_off_fraction")})
+    md = ["| batch | plain tok/s | speculative tok/s | speedup | τ | mean K | rounds plain (auto off) |",
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["rows"]:
         md.append(f"| {r['batch_size']} | {_fmt(r['plain_tokens_per_s'], '.1f')} | "
-                  f"{_fmt(r['speculative_tokens_per_s'], '.1f')} | {_fmt(r['speedup'])}× | {_fmt(r['tau'])} |")
+                  f"{_fmt(r['speculative_tokens_per_s'], '.1f')} | {_fmt(r['speedup'])}× | {_fmt(r['tau'])} | "
+                  f"{_fmt(r['k'], '.1f')} | {_fmt(r['spec_off_fraction'])} |")
     res["markdown"] = "\n".join(md)
     return res
 

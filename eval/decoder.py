@@ -35,6 +35,7 @@ from .target import make_runner
 
 K_MAX_AUTO = 8
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
+WARMUP_PLAIN = 2  # with k="auto": plain steps first, to measure the cost speculation must beat
 
 
 @dataclass
@@ -203,7 +204,12 @@ class SpeculativeDecoder:
             else:
                 n_acc, bonus = verify_sample(sampling.probs(logits), q, drafts, sampling)
             host = torch.cat([n_acc[:, None], bonus[:, None], drafts], 1).tolist()  # host sync: the accept decision
-            st.verify_s += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            st.verify_s += dt
+            if k == 0:  # a plain step: the cost speculation has to beat (k="auto")
+                st.plain_s, st.plain_rounds = st.plain_s + dt, st.plain_rounds + 1
+            else:
+                st.spec_verify_s += dt
             st.target_forwards += 1
             if keep_feats:
                 featbuf.scatter_(1, pos[..., None].expand(-1, -1, feats.shape[-1]), feats)
@@ -233,19 +239,33 @@ class SpeculativeDecoder:
     _plain = False  # set by _choose_k: this round is a plain (speculation off) round
 
     def _choose_k(self, st: "_Stats") -> int:
+        """k="auto": warm up with WARMUP_PLAIN plain steps (their cost is what speculation must beat)
+        and two rounds at K=4 (alpha, c and the verify cost), then pick the K with the best expected
+        speedup; below 1, rounds go plain with a speculative probe every PROBE_EVERY rounds."""
         if self.k != "auto":
             return self.k
-        if st.rounds < 2 or st.reached == 0:
+        self._plain = False
+        if st.plain_rounds < WARMUP_PLAIN and st.rounds < WARMUP_PLAIN:
+            self._plain = True
+            st.k_choices.append(0)
+            return 0
+        if st.spec_rounds < 2 or st.reached == 0:
             K = 4  # warm-up: measure alpha and c first
         else:
             K, v = best_k(st.alpha_hat, st.c)
+            # best_k assumes a verify forward of K+1 tokens costs a plain step; at batch 1 on CPU it
+            # costs ~1.15x, and at larger batches much more (the forward stops being memory-bound),
+            # so scale by the measured plain/verify step ratio: this is what turns speculation off
+            # as the batch grows.
+            if st.plain_rounds and st.spec_rounds:
+                v *= (st.plain_s / st.plain_rounds) / (st.spec_verify_s / st.spec_rounds)
+            st.expected_speedup = v
             if v < 1.0:  # speculation does not pay: plain rounds, probing back periodically
                 st.off_rounds += 1
                 if st.off_rounds % PROBE_EVERY:
                     self._plain = True
                     st.k_choices.append(0)
                     return 0
-        self._plain = False
         st.k_choices.append(K)
         return K
 
@@ -281,6 +301,8 @@ class _Stats:
         self.draft_prefill_s = 0.0  # proposer begin()s: prompt prefill and resyncs
         self.draft_steps = 0
         self.off_rounds = 0
+        self.plain_s, self.plain_rounds, self.spec_verify_s = 0.0, 0, 0.0  # k="auto" cost model
+        self.expected_speedup = None  # k="auto": the last estimate that drove the on/off decision
         self.k_sum = 0
         self.k_choices: list[int] = []
         self.row_tokens = 0
@@ -347,5 +369,7 @@ class _Stats:
             "k": k_mean if k_setting == "auto" else k_setting,
             "k_setting": k_setting,
             "k_choices": self.k_choices,
+            "spec_off_fraction": (self.k_choices.count(0) / len(self.k_choices)) if self.k_choices else 0.0,
+            "expected_speedup": self.expected_speedup,
             "peak_mem_bytes": int(peak),
         }
