@@ -181,6 +181,7 @@ class SpeculativeDecoder:
                 st.draft_prefill_s += time.perf_counter() - t
                 synced = True
             active = [not d for d in done]
+            t_round = time.perf_counter()  # this round's wall time (resyncs excluded) for k="auto"
 
             # propose
             if k > 0:
@@ -206,16 +207,14 @@ class SpeculativeDecoder:
             host = torch.cat([n_acc[:, None], bonus[:, None], drafts], 1).tolist()  # host sync: the accept decision
             dt = time.perf_counter() - t
             st.verify_s += dt
-            if k == 0:  # a plain step: the cost speculation has to beat (k="auto")
-                st.plain_s, st.plain_rounds = st.plain_s + dt, st.plain_rounds + 1
-            else:
-                st.spec_verify_s += dt
+            st.plain_rounds += k == 0  # plain steps: the cost speculation has to beat (k="auto")
             st.target_forwards += 1
             if keep_feats:
                 featbuf.scatter_(1, pos[..., None].expand(-1, -1, feats.shape[-1]), feats)
 
             new = [h[2:2 + h[0]] + [h[1]] for h in host]
             st.round(k, [h[0] for h in host], active)
+            st.round_time(k, time.perf_counter() - t_round, [h[0] for h in host], active)
             yield self._emit(out, done, [nw if a else [] for nw, a in zip(new, active)], eos, max_new_tokens)
 
             # update: finished rows (including those that just finished) freeze with n_acc = -1
@@ -227,8 +226,10 @@ class SpeculativeDecoder:
             elif prop is not None:
                 t = time.perf_counter()
                 prop.accept(inp, n, a_t, bonus, feats if prop.uses_features else None)
-                st.draft_s += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                st.draft_s += dt
                 st.draft_steps += 1
+                st.spec_wall += dt
             n = n + a_t + 1
             n_host = [x + a + 1 for x, a in zip(n_host, a_eff)]
             cur = bonus
@@ -253,12 +254,14 @@ class SpeculativeDecoder:
             K = 4  # warm-up: measure alpha and c first
         else:
             K, v = best_k(st.alpha_hat, st.c)
-            # best_k assumes a verify forward of K+1 tokens costs a plain step; at batch 1 on CPU it
-            # costs ~1.15x, and at larger batches much more (the forward stops being memory-bound),
-            # so scale by the measured plain/verify step ratio: this is what turns speculation off
-            # as the batch grows.
-            if st.plain_rounds and st.spec_rounds:
-                v *= (st.plain_s / st.plain_rounds) / (st.spec_verify_s / st.spec_rounds)
+            # best_k assumes a verify forward of K+1 tokens costs a plain step, and nothing else costs
+            # anything. That holds roughly at batch 1 on CPU, not at larger batches, where the
+            # forward stops being memory-bound and the per-round overheads add up. So the on/off
+            # decision uses measured throughput: tokens per second of speculative rounds against
+            # plain rounds (the warm-up's, and every plain round since). This is what turns
+            # speculation off as the batch grows.
+            if st.plain_wall > 0 and st.spec_wall > 0:
+                v = (st.spec_toks / st.spec_wall) / (st.plain_toks / st.plain_wall)
             st.expected_speedup = v
             if v < 1.0:  # speculation does not pay: plain rounds, probing back periodically
                 st.off_rounds += 1
@@ -301,7 +304,9 @@ class _Stats:
         self.draft_prefill_s = 0.0  # proposer begin()s: prompt prefill and resyncs
         self.draft_steps = 0
         self.off_rounds = 0
-        self.plain_s, self.plain_rounds, self.spec_verify_s = 0.0, 0, 0.0  # k="auto" cost model
+        self.plain_rounds = 0
+        self.plain_wall = self.spec_wall = 0.0  # k="auto": round wall time, plain and speculative
+        self.plain_toks = self.spec_toks = 0  # ... and the tokens those rounds produced
         self.expected_speedup = None  # k="auto": the last estimate that drove the on/off decision
         self.k_sum = 0
         self.k_choices: list[int] = []
@@ -326,6 +331,13 @@ class _Stats:
                 self.pos_reached[i] += 1
                 self.pos_accepted[i] += int(i < a)
             self.reached += min(a + 1, k)
+
+    def round_time(self, k: int, dt: float, n_acc: list[int], active: list[bool]):
+        toks = sum(a + 1 for a, on in zip(n_acc, active) if on)
+        if k == 0:
+            self.plain_wall, self.plain_toks = self.plain_wall + dt, self.plain_toks + toks
+        else:
+            self.spec_wall, self.spec_toks = self.spec_wall + dt, self.spec_toks + toks
 
     @property
     def alpha_hat(self) -> float:

@@ -86,8 +86,13 @@ def aggregate(per: list[dict]) -> dict:
     out["c"] = sum(c * n for c, n in cs) / w if w else None
     ks = [s.get("k") for s in per if s.get("k") is not None]
     out["k"] = sum(ks) / len(ks) if ks else None
+    # The formula's α is the per-token acceptance of a geometric run (accepted / reached), as in the
+    # decoder's own `alpha_hat`; accepted / proposed would count the drafts after a rejection too.
+    K = width - 1
+    reached = sum(n * min(j + 1, K) for j, n in enumerate(hist))
+    out["alpha_hat"] = out["accepted"] / reached if reached else 0.0
     if out["c"] is not None and out["k"]:
-        a, K, c = min(out["alpha"], 0.999999), out["k"], out["c"]
+        a, K, c = min(out["alpha_hat"], 0.999999), out["k"], out["c"]
         out["predicted_speedup"] = (1 - a ** (K + 1)) / ((1 - a) * (K * c + 1))
     return out
 

@@ -19,6 +19,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: handing matmuls of a few hundred numbers to a second thread costs more than the
+    work (the decoder tests ran 13x slower with 2 threads on a loaded 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def embedded_dir():
     """The embedded SmolLM2-135M-Instruct as a bf16 HF checkpoint directory (converted on first use)."""

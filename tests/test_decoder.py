@@ -15,13 +15,7 @@ PROMPTS = [[1, 5, 9, 3, 5, 9, 4], [7, 7, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4]
 N_NEW = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: thread hand-off costs more than the work on a shared CPU (13x slower with 2 threads).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed, layers=2, hidden=48, heads=4, kv=2):

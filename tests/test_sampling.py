@@ -21,12 +21,7 @@ V = 24
 PROMPT = [3, 7, 3, 7, 3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:

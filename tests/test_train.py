@@ -12,7 +12,7 @@ from pipeline.shards import record_shard, save_shard
 from pipeline.train import TrainError, _collate, _Seqs, cache_features, draft_vocab, run_train
 
 V, K = 128, 8
-torch.set_num_threads(1)  # tiny matrices: threads only contend on the shared CPU
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
