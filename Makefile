@@ -27,8 +27,12 @@ distill: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# DRAFT=runs/code/latest/best benchmarks a trained draft; the default needs no training.
+DRAFT ?= ngram
 bench: $(STAMP)
-	$(BIN)/draftsmith bench --draft ngram --prompts data/code/humaneval_prompts.jsonl --json runs/bench-ngram.json $(ARGS)
+	mkdir -p runs
+	$(BIN)/draftsmith prompts --out runs/humaneval.jsonl
+	$(BIN)/draftsmith bench --draft $(DRAFT) --prompts runs/humaneval.jsonl --json runs/bench.json $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .cache
