@@ -196,7 +196,15 @@ def main(argv: list[str] | None = None) -> int:
         from eval.bench import main as bench_main
 
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # parse_known_args: overrides may come before or after --run-id (argparse would otherwise take
+    # the positional list only once); anything else unknown is still an error.
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(getattr(args, "overrides", [])) + extra
     try:
         if args.cmd == "recipe-help":
             for key, default, h in help_table():

@@ -85,6 +85,14 @@ def test_cli_missing_target_path(tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr and r.stderr.strip().count("\n") == 0
 
 
+def test_cli_overrides_after_options(tmp_path):
+    """`--run-id X a.b=c` and `a.b=c --run-id X` mean the same; a stray word is still an error."""
+    r = _cli("train", "--recipe", "recipes/code.yaml", f"runs_dir={tmp_path}", "--run-id", "r1", "train.stepz=1")
+    assert r.returncode == 2 and "train.stepz" in r.stderr
+    r = _cli("train", "--recipe", "recipes/code.yaml", "--run-id", "r1", "oops")
+    assert r.returncode == 2 and "oops" in r.stderr
+
+
 def test_cli_prompt_source_with_no_prompts(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
