@@ -25,6 +25,7 @@ from eval.exactness import compare_greedy
 from eval.proposers import load_proposer
 
 from .data import encode_prompt
+from .models import check_tokenizers
 from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
 
@@ -146,9 +147,16 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
                 "match_rate": match["match_rate"], "exact_match": bool(match["exact"]),
                 "divergences": match["divergences"], "all_near_ties": bool(match["all_near_ties"])}
 
-    # Step 3a: every checkpoint, alone, against plain decoding in the same decoder.
+    # Step 3a: every checkpoint, alone, against plain decoding in the same decoder. A draft LM must
+    # share the target's tokenizer (its ids must mean the same tokens): checked before any decoding.
+    ckpts = checkpoints(run_dir)
+    for ck in ckpts:
+        if json.loads((ck / "draftsmith_draft.json").read_text()).get("kind") == "draft_lm":
+            from transformers import AutoTokenizer
+
+            check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(ck), f"draft {ck}")
     results = []
-    for ck in tqdm(checkpoints(run_dir), desc="evaluate checkpoints"):
+    for ck in tqdm(ckpts, desc="evaluate checkpoints"):
         results.append(cached(ck.name, lambda ck=ck: evaluate_one(ck.name, ck)))
     # Step 3b: the best checkpoint served with n-gram lookups (hybrid), and the n-gram baseline.
     best_ck = max(results, key=lambda r: r["speedup"])
