@@ -95,3 +95,31 @@ def test_distill_real_embedded_target_tiny_budget(tmp_path, monkeypatch):
     assert len(_wandb_files(latest)) == 3
     gen = json.loads((latest / "generate" / "manifest.json").read_text())
     assert gen["complete"] and sum(s["rows"] for s in gen["shards"].values()) > 0
+
+
+def test_interrupted_distill_resumes_the_same_run(tiny_target, tmp_path, monkeypatch):
+    """Ctrl-C during training: exit 130 with a resume hint, nothing removed; the same command
+    continues the same run, keeping the generated shards as they were."""
+    import pipeline.cli as cli
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    args = ["distill", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET]
+    real_train = cli.stage_train
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "stage_train", interrupted)
+    assert main(args) == 130
+    run = (tmp_path / "code" / "latest").resolve()
+    shards = sorted((run / "generate").glob("shard-*"))
+    assert shards and json.loads((run / "generate" / "manifest.json").read_text())["complete"]
+    stamps = {p.name: p.stat().st_mtime_ns for p in shards}
+
+    monkeypatch.setattr(cli, "stage_train", real_train)
+    assert main(args) == 0
+    assert (tmp_path / "code" / "latest").resolve() == run  # same run, continued
+    assert {p.name: p.stat().st_mtime_ns for p in sorted((run / "generate").glob("shard-*"))} == stamps
+    assert json.loads((run / "status.json").read_text())["complete"] is True
+    assert (run / "metrics.json").exists()
