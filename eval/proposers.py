@@ -293,7 +293,10 @@ class EagleProposer(Proposer):
         drafts, qs = [], []
         h = self.cur_h
         for i in range(k):
-            tok, q = _draw(self._logits(h), self.sampling)  # [B], [B, V]
+            if self.sampling.greedy:  # argmax over the draft vocabulary, mapped: no [B, V] tensor
+                tok, q = self.d2t[self.head.logits(h).argmax(-1)], None  # [B]
+            else:
+                tok, q = _draw(self._logits(h), self.sampling)  # [B], [B, V]
             drafts.append(tok)
             qs.append(q)
             if i + 1 < k:  # predicted feature ⊕ embed(draft) at the next position
