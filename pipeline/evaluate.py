@@ -47,8 +47,7 @@ def heldout_ids(recipe, run_dir: Path, tokenizer) -> list[list[int]]:
     return [encode_prompt(r, tokenizer, recipe.data.chat) for r in rows[:n]]
 
 
-def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos,
-                 desc: str, plain: bool = True):
+def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos, desc: str):
     """Batch 1, prompt by prompt: plain decoding and speculative decoding take turns on each prompt,
     both in our decoder, so the speed drift of a shared machine (tens of percent over minutes here)
     falls on both alike and their ratio holds. Returns (plain seqs, plain stats, spec seqs, spec stats)."""
@@ -58,11 +57,11 @@ def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: 
         dec.generate([prompts[0][:16]], max_new_tokens=4, eos_token_id=eos)
     out = {"plain": ([], []), "spec": ([], [])}
     for p in tqdm(prompts, desc=desc, leave=False):
-        for name, dec in (("plain", base), ("spec", spec)) if plain else (("spec", spec),):
+        for name, dec in (("plain", base), ("spec", spec)):
             res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
             out[name][0].append(res.sequences[0])
             out[name][1].append(res.stats)
-    return out["plain"][0], aggregate(out["plain"][1]) if plain else None, out["spec"][0], aggregate(out["spec"][1])
+    return out["plain"][0], aggregate(out["plain"][1]), out["spec"][0], aggregate(out["spec"][1])
 
 
 def aggregate(per: list[dict]) -> dict:
