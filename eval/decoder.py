@@ -5,7 +5,7 @@ The hot loop is ours by design, not HF `generate(assistant_model=...)`: we need 
 acceptance statistics, each row of a batch accepting its own number of drafts per round, a
 position-indexed KV cache (rejected drafts are overwritten, never cropped), EAGLE heads that read
 the target's features, and timings split into draft and verify. It is written to be read top to
-bottom: `stream` is the loop, `_round` one round, `verify_greedy` / `verify_sample` the accept rules.
+bottom: `stream` is the loop, `verify_greedy` / `verify_sample` the accept rules, `_Stats` the counters.
 
 Host syncs: one per round (`.tolist()` of the accept decision, the drafts and the bonus token),
 plus whatever a proposer needs (the n-gram proposer lives on the host; the draft LM reads one int).
@@ -207,14 +207,12 @@ class SpeculativeDecoder:
             host = torch.cat([n_acc[:, None], bonus[:, None], drafts], 1).tolist()  # host sync: the accept decision
             dt = time.perf_counter() - t
             st.verify_s += dt
-            st.plain_rounds += k == 0  # plain steps: the cost speculation has to beat (k="auto")
             st.target_forwards += 1
             if keep_feats:
                 featbuf.scatter_(1, pos[..., None].expand(-1, -1, feats.shape[-1]), feats)
 
             new = [h[2:2 + h[0]] + [h[1]] for h in host]
-            st.round(k, [h[0] for h in host], active)
-            st.round_time(k, time.perf_counter() - t_round, [h[0] for h in host], active)
+            st.round(k, [h[0] for h in host], active, time.perf_counter() - t_round)
             yield self._emit(out, done, [nw if a else [] for nw, a in zip(new, active)], eos, max_new_tokens)
 
             # update: finished rows (including those that just finished) freeze with n_acc = -1
@@ -246,7 +244,7 @@ class SpeculativeDecoder:
         if self.k != "auto":
             return self.k
         self._plain = False
-        if st.plain_rounds < WARMUP_PLAIN and st.rounds < WARMUP_PLAIN:
+        if st.rounds < WARMUP_PLAIN:
             self._plain = True
             st.k_choices.append(0)
             return 0
@@ -304,7 +302,6 @@ class _Stats:
         self.draft_prefill_s = 0.0  # proposer begin()s: prompt prefill and resyncs
         self.draft_steps = 0
         self.off_rounds = 0
-        self.plain_rounds = 0
         self.plain_wall = self.spec_wall = 0.0  # k="auto": round wall time, plain and speculative
         self.plain_toks = self.spec_toks = 0  # ... and the tokens those rounds produced
         self.expected_speedup = None  # k="auto": the last estimate that drove the on/off decision
@@ -312,11 +309,13 @@ class _Stats:
         self.k_choices: list[int] = []
         self.row_tokens = 0
 
-    def round(self, k: int, n_acc: list[int], active: list[bool]):
+    def round(self, k: int, n_acc: list[int], active: list[bool], dt: float):
+        """Count one round: k drafts proposed (0: a plain step), n_acc accepted per row, dt seconds."""
         self.rounds += 1
         if k > 0:
             self.spec_rounds += 1
             self.k_sum += k
+        toks_before = self.row_tokens
         for a, on in zip(n_acc, active):
             if not on:
                 continue
@@ -331,15 +330,14 @@ class _Stats:
                 self.pos_reached[i] += 1
                 self.pos_accepted[i] += int(i < a)
             self.reached += min(a + 1, k)
-
-    def round_time(self, k: int, dt: float, n_acc: list[int], active: list[bool]):
-        if self.rounds == 1:  # the first round after prefill runs ~25% slow (measured at batch 16): skip it
-            return
-        toks = sum(a + 1 for a, on in zip(n_acc, active) if on)
-        if k == 0:
-            self.plain_wall, self.plain_toks = self.plain_wall + dt, self.plain_toks + toks
-        else:
-            self.spec_wall, self.spec_toks = self.spec_wall + dt, self.spec_toks + toks
+        # k="auto" compares the throughput of plain and speculative rounds; the first round after
+        # prefill runs ~25% slow (measured at batch 16), so it is left out.
+        if self.rounds > 1:
+            toks = self.row_tokens - toks_before
+            if k == 0:
+                self.plain_wall, self.plain_toks = self.plain_wall + dt, self.plain_toks + toks
+            else:
+                self.spec_wall, self.spec_toks = self.spec_wall + dt, self.spec_toks + toks
 
     @property
     def alpha_hat(self) -> float:
