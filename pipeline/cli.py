@@ -95,6 +95,7 @@ def _load(recipe: Recipe):
 
 def stage_generate(recipe, run_dir, target=None, tok=None):
     from .generate import run_generate
+    from .shards import read_manifest
     from .tracking import make_tracker
 
     if target is None:
@@ -102,7 +103,7 @@ def stage_generate(recipe, run_dir, target=None, tok=None):
     tracker = make_tracker(recipe, run_dir, "generate")
     try:
         out = run_generate(recipe, run_dir, model=target, tokenizer=tok)
-        m = json.loads((Path(out) / "manifest.json").read_text())
+        m = read_manifest(out)
         tracker.summary({"generate/rows": sum(s["rows"] for s in m["shards"].values()),
                          "generate/shards": len(m["shards"])})
     finally:

@@ -24,7 +24,7 @@ from eval.decoder import SpeculativeDecoder
 from eval.exactness import compare_greedy
 from eval.proposers import load_proposer
 
-from .data import encode_prompt
+from .data import encode_prompt, read_jsonl
 from .models import check_tokenizers
 from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
@@ -34,15 +34,11 @@ class EvaluateError(ValueError):
     pass
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def heldout_ids(recipe, run_dir: Path, tokenizer) -> list[list[int]]:
     path = Path(run_dir) / "prompts" / "heldout.jsonl"
     if not path.exists():
         raise EvaluateError(f"{path} is missing; run the generate stage first (it writes the prompt sets)")
-    rows = _read_jsonl(path)
+    rows = read_jsonl(path)
     n = recipe.evaluate.n_prompts or len(rows)
     return [encode_prompt(r, tokenizer, recipe.data.chat) for r in rows[:n]]
 

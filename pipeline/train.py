@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from eval.heads import HEAD_FILE, EagleHead
 from .losses import divergence
 from .shards import ShardError, load_shards, read_manifest, write_json_atomic
+from .tracking import NoOpTracker
 
 STATE_FILE = "trainer_state.pt"
 FEATURES_FILE = "features.safetensors"
@@ -48,14 +49,6 @@ FEATURES_FILE = "features.safetensors"
 
 class TrainError(ValueError):
     """The train stage cannot run; the message says why and what to do."""
-
-
-class NullTracker:
-    def log(self, metrics: dict, step: int | None = None) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -339,7 +332,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     from .models import load_target, pick_device
 
     tc = recipe.train
-    tracker = tracker or NullTracker()
+    tracker = tracker or NoOpTracker()
     run_dir = Path(run_dir)
     train_dir = run_dir / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
@@ -416,7 +409,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     module.train()
 
     manifest_path = train_dir / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest = read_manifest(train_dir)
     names = [p.name for p in _checkpoints(train_dir)]
     per_epoch = len(loader)
     losses, tokens, t_train = [], 0, 0.0
