@@ -114,6 +114,20 @@ class NgramProposer(Proposer):
                 self.hist[b] += tokens[b, 1:a + 1].tolist() + [t]
 
 
+def _verified(tokens, start, n_acc, bonus):
+    """The verified tokens of a round as one input: tokens [B, T] ([current, drafts...]) written at
+    positions start [B].., with each row's bonus token placed after its accepted drafts.
+    -> toks [B, T + 1], pos [B, T + 1], idx [B] (the bonus column; 0 for finished rows, n_acc == -1,
+    whose bonus is their unchanged current token). Columns past idx are junk, in slots that later
+    writes overwrite before they are read."""
+    B, T = tokens.shape
+    idx = n_acc + 1
+    toks = torch.cat([tokens, tokens[:, -1:]], 1)
+    toks[torch.arange(B, device=tokens.device), idx] = bonus
+    pos = start[:, None] + torch.arange(T + 1, device=tokens.device)
+    return toks, pos, idx
+
+
 def _draw(logits: torch.Tensor, sampling: Sampling):
     """[B, V] draft logits -> (tokens [B], q [B, V] or None)."""
     if sampling.greedy:
@@ -187,12 +201,7 @@ class DraftLMProposer(Proposer):
     def _feed_all(self, tokens, start, n_acc, bonus):
         """Feed the verified tokens [current, accepted drafts..., bonus] at positions start.. (columns
         past each row's bonus are junk in slots that later writes overwrite before they are read)."""
-        B, T = tokens.shape
-        rows = torch.arange(B, device=tokens.device)
-        idx = n_acc.clamp(min=0) + 1  # [B] column of the bonus token
-        toks = torch.cat([tokens, tokens[:, -1:]], 1)  # [B, T + 1]
-        toks[rows, idx] = bonus
-        pos = start[:, None] + torch.arange(T + 1, device=tokens.device)  # [B, T + 1]
+        toks, pos, idx = _verified(tokens, start, n_acc, bonus)  # [B, T + 1], [B, T + 1], [B]
         self.max_pos = int((start + idx).max())  # host sync: attended cache length
         self.next_logits = self._logits(toks, pos, int(pos.max()) + 1, idx)  # [B, V]
         self.pos = start + n_acc + 1
@@ -312,14 +321,9 @@ class EagleProposer(Proposer):
         #   column j < n_acc + 1: feature_{start+j-1} ⊕ embed(tokens[j])
         #   column n_acc + 1:     feature_{start+n_acc} ⊕ embed(bonus)
         # Columns past that are junk written into slots that later rounds overwrite before reading.
-        B, T = tokens.shape
-        rows = torch.arange(B, device=tokens.device)
-        idx = n_acc + 1  # [B] column of the new current token (0 for finished rows: n_acc == -1)
-        toks = torch.cat([tokens, tokens[:, -1:]], 1)  # [B, T + 1]
-        toks[rows, idx] = bonus
+        toks, pos, idx = _verified(tokens, start, n_acc, bonus)  # [B, T + 1], [B, T + 1], [B]
         prev = self.prev_feat  # [B, 1, H] feature at start - 1
         feats = torch.cat([prev, features.to(prev.dtype)], 1)  # [B, T + 1, H]: feature at pos - 1
-        pos = start[:, None] + torch.arange(T + 1, device=tokens.device)  # [B, T + 1]
         self._run(toks, feats, pos, idx)
 
 
