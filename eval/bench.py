@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 
+from .decoder import SpeculativeDecoder
+from .exactness import compare_greedy
 from .loading import LoadError, convert_embedded, tokenizers_match
+from .proposers import NgramProposer, load_proposer
 
 EMBEDDED = "embedded"
 DRAFT_FILE = "draftsmith_draft.json"
-NEAR_TIE = 0.25  # logit margin under which a bf16 divergence counts as a near-tie (fallback check only)
 
 
 class BenchError(RuntimeError):
@@ -284,42 +286,9 @@ def match_rate(ref: list[list[int]], other: list[list[int]]) -> float:
     return same / tot if tot else 1.0
 
 
-def _compare_fallback(target, prompts, ref, other, device, near_tie=NEAR_TIE) -> dict:
-    """First divergence per prompt and the target's top-2 logit margin there (used when
-    eval.exactness is not available)."""
-    divs = []
-    for i, (p, r, o) in enumerate(zip(prompts, ref, other)):
-        j = next((t for t, (a, b) in enumerate(zip(r, o)) if a != b), None)
-        if j is None:
-            if len(r) != len(o):
-                divs.append({"prompt": i, "pos": min(len(r), len(o)), "kind": "length", "near_tie": False})
-            continue
-        ids = torch.tensor([p + r[:j]], device=device)
-        with torch.inference_mode():
-            logits = target(input_ids=ids).logits[0, -1].float()
-        top = torch.topk(logits, 2)
-        margin = float(top.values[0] - top.values[1])
-        top2 = [int(x) for x in top.indices]
-        divs.append({"prompt": i, "pos": j, "ref_token": r[j], "other_token": o[j], "top2": top2,
-                     "margin": margin, "near_tie": margin <= near_tie and {r[j], o[j]} <= set(top2)})
-    return {"source": "bench fallback", "near_tie_margin": near_tie, "n_prompts": len(ref),
-            "n_divergent": len(divs), "all_near_ties": all(d["near_tie"] for d in divs), "divergences": divs}
-
-
-def compare(target, prompts, ref, other, device) -> dict:
-    try:
-        from eval.exactness import compare_greedy
-    except ImportError:
-        return _compare_fallback(target, prompts, ref, other, device)
-    rep = compare_greedy(target, prompts, ref, other)
-    rep = _jsonable(rep)
-    if not isinstance(rep, dict):
-        rep = {"report": rep}
-    rep.setdefault("source", "eval.exactness.compare_greedy")
-    if "all_near_ties" not in rep:
-        divs = rep.get("divergences") or []
-        rep["all_near_ties"] = all(bool(d.get("near_tie")) for d in divs if isinstance(d, dict))
-    return rep
+def compare(target, prompts, ref, other) -> dict:
+    """First divergence per prompt and the target's top-2 logit margin there (eval.exactness)."""
+    return _jsonable(compare_greedy(target, prompts, ref, other))
 
 
 # ----------------------------------------------------------------------------- main
@@ -407,15 +376,6 @@ def run(args) -> dict:
     R = Runner(target, tok, device, args, k_int)
     B = args.batch_size
 
-    try:
-        from eval.decoder import SpeculativeDecoder
-        from eval.proposers import NgramProposer, load_proposer
-        decoder_error = None
-    except ImportError as e:
-        SpeculativeDecoder = None
-        decoder_error = f"eval.decoder unavailable: {e}"
-        print(f"bench: warning: {decoder_error}; plain and speculative are skipped", file=sys.stderr)
-
     def make_proposer():
         if kind == "ngram":
             return NgramProposer()
@@ -430,19 +390,14 @@ def run(args) -> dict:
         "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "batch_size": B, "k_arg": args.k,
     }
-    if decoder_error:
-        out["decoder_error"] = decoder_error
     seqs: dict[str, list[list[int]]] = {}
 
     # All methods on the same prompts, interleaved batch by batch (see Runner.measure).
-    methods = {}
-    if SpeculativeDecoder is not None:
-        plain_dec = SpeculativeDecoder(target, None)
-        spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
-        methods["plain"] = (lambda b, n: R.dec_call(plain_dec, b, n), B)
-    methods["hf_generate"] = (lambda b, n: (R.hf_call(b, n), None), B)
-    if SpeculativeDecoder is not None:
-        methods["speculative"] = (lambda b, n: R.dec_call(spec_dec, b, n), B)
+    plain_dec = SpeculativeDecoder(target, None)
+    spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
+    methods = {"plain": (lambda b, n: R.dec_call(plain_dec, b, n), B),
+               "hf_generate": (lambda b, n: (R.hf_call(b, n), None), B),
+               "speculative": (lambda b, n: R.dec_call(spec_dec, b, n), B)}
     # HF assisted / prompt lookup run at batch 1 only (transformers refuses larger batches); with
     # --k auto they use K=4.
     if kind == "draft_lm":
@@ -468,7 +423,7 @@ def run(args) -> dict:
         out["hf_prompt_lookup"]["k"] = R.k_int
 
     # speedups, match rates, exactness
-    ref_name = "plain" if "plain" in seqs else "hf_generate"
+    ref_name = "plain"
     ref_tps = out[ref_name]["tokens_per_s"]
     n_ref = len(prompts)
     for name in seqs:
@@ -477,9 +432,9 @@ def run(args) -> dict:
         r["match_rate"] = match_rate(seqs[ref_name][:n_ref], seqs[name][:n_ref])
     out["speedup_reference"] = ref_name
     out["token_match_rate"] = {n: out[n]["match_rate"] for n in seqs if n != ref_name}
-    if "speculative" in seqs and args.temperature == 0:
+    if args.temperature == 0:
         exact = seqs["speculative"][:n_ref] == seqs["plain"][:n_ref]
-        rep = compare(target, prompts, seqs["plain"][:n_ref], seqs["speculative"][:n_ref], device)
+        rep = compare(target, prompts, seqs["plain"][:n_ref], seqs["speculative"][:n_ref])
         if args.dtype == "float32":
             rule, ok = "exact match in float32", exact
         else:
@@ -488,12 +443,11 @@ def run(args) -> dict:
         out["greedy_exact"] = ok
     else:
         out["greedy_exact"] = None
-        out["exactness"] = {"rule": "not checked (sampling)" if args.temperature > 0 else
-                            "not checked (no decoder)", "exact_match": None}
+        out["exactness"] = {"rule": "not checked (sampling)", "exact_match": None}
 
     # batch sweep
     if sweep:
-        out["batch_sweep"] = _sweep(R, prompts, sweep, SpeculativeDecoder, make_proposer, k, target)
+        out["batch_sweep"] = _sweep(R, prompts, sweep, make_proposer, k, target)
 
     out["table"] = _table([{"method": n, **{kk: out[n].get(kk) for kk in
                                             ("tokens_per_s", "speedup", "alpha", "tau", "k", "match_rate")}}
@@ -502,11 +456,8 @@ def run(args) -> dict:
     return out
 
 
-def _sweep(R: Runner, prompts, sizes, SpeculativeDecoder, make_proposer, k, target) -> dict:
+def _sweep(R: Runner, prompts, sizes, make_proposer, k, target) -> dict:
     res = {"sizes": sizes, "rows": []}
-    if SpeculativeDecoder is None:
-        res["error"] = "eval.decoder unavailable"
-        return res
     plain_dec = SpeculativeDecoder(target, None)
     spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
     for b in sizes:

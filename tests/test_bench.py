@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-import types
 
 import pytest
 import torch
@@ -44,48 +41,6 @@ def _model(path, tok, layers=2, seed=0, kind=None):
     if kind:
         (path / bench.DRAFT_FILE).write_text(json.dumps({"kind": kind, "target": "tiny"}))
     return path
-
-
-def _fake_decoder_modules():
-    """Stand-ins for eval.decoder / eval.proposers with the DESIGN.md API, used only while the real
-    decoder has not landed; greedy via HF generate, stats shaped like the real ones."""
-
-    class Res:
-        def __init__(self, seqs, stats):
-            self.sequences, self.stats = seqs, stats
-
-    class SpeculativeDecoder:
-        def __init__(self, target, proposer, k=4):
-            self.target, self.proposer, self.k = target, proposer, (4 if k == "auto" else k)
-
-        def generate(self, prompts, max_new_tokens=128, temperature=0.0, eos_token_id=None):
-            seqs = []
-            for p in prompts:
-                out = self.target.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
-                                           eos_token_id=eos_token_id, pad_token_id=0)
-                seqs.append(out[0, len(p):].tolist())
-            n = sum(len(s) for s in seqs)
-            return Res(seqs, {"alpha": 0.5, "tau": 1.9, "k": self.k, "c": 0.1, "predicted_speedup": 1.5,
-                              "accept_per_pos": [0.5] * self.k, "accept_len_hist": [1] * (self.k + 1),
-                              "tokens_per_s": 1.0, "n_tokens": n})
-
-    dec = types.ModuleType("eval.decoder")
-    dec.SpeculativeDecoder = SpeculativeDecoder
-    prop = types.ModuleType("eval.proposers")
-    prop.NgramProposer = lambda *a, **k: "ngram"
-    prop.load_proposer = lambda d, t: "draft"
-    return dec, prop
-
-
-@pytest.fixture(autouse=True)
-def decoder(monkeypatch):
-    try:
-        importlib.import_module("eval.decoder")
-        importlib.import_module("eval.proposers")
-    except ImportError:
-        dec, prop = _fake_decoder_modules()
-        monkeypatch.setitem(sys.modules, "eval.decoder", dec)
-        monkeypatch.setitem(sys.modules, "eval.proposers", prop)
 
 
 @pytest.fixture(scope="module")
