@@ -74,8 +74,20 @@ class GenerateConfig:
 
 @dataclass
 class TrainConfig:
-    method: str = _f("eagle", "Draft method: 'eagle' (one-layer head on the target's features, "
-                              "EAGLE, Li et al. 2024) or 'draft_lm' (the target's first layers as a small LM).")
+    method: str = _f("eagle", "Draft method: 'eagle' (a decoder layer over the target's features and the next "
+                              "token, EAGLE, Li et al. 2024); 'medusa' (heads on the target's last feature, "
+                              "one per further position, Cai et al. 2024); 'draft_lm' (a small LM: the "
+                              "target's first layers or `init_from`, full fine-tuning or LoRA); 'self_spec' "
+                              "(the target's own first layers + an adapter, no second copy of the weights); "
+                              "'int8' (an int8 copy of the target, no training: a baseline).")
+    data: str = _f("generated", "What the draft learns from: 'generated' (the target's own outputs, stage 1), "
+                                "'raw' (the domain's raw text with one-hot next-token targets: the "
+                                "undistilled baseline), 'onpolicy' (sequences sampled from the draft, scored "
+                                "by the target, GKD), or 'mix' (generated batches, a fraction "
+                                "`onpolicy_fraction` of them replaced by on-policy ones). onpolicy/mix need a "
+                                "token-level draft: draft_lm or self_spec.")
+    onpolicy_fraction: float = _f(0.5, "data=mix: fraction of steps that train on draft-sampled sequences "
+                                       "(GKD's lambda; data=onpolicy uses 1).")
     divergence: str = _f("fkl", "Divergence to the target: fkl, rkl, jsd, tv.")
     jsd_beta: float = _f(0.5, "Interpolation weight for divergence=jsd.")
     steps: int = _f(600, "Optimizer steps.")
@@ -91,9 +103,26 @@ class TrainConfig:
                             "first layers of the target).")
     unroll: int = _f(2, "EAGLE training-time test: draft steps unrolled on the head's own features.")
     feature_loss_weight: float = _f(0.1, "Weight of the feature regression (smooth L1) term for eagle.")
+    medusa_heads: int = _f(4, "medusa: heads, i.e. further positions predicted from one feature (max K).")
+    adapter_rank: int = _f(64, "self_spec: rank of the residual adapter between the shared layers and the "
+                               "target's final norm.")
+    lora_rank: int = _f(0, "draft_lm: 0 = full fine-tuning; > 0 = LoRA of this rank (peft), saved both as "
+                           "a PEFT adapter (adapter/) and merged into HF weights that assistant_model loads.")
+    lora_alpha: int = _f(32, "draft_lm with LoRA: the LoRA scaling alpha.")
+    init_from: str = _f("target", "draft_lm: 'target' (its first num_layers layers) or a local HF causal LM "
+                                  "directory with the target's tokenizer.")
 
     def __post_init__(self):
-        _one_of("train.method", self.method, {"eagle", "draft_lm"})
+        _one_of("train.method", self.method, {"eagle", "medusa", "draft_lm", "self_spec", "int8"})
+        _one_of("train.data", self.data, {"generated", "raw", "onpolicy", "mix"})
+        if self.data in ("onpolicy", "mix") and self.method not in ("draft_lm", "self_spec"):
+            raise RecipeError(f"train.data={self.data!r} samples sequences from the draft, which needs a "
+                              f"token-level draft (train.method=draft_lm or self_spec), not {self.method!r}")
+        if not 0.0 < self.onpolicy_fraction <= 1.0:
+            raise RecipeError(f"train.onpolicy_fraction={self.onpolicy_fraction} must be in (0, 1]")
+        for k in ("medusa_heads", "adapter_rank", "lora_alpha"):
+            _positive(f"train.{k}", getattr(self, k))
+        _positive("train.lora_rank", self.lora_rank, zero_ok=True)
         _one_of("train.divergence", self.divergence, {"fkl", "rkl", "jsd", "tv"})
         for k in ("steps", "batch_size", "seq_len", "save_every", "num_layers", "unroll"):
             _positive(f"train.{k}", getattr(self, k))

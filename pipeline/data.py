@@ -311,6 +311,49 @@ def build_prompt_sets(data_cfg, out_dir, tokenizer, seed: int) -> dict[str, list
     return sets
 
 
+def raw_text_chunks(source: str, tokenizer, n_chunks: int, chunk_len: int, seed: int,
+                    heldout: str = "humaneval") -> list[list[int]]:
+    """The undistilled baseline's data: the domain's raw text cut into `chunk_len`-token windows.
+
+    'stdlib': this Python's standard-library source files (the same files the training prompts come
+    from), visited in a `seed`-shuffled order; a .jsonl source: its rows' text (prompt, then
+    "completion" when present; chat messages joined). Windows that overlap the held-out prompts
+    (`heldout_filter`) are dropped. Returns up to `n_chunks` token-id lists."""
+    overlaps = heldout_filter(load_source(heldout, "data.heldout"))
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = _stdlib_files(root)
+        random.Random(seed).shuffle(files)
+
+        def texts():
+            for f in files:
+                try:
+                    with tokenize.open(f) as fh:
+                        yield fh.read()
+                except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+                    continue
+    else:
+        rows = load_source(source, "data.source")
+        random.Random(seed).shuffle(rows)
+
+        def texts():
+            for r in rows:
+                yield prompt_text(r) + r.get("completion", "")
+    out = []
+    for text in texts():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for s in range(0, len(ids) - 1, chunk_len):
+            chunk = ids[s:s + chunk_len]
+            if len(chunk) < 2 or overlaps({"prompt": tokenizer.decode(chunk)}):
+                continue
+            out.append(chunk)
+            if len(out) >= n_chunks:
+                return out
+    if not out:
+        raise DataError(f"data.source={source!r} holds no raw text for train.data='raw'")
+    return out
+
+
 def export_heldout_jsonl(path, heldout: str = "humaneval") -> Path:
     """Write the held-out prompts (HumanEval by default) as JSONL, for `make bench`."""
     path = Path(path)

@@ -5,8 +5,19 @@ Methods (recipe.train.method):
 - "eagle": the EAGLE head of `eval/heads.py` (Li et al., 2024, "EAGLE: Speculative Sampling Requires
   Rethinking Feature Uncertainty"; training-time test from EAGLE-3, Li et al., 2025), trained on a cache
   of the target's features, so a step costs no target forward.
+- "medusa": Medusa heads (Cai et al., 2024) on the same cached features, one head per further
+  position (`eval/medusa.py`, trainer in `medusa_train.py`).
 - "draft_lm": the target's first `num_layers` layers + final norm + LM head as a small
-  LlamaForCausalLM, fully fine-tuned; an ordinary HF checkpoint (HF `assistant_model` loads it).
+  LlamaForCausalLM (or any local HF causal LM with the target's tokenizer, `init_from`), fully
+  fine-tuned or with LoRA (peft); an ordinary HF checkpoint (HF `assistant_model` loads it), and with
+  LoRA also the PEFT adapter in `adapter/`.
+- "self_spec": the target's own first `num_layers` layers + a small adapter (`eval/drafts.py`,
+  trainer in `selfspec_train.py`); the checkpoint holds only the adapter.
+- "int8": an int8 copy of the target, built at load time; nothing to train (a baseline).
+
+Data (recipe.train.data): "generated" (the target's outputs), "raw" (raw domain text, one-hot
+targets: the undistilled baseline), "onpolicy" / "mix" (GKD, Agarwal et al., 2024: some or all
+steps train on continuations sampled from the draft itself and scored by the target).
 
 Teacher: the generate stage's stored top-k log-probs. They exist at completion positions only, so
 the divergence is computed on completion positions only; prompt positions still feed the head as
@@ -92,6 +103,105 @@ def _check_vocab(rows, target, tokenizer=None):
                          f"draft and target tokenizers differ")
 
 
+def _raw_rows(recipe, tokenizer, n: int) -> list[dict]:
+    """The undistilled baseline: `n` windows of the domain's raw text; the teacher at every position
+    after the first is the text's own next token (top-1 with log-prob 0: a one-hot target)."""
+    from .data import DataError, raw_text_chunks
+
+    if tokenizer is None:
+        raise TrainError("train.data='raw' needs the target's tokenizer to tokenize the raw text")
+    try:
+        chunks = raw_text_chunks(recipe.data.source, tokenizer, n, recipe.train.seq_len, recipe.seed,
+                                 recipe.data.heldout)
+    except DataError as e:
+        raise TrainError(str(e)) from None
+    return [{"ids": c, "P": 1, "tk_ids": [[t] for t in c[1:]], "tk_lp": [[0.0]] * (len(c) - 1)} for c in chunks]
+
+
+@torch.no_grad()
+def _teacher_topk(target, seqs: list[list[int]], P: list[int], k: int):
+    """Score sequences with the target (teacher-forced, right-padded): per row, the target's top-k
+    log-probs for the tokens at positions P..len-1 -> (tk_ids, tk_lp) lists."""
+    dev = next(target.parameters()).device
+    L = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    am = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, sq in enumerate(seqs):
+        ids[b, :len(sq)], am[b, :len(sq)] = torch.tensor(sq), 1
+    logits = target(input_ids=ids.to(dev), attention_mask=am.to(dev)).logits  # [B, L, V]
+    out = []
+    for b, (sq, p) in enumerate(zip(seqs, P)):
+        lp = torch.log_softmax(logits[b, p - 1:len(sq) - 1].float(), -1)  # predicts tokens p..len-1
+        v, ix = lp.topk(k, -1)
+        out.append((ix.cpu().tolist(), v.cpu().tolist()))
+    return out
+
+
+@torch.no_grad()
+def _onpolicy_batch(batch, tc, draft, target, eos: set[int], seed: int):
+    """GKD's on-policy step (Agarwal et al., 2024, "On-Policy Distillation of Language Models"): keep
+    each row's prompt and the target's first completion token, continue it with the draft's own
+    samples (temperature 1) for as many tokens as the row had, score them with the target, and
+    return a batch in `_collate`'s format.
+
+    Written here rather than with TRL's GKDTrainer (trl.experimental): that trainer recomputes
+    full-vocabulary teacher logits for every batch, on-policy or not, where the generated batches
+    here reuse the stored top-k (the dominant training cost on this hardware), and it needs an HF
+    model with `generate`, which the self_spec draft is not."""
+    from eval.proposers import DraftLMProposer, Sampling
+
+    k = batch["tk_ids"].shape[-1]
+    prompts, firsts, n_new = [], [], []
+    for b in range(batch["ids"].shape[0]):
+        P, n = int(batch["P"][b]), int(batch["valid"][b].sum())
+        if n <= P:
+            continue
+        prompts.append(batch["ids"][b, :P].tolist())
+        firsts.append(int(batch["ids"][b, P]))
+        n_new.append(n - P - 1)
+    if not prompts or max(n_new) == 0:
+        return batch
+    was_training = draft.training
+    draft.eval()
+    g = torch.Generator().manual_seed(seed)
+    if tc.method == "self_spec":  # the decoder's own draft runner: a KV cache over the shared layers
+        V = target.config.vocab_size
+        prop = DraftLMProposer(draft, V, d2t=getattr(draft, "d2t", None), **_selfspec_runner_kw())
+        first = torch.tensor(firsts)
+        prop.begin(prompts, first, max(map(len, prompts)) + 1 + max(n_new), Sampling(1.0, generator=g))
+        samples = prop.propose(max(n_new))[0].tolist() if max(n_new) > 0 else [[] for _ in prompts]
+    else:  # draft_lm (also under LoRA): HF generate, left-padded
+        torch.manual_seed(seed)
+        Pm = max(len(p) + 1 for p in prompts)
+        ids = torch.zeros(len(prompts), Pm, dtype=torch.long)
+        am = torch.zeros_like(ids)
+        for b, (pr, f) in enumerate(zip(prompts, firsts)):
+            ids[b, Pm - len(pr) - 1:], am[b, Pm - len(pr) - 1:] = torch.tensor(pr + [f]), 1
+        dev = next(draft.parameters()).device
+        out = draft.generate(input_ids=ids.to(dev), attention_mask=am.to(dev), do_sample=True, temperature=1.0,
+                             top_k=0, top_p=1.0, max_new_tokens=max(n_new), min_new_tokens=max(n_new),
+                             pad_token_id=0)
+        samples = out[:, Pm:].cpu().tolist()
+    draft.train(was_training)
+    seqs, P_list = [], []
+    for pr, f, smp, n in zip(prompts, firsts, samples, n_new):
+        comp = [f] + list(smp[:n])
+        for t, tok in enumerate(comp):  # a sampled EOS ends the sequence
+            if tok in eos:
+                comp = comp[:t + 1]
+                break
+        seqs.append(pr + comp)
+        P_list.append(len(pr))
+    scored = _teacher_topk(target, seqs, P_list, k)
+    items = [{"ids": torch.tensor(sq), "P": p, "tk_ids": torch.tensor(ti, dtype=torch.long),
+              "tk_lp": torch.tensor(tl, dtype=torch.float32)} for sq, p, (ti, tl) in zip(seqs, P_list, scored)]
+    return _collate(items)
+
+
+def _selfspec_runner_kw() -> dict:
+    return {}
+
+
 class _Seqs(torch.utils.data.Dataset):
     def __init__(self, rows, feats=None):
         self.rows, self.feats = rows, feats
@@ -126,7 +236,8 @@ def _collate(items):
         tk_ids[b, P:n], tk_lp[b, P:n], has_t[b, P:n] = x["tk_ids"], x["tk_lp"], True
         if feat is not None:
             feat[b, :n] = x["feat"]
-    out = {"ids": ids, "valid": valid, "tk_ids": tk_ids, "tk_lp": tk_lp, "has_t": has_t}
+    out = {"ids": ids, "valid": valid, "tk_ids": tk_ids, "tk_lp": tk_lp, "has_t": has_t,
+           "P": torch.tensor([x["P"] for x in items])}
     if feat is not None:
         out["feat"] = feat
     return out
@@ -170,7 +281,8 @@ def draft_vocab(rows, V: int, size: int) -> torch.Tensor:
 
 def _features_key(recipe, gen_manifest: dict) -> str:
     shards = {k: v.get("sha256") for k, v in gen_manifest.get("shards", {}).items()}
-    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "shards": shards}
+    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "shards": shards,
+         "data": recipe.train.data}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -276,7 +388,7 @@ class DraftLMTrainer(nn.Module):
         div = divergence(self.tc.divergence, lg, topk_ids=tk_ids, topk_logprobs=tk_lp, beta=self.tc.jsd_beta)
         with torch.no_grad():
             acc = (lg.argmax(-1) == tk_ids[:, 0]).float().mean() if len(lg) else torch.tensor(0.0)
-        return div, {"div": float(div), "acc_0": float(acc)}
+        return div, {"div": float(div.detach()), "acc_0": float(acc)}
 
 
 def build_draft_lm(target, num_layers: int):
@@ -320,6 +432,121 @@ def _save_checkpoint(train_dir: Path, step: int, save_draft, optimizer, schedule
     return final
 
 
+# ------------------------------------------------------------------------------------------ methods
+
+def _lora_targets(model) -> list[str]:
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return sorted(names & {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+def _draft_lm_base(tc, target, tokenizer):
+    """draft_lm Step 1: the starting model, the target's first layers or `init_from` (same tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import ModelError, check_tokenizers
+
+    if tc.init_from == "target":
+        return build_draft_lm(target, tc.num_layers)
+    d = Path(tc.init_from)
+    if not (d / "config.json").exists():
+        raise TrainError(f"train.init_from={tc.init_from!r} is not a local HF model directory (no config.json); "
+                         f"give 'target' or a directory saved with save_pretrained")
+    if tokenizer is not None:
+        try:
+            check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(d), f"train.init_from {d}")
+        except ModelError as e:
+            raise TrainError(str(e)) from None
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+
+
+def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest, extra):
+    """Per method: (trainable module returning (loss, metrics), its parameters, save_draft(dir, step,
+    module), dataset, d2t, the draft that samples on-policy sequences or None)."""
+    V = target.config.vocab_size
+    d2t = draft_vocab(rows, V, tc.draft_vocab_size)  # Step 1: the truncated draft vocabulary
+    draft_ids = None if len(d2t) == V else d2t
+    if tc.method in ("eagle", "medusa"):  # heads over the target's features: Step 2, cache them
+        feats = cache_features(target, rows, train_dir / FEATURES_FILE,
+                               _features_key(recipe, gen_manifest), batch_size=tc.batch_size)
+        dataset = _Seqs(rows, feats)
+        if tc.method == "eagle":
+            head = EagleHead.from_target(target, tc.num_layers, draft_ids).float()
+            if resume is not None:
+                head.load_state_dict(EagleHead.load(resume).state_dict())
+            embed = nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
+            module = EagleTrainer(head, embed, tc)  # Step 3
+        else:
+            from eval.medusa import MedusaHeads
+
+            from .medusa_train import MedusaTrainer
+
+            head = MedusaHeads.from_target(target, tc.medusa_heads, draft_ids).float()
+            if resume is not None:
+                head.load_state_dict(MedusaHeads.load(resume).state_dict())
+            module = MedusaTrainer(head, tc)
+        return (module, list(head.parameters()), lambda d, step, m: m.head.save(d, extra={**extra, "step": step}),
+                dataset, d2t, None)
+    if tc.method == "self_spec":
+        from eval.drafts import SelfSpecDraft
+
+        from .selfspec_train import SelfSpecTrainer, trainable_parameters
+
+        draft = SelfSpecDraft(target, tc.num_layers, tc.adapter_rank, draft_ids)
+        if resume is not None:
+            draft.load_state_dict(SelfSpecDraft.load(resume, target).state_dict())
+        module = SelfSpecTrainer(draft, tc)
+        return (module, trainable_parameters(draft), lambda d, step, m: m.draft.save(d, extra={**extra, "step": step}),
+                _Seqs(rows), d2t, draft)
+    # draft_lm: full fine-tuning or LoRA; the full vocabulary, so HF assistant_model can load it
+    from transformers import AutoModelForCausalLM
+
+    if tc.lora_rank:
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        base = _draft_lm_base(tc, target, tokenizer)
+        if resume is not None:
+            model = PeftModel.from_pretrained(base, str(resume / "adapter"), is_trainable=True)
+        else:
+            model = get_peft_model(base, LoraConfig(r=tc.lora_rank, lora_alpha=tc.lora_alpha, lora_dropout=0.0,
+                                                    target_modules=_lora_targets(base), task_type="CAUSAL_LM"))
+    elif resume is not None:
+        model = AutoModelForCausalLM.from_pretrained(resume, dtype=torch.float32)
+    else:
+        model = _draft_lm_base(tc, target, tokenizer)
+    model.train()
+
+    def save_draft(d, step, m):
+        if tc.lora_rank:  # the PEFT adapter, and the merged weights HF assistant_model loads
+            import copy
+
+            m.model.save_pretrained(Path(d) / "adapter")
+            copy.deepcopy(m.model).merge_and_unload().save_pretrained(d)
+        else:
+            m.model.save_pretrained(d)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(d)
+        (Path(d) / HEAD_FILE).write_text(json.dumps({"kind": "draft_lm", **extra, "lora_rank": tc.lora_rank,
+                                                     "step": step}, indent=2))
+
+    return (DraftLMTrainer(model, tc), [p for p in model.parameters() if p.requires_grad], save_draft,
+            _Seqs(rows), torch.arange(V), model)
+
+
+def _int8_checkpoint(train_dir: Path, recipe, extra: dict) -> Path:
+    """int8: nothing to train; the checkpoint only says "build an int8 copy of the target at load"."""
+    final = train_dir / "checkpoint-000000"
+    if not (final / STATE_FILE).exists():
+        tmp = Path(tempfile.mkdtemp(dir=train_dir, prefix=".checkpoint-000000-"))
+        (tmp / HEAD_FILE).write_text(json.dumps({"kind": "int8", **extra, "step": 0}, indent=2))
+        torch.save({"step": 0}, tmp / STATE_FILE)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    write_json_atomic(train_dir / "manifest.json", {
+        "method": "int8", "divergence": None, "checkpoints": [final.name], "tokens_per_s": None,
+        "final_loss": None, "draft_vocab_size": None, "steps": 0, "recipe_hash": recipe.hash(), "n_sequences": 0})
+    return train_dir
+
+
 # ------------------------------------------------------------------------------------------- run
 
 def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Path:
@@ -336,53 +563,29 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     run_dir = Path(run_dir)
     train_dir = run_dir / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
+    extra = {"target": recipe.target, "method": tc.method, "divergence": tc.divergence, "data": tc.data}
+    if tc.method == "int8":
+        return _int8_checkpoint(train_dir, recipe, extra)
     rows, gen_manifest = _load_rows(run_dir, recipe)
     if target is None:
         target, tok = load_target(recipe.target, recipe.dtype, recipe.device)
         tokenizer = tokenizer or tok
+    if tc.data == "raw":  # as many raw windows as there are generated sequences: the same budget
+        rows = _raw_rows(recipe, tokenizer, len(rows))
     _check_vocab(rows, target, tokenizer)
     target.eval()
     device = pick_device(recipe.device)
     torch.manual_seed(recipe.seed)
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
-    extra = {"target": recipe.target, "method": tc.method, "divergence": tc.divergence}
 
     ckpts = _checkpoints(train_dir)
     resume = ckpts[-1] if ckpts else None
-    V = target.config.vocab_size
-    if tc.method == "eagle":
-        d2t = draft_vocab(rows, V, tc.draft_vocab_size)  # Step 1
-        feats = cache_features(target, rows, train_dir / FEATURES_FILE,  # Step 2
-                               _features_key(recipe, gen_manifest), batch_size=tc.batch_size)
-        dataset = _Seqs(rows, feats)
-        head = EagleHead.from_target(target, tc.num_layers, None if len(d2t) == V else d2t).float()
-        if resume is not None:
-            head.load_state_dict(EagleHead.load(resume).state_dict())
-        embed = nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
-        module = EagleTrainer(head, embed, tc)  # Step 3
-        params = list(head.parameters())
-
-        def save_draft(d, step):
-            module_unwrapped.head.save(d, extra={**extra, "step": step})
-    else:
-        from transformers import AutoModelForCausalLM
-
-        dataset = _Seqs(rows)
-        if resume is not None:
-            model = AutoModelForCausalLM.from_pretrained(resume, dtype=torch.float32)
-        else:
-            model = build_draft_lm(target, tc.num_layers)
-        model.train()
-        module = DraftLMTrainer(model, tc)
-        params = list(model.parameters())
-        d2t = torch.arange(V)
-
-        def save_draft(d, step):
-            module_unwrapped.model.save_pretrained(d)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(d)
-            (Path(d) / HEAD_FILE).write_text(json.dumps({"kind": "draft_lm", **extra, "step": step}, indent=2))
+    module, params, save_draft, dataset, d2t, sampler_draft = _setup(
+        tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest, extra)
+    eos = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
 
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, min(tc.warmup_steps, tc.steps), tc.steps)
@@ -412,7 +615,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     manifest = read_manifest(train_dir)
     names = [p.name for p in _checkpoints(train_dir)]
     per_epoch = len(loader)
-    losses, tokens, t_train = [], 0, 0.0
+    losses, tokens, t_train, n_onpolicy = [], 0, 0.0, 0
     last_loss = manifest.get("final_loss")
     bar = tqdm(total=tc.steps, initial=step, desc=f"train {tc.method}", disable=not accelerator.is_main_process)
     while step < tc.steps:
@@ -421,6 +624,14 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
         epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
         for batch in epoch_loader:
             t0 = time.perf_counter()
+            # GKD's lambda: this step trains on the draft's own samples (seeded by step: resumable)
+            on_policy = tc.data == "onpolicy" or (
+                tc.data == "mix" and random.Random(recipe.seed * 1_000_003 + step).random() < tc.onpolicy_fraction)
+            if on_policy:
+                with autocast:
+                    batch = _onpolicy_batch(batch, tc, sampler_draft, target, eos, recipe.seed * 1_000_003 + step)
+                batch = {k: v.to(device) for k, v in batch.items()}
+                n_onpolicy += 1
             with autocast:
                 loss, metrics = module(batch)
             accelerator.backward(loss)
@@ -434,12 +645,14 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
             last_loss = float(loss.detach())
             losses.append(last_loss)
             tracker.log({"train/loss": last_loss, "train/lr": scheduler.get_last_lr()[0],
+                         "train/on_policy": float(on_policy),
                          **{f"train/{k}": v for k, v in metrics.items()}}, step=step)
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", acc=f"{metrics.get('acc_0', 0):.2f}")
             if step % tc.save_every == 0 or step == tc.steps:
                 if accelerator.is_main_process:
-                    p = _save_checkpoint(train_dir, step, save_draft, optimizer, scheduler)
+                    p = _save_checkpoint(train_dir, step, lambda d, s: save_draft(d, s, module_unwrapped),
+                                         optimizer, scheduler)
                     names = sorted(set(names) | {p.name})
                 accelerator.wait_for_everyone()
             if step >= tc.steps:
@@ -448,8 +661,8 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     tps = tokens / t_train if t_train > 0 else manifest.get("tokens_per_s")
     if accelerator.is_main_process:
         write_json_atomic(manifest_path, {
-            "method": tc.method, "divergence": tc.divergence, "checkpoints": names,
+            "method": tc.method, "divergence": tc.divergence, "data": tc.data, "checkpoints": names,
             "tokens_per_s": tps, "final_loss": last_loss, "draft_vocab_size": int(len(d2t)),
-            "steps": step, "recipe_hash": recipe.hash(), "n_sequences": len(dataset)})
+            "onpolicy_steps": n_onpolicy, "steps": step, "recipe_hash": recipe.hash(), "n_sequences": len(dataset)})
     tracker.log({"train/tokens_per_s": tps or 0.0}, step=step)
     return train_dir

@@ -1,0 +1,180 @@
+"""The train stage's methods and data modes beyond the EAGLE default: LoRA drafts, raw-text
+(undistilled) data, on-policy (GKD) data, int8, Medusa and self-speculative drafts, each through
+`run_train` on a tiny target."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from pipeline.config import Recipe, TrainConfig
+from pipeline.train import _collate, _onpolicy_batch, _raw_rows, _teacher_topk, run_train
+
+from test_train import V, _copy_gen, _make_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=256, initializer_range=0.2,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def gen_dir(tmp_path_factory, target):
+    d = tmp_path_factory.mktemp("run")
+    _make_generate(d, target)
+    return d
+
+
+def _recipe(**train):
+    base = dict(steps=4, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2, draft_vocab_size=0)
+    base.update(train)
+    return Recipe(target="tiny", dtype="float32", device="cpu", seed=0, train=TrainConfig(**base))
+
+
+def test_lora_draft_saves_adapter_and_merged_weights(tmp_path, gen_dir, target):
+    from peft import PeftModel
+
+    from pipeline.train import build_draft_lm
+
+    d = _copy_gen(gen_dir, tmp_path / "r")
+    train_dir = run_train(_recipe(method="draft_lm", num_layers=2, lora_rank=4, lora_alpha=8), d, target=target)
+    ck = train_dir / "checkpoint-000004"
+    meta = json.loads((ck / "draftsmith_draft.json").read_text())
+    assert meta["kind"] == "draft_lm" and meta["lora_rank"] == 4
+    assert (ck / "adapter" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(ck)  # what HF assistant_model loads
+    peft = PeftModel.from_pretrained(build_draft_lm(target, 2), str(ck / "adapter"))
+    x = torch.tensor([[3, 9, 27, 81 % V, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, peft(x).logits, rtol=1e-4, atol=1e-4)
+        base = build_draft_lm(target, 2)(x).logits
+    assert (merged(x).logits - base).abs().max() > 1e-4  # the adapter was trained, not left at zero
+    # only the LoRA matrices trained: the base layers in the adapter's model are the target's
+    sd = peft.state_dict()
+    assert any("lora_A" in k for k in sd)
+
+
+def test_lora_resume_equals_uninterrupted(tmp_path, gen_dir, target):
+    from safetensors.torch import load_file
+
+    a, b = _copy_gen(gen_dir, tmp_path / "a"), _copy_gen(gen_dir, tmp_path / "b")
+    recipe = _recipe(method="draft_lm", num_layers=1, lora_rank=4, steps=4, save_every=2)
+    run_train(recipe, a, target=target)
+
+    class Crash:
+        def log(self, d, step=None):
+            if step == 3:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_train(recipe, b, target=target, tracker=Crash())
+    run_train(recipe, b, target=target)
+    wa = load_file(str(a / "train/checkpoint-000004/adapter/adapter_model.safetensors"))
+    wb = load_file(str(b / "train/checkpoint-000004/adapter/adapter_model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+
+
+def test_teacher_topk_matches_the_targets_own_logprobs(target):
+    seqs, P = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]], [2, 3]
+    out = _teacher_topk(target, seqs, P, k=5)
+    for (ti, tl), sq, p in zip(out, seqs, P):
+        assert len(ti) == len(sq) - p
+        with torch.no_grad():
+            lp = torch.log_softmax(target(torch.tensor([sq])).logits[0].float(), -1)
+        for j, pos in enumerate(range(p, len(sq))):
+            v, ix = lp[pos - 1].topk(5)
+            assert ti[j] == ix.tolist()
+            torch.testing.assert_close(torch.tensor(tl[j]), v, rtol=1e-4, atol=1e-4)
+
+
+def test_onpolicy_batch_scores_the_drafts_own_samples(target, gen_dir):
+    from pipeline.train import _load_rows, build_draft_lm
+
+    rows, _ = _load_rows(gen_dir, _recipe())
+    batch = _collate([{"ids": torch.tensor(r["ids"]), "P": r["P"], "tk_ids": torch.tensor(r["tk_ids"]),
+                       "tk_lp": torch.tensor(r["tk_lp"])} for r in rows[:3]])
+    draft = build_draft_lm(target, 1)
+    tc = _recipe(method="draft_lm", data="onpolicy").train
+    out = _onpolicy_batch(batch, tc, draft, target, eos=set(), seed=0)
+    assert out["ids"].shape[0] == 3
+    for b in range(3):
+        P, n = int(out["P"][b]), int(out["valid"][b].sum())
+        assert out["ids"][b, :P].tolist() == batch["ids"][b, :P].tolist()  # same prompt
+        assert int(out["ids"][b, P]) == int(batch["ids"][b, P])  # the target's first token kept
+        assert n == int(batch["valid"][b].sum())  # as long as the original row
+        assert out["has_t"][b, P:n].all() and not out["has_t"][b, :P].any()
+        # the teacher is the target's distribution on the *sampled* sequence
+        (ti, _), = _teacher_topk(target, [out["ids"][b, :n].tolist()], [P], k=out["tk_ids"].shape[-1])
+        assert out["tk_ids"][b, P:n].tolist() == ti
+    # the continuation is the draft's, not the stored target completion (an untrained 1-layer draft
+    # sampled at temperature 1 agrees with the target's greedy text on few tokens)
+    same = sum(int((out["ids"][b] == batch["ids"][b]).all()) for b in range(3))
+    assert same < 3
+    # seeded: the same step gives the same batch (resume reproduces it)
+    again = _onpolicy_batch(batch, tc, draft, target, eos=set(), seed=0)
+    assert torch.equal(again["ids"], out["ids"])
+
+
+@pytest.mark.parametrize("data", ["onpolicy", "mix"])
+def test_onpolicy_training_runs_and_counts_its_steps(tmp_path, gen_dir, target, data):
+    d = _copy_gen(gen_dir, tmp_path / "r")
+    train_dir = run_train(_recipe(method="draft_lm", num_layers=1, data=data, onpolicy_fraction=0.5), d, target=target)
+    m = json.loads((train_dir / "manifest.json").read_text())
+    assert m["data"] == data
+    if data == "onpolicy":
+        assert m["onpolicy_steps"] == 4
+    else:
+        assert 0 <= m["onpolicy_steps"] <= 4
+
+
+def test_raw_rows_are_one_hot_domain_text_without_heldout(real_tokenizer):
+    recipe = _recipe(data="raw", seq_len=64)
+    rows = _raw_rows(recipe, real_tokenizer, 20)
+    assert len(rows) == 20
+    for r in rows:
+        assert r["P"] == 1 and len(r["ids"]) <= 64
+        assert [t[0] for t in r["tk_ids"]] == r["ids"][1:]  # the text's own next token
+        assert all(lp == [0.0] for lp in r["tk_lp"])  # one-hot
+    text = real_tokenizer.decode(rows[0]["ids"])
+    assert text.strip()
+    with pytest.raises(Exception, match="tokenizer"):
+        _raw_rows(recipe, None, 2)
+
+
+def test_raw_data_trains_eagle_on_raw_text(tmp_path, real_tokenizer):
+    """The undistilled baseline end to end: raw windows, features from the target on them."""
+    torch.manual_seed(0)
+    big = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1,
+                                       vocab_size=len(real_tokenizer), tie_word_embeddings=True)).eval()
+    _make_generate(tmp_path, big, n_rows=4, clen=4)
+    train_dir = run_train(_recipe(data="raw", seq_len=48, steps=2, draft_vocab_size=512), tmp_path, target=big,
+                          tokenizer=real_tokenizer)
+    m = json.loads((train_dir / "manifest.json").read_text())
+    assert m["data"] == "raw" and m["n_sequences"] == 4 and m["steps"] == 2
+
+
+def test_int8_needs_no_training(tmp_path, target):
+    train_dir = run_train(_recipe(method="int8"), tmp_path, target=target)
+    m = json.loads((train_dir / "manifest.json").read_text())
+    assert m["checkpoints"] == ["checkpoint-000000"] and m["method"] == "int8"
+    meta = json.loads((train_dir / "checkpoint-000000" / "draftsmith_draft.json").read_text())
+    assert meta["kind"] == "int8"
+    assert run_train(_recipe(method="int8"), tmp_path, target=target) == train_dir  # idempotent
+
+
+def test_onpolicy_needs_a_token_level_draft():
+    from pipeline.config import RecipeError
+
+    with pytest.raises(RecipeError, match="token-level draft"):
+        TrainConfig(method="eagle", data="onpolicy")
+    with pytest.raises(RecipeError, match="train.data"):
+        TrainConfig(data="web")
