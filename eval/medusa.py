@@ -1,0 +1,192 @@
+"""Medusa heads: extra decoding heads on the target's last feature, one per further position.
+
+Medusa (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+Heads"), Medusa-1 flavour (frozen target): head i is a residual block h + SiLU(W_i h + b_i) followed
+by its own LM head. All heads read the same feature, so one propose step drafts up to `num_heads`
+tokens at once, without feeding the drafts back (no autoregression inside the draft).
+
+Alignment (absolute token positions):
+    target LM head(feature_t)  -> token t + 1
+    Medusa head i (feature_t)  -> token t + 2 + i        (i = 0 .. num_heads - 1)
+so with the current token at position n (produced from feature_{n-1}), head i proposes draft i at
+position n + 1 + i.
+
+"Feature" is the target's final hidden state AFTER its final norm (`target.model(...).last_hidden_state`,
+the input of the target's LM head, what `eval.target` runners return), so each head's LM head applies
+to the residual block's output directly; no norm is stored here.
+
+The LM heads cover a draft vocabulary: `d2t` [Vd] maps a draft row to its target id (the identity when
+the vocabulary is not truncated), as for the EAGLE head (`eval/heads.py`).
+
+This version drafts one candidate per position (the top-1, or one sample); Medusa's tree attention
+over the top-k of each head is not used (the decoder verifies one chain per row).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .heads import HEAD_FILE
+from .proposers import Proposer, Sampling
+
+
+@dataclass
+class MedusaConfig:
+    hidden_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # rows of each LM head (== vocab_size when not truncated)
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head (Medusa's medusa_num_layers)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(Linear(x)) (Medusa's ResBlock). Weight and bias start at zero: the block starts as
+    the identity, so each head starts out as a copy of the target's LM head."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size, bias=True)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """`num_heads` Medusa heads over the target's features.
+
+    Each head has its OWN LM head, as in Medusa-1. Head i predicts the token i + 1 positions further
+    than the target does, and its LM head is most of its capacity: the residual block is H x H
+    (0.3M parameters at H = 576) against Vd x H for the LM head (4.7M at Vd = 8192). A shared LM head
+    would make every head's distribution a function of one H-dim vector through the same readout,
+    leaving a single small block to carry the whole offset. Memory: num_heads x Vd x H, i.e. 19M
+    parameters for 4 heads at Vd = 8192 (76 MB fp32); the full 49,152-token vocabulary would be 113M,
+    which is why the recipe's truncated draft vocabulary matters here.
+    """
+
+    def __init__(self, c: MedusaConfig, d2t: torch.Tensor | None = None):
+        super().__init__()
+        self.config = c
+        self.num_heads = c.num_heads
+        H, Vd = c.hidden_size, c.draft_vocab_size
+        self.blocks = nn.ModuleList([nn.Sequential(*[ResBlock(H) for _ in range(c.num_layers)])
+                                     for _ in range(c.num_heads)])
+        self.lm_heads = nn.ModuleList([nn.Linear(H, Vd, bias=False) for _ in range(c.num_heads)])
+        if d2t is None:
+            d2t = torch.arange(Vd)
+        assert d2t.shape == (Vd,), "d2t must map every draft row to a target id"
+        self.register_buffer("d2t", d2t.long(), persistent=True)
+
+    @classmethod
+    def from_target(cls, target, num_heads: int = 4, draft_ids: torch.Tensor | None = None,
+                    num_layers: int = 1) -> "MedusaHeads":
+        """Fresh heads for `target` (an HF causal LM): every LM head starts as the target's LM head
+        rows `draft_ids` (all rows when None), every residual block as the identity."""
+        cfg = target.config
+        n = cfg.vocab_size if draft_ids is None else len(draft_ids)
+        heads = cls(MedusaConfig(cfg.hidden_size, cfg.vocab_size, n, num_heads, num_layers), draft_ids)
+        W = target.get_output_embeddings().weight.detach()  # [V, H]
+        with torch.no_grad():
+            for lm in heads.lm_heads:
+                lm.weight.copy_(W[heads.d2t].float())
+        return heads
+
+    def forward(self, feat: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """feat [..., H] target features -> [..., n, H], the residual blocks of heads 0..n-1
+        (n = num_heads by default)."""
+        n = self.num_heads if n is None else n
+        return torch.stack([blk(feat) for blk in self.blocks[:n]], dim=-2)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., n, H] (heads 0..n-1, from forward) -> [..., n, Vd] draft-vocab logits; map argmax
+        rows to target ids with self.d2t."""
+        return torch.stack([lm(h[..., i, :]) for i, lm in enumerate(self.lm_heads[: h.shape[-2]])], dim=-2)
+
+    def head_logits(self, feat: torch.Tensor, i: int) -> torch.Tensor:
+        """One head: feat [..., H] -> [..., Vd], the logits of head i (token t + 2 + i from feature t)."""
+        return self.lm_heads[i](self.blocks[i](feat))
+
+    def save(self, directory: str | Path, extra: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(d / "head.safetensors"))
+        meta = {"kind": "medusa", "medusa_config": asdict(self.config), **(extra or {})}
+        (d / HEAD_FILE).write_text(json.dumps(meta, indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path, dtype=None, device=None) -> "MedusaHeads":
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        meta = json.loads((d / HEAD_FILE).read_text())
+        if meta.get("kind") != "medusa":
+            raise ValueError(f"{d} holds a {meta.get('kind')!r} draft, not medusa heads")
+        state = load_file(str(d / "head.safetensors"))
+        heads = cls(MedusaConfig(**meta["medusa_config"]), state["d2t"])
+        heads.load_state_dict(state)
+        return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device=device)
+
+
+class MedusaProposer(Proposer):
+    """Drafts min(k, num_heads) tokens per round, all from the feature that produced the current
+    token: draft i = head i (feature_{n-1}), the token at position n + 1 + i.
+
+    State: one feature per row (`cur_feat` [B, H]). Nothing is cached per position, so a rejected
+    draft leaves nothing behind; accept() only picks the feature that produced the bonus token.
+    """
+
+    name = "medusa"
+    uses_features = True
+    max_k = 0
+
+    def __init__(self, heads: MedusaHeads, target):
+        p = target.get_output_embeddings().weight
+        self.heads = heads.to(device=p.device, dtype=p.dtype).eval()
+        self.d2t = self.heads.d2t.to(p.device)  # [Vd] draft row -> target id
+        self.vocab_size = target.config.vocab_size
+
+    @property
+    def dtype(self):
+        return self.heads.lm_heads[0].weight.dtype
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, n, H] -> [B, n, V] target-vocab logits (ids outside the draft vocab at -inf)."""
+        d = self.heads.logits(h).float()  # [B, n, Vd]
+        out = torch.full((*d.shape[:-1], self.vocab_size), float("-inf"), device=d.device)
+        return out.index_copy_(-1, self.d2t, d)
+
+    def begin(self, prompts, first, max_len, sampling: Sampling, features=None):
+        if features is None:
+            raise ValueError("MedusaProposer reads the target's features: the decoder must pass them")
+        B, dev = len(prompts), first.device
+        self.sampling = sampling
+        L = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
+        # `first` sits at position L and was produced from the feature at L - 1.
+        self.cur_feat = features[torch.arange(B, device=dev), L - 1].to(self.dtype)  # [B, H]
+
+    @torch.no_grad()
+    def propose(self, k):
+        n = min(k, self.heads.num_heads)  # host ints only
+        h = self.heads(self.cur_feat, n)  # [B, n, H]
+        if self.sampling.greedy:  # argmax over the draft vocabulary, mapped: no [B, n, V] tensor
+            return self.d2t[self.heads.logits(h).argmax(-1)], None  # [B, n]
+        q = self.sampling.probs(self._logits(h))  # [B, n, V]
+        return self.sampling.sample(q), q  # each draft sampled from its own head's q
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        # features [B, T, H] at positions start..start+T-1; the bonus token (position start+n_acc+1)
+        # came from column n_acc. Finished rows (n_acc == -1) keep their feature.
+        B = tokens.shape[0]
+        rows = torch.arange(B, device=tokens.device)
+        new = features[rows, n_acc.clamp(min=0)].to(self.dtype)  # [B, H]
+        self.cur_feat = torch.where((n_acc >= 0)[:, None], new, self.cur_feat)

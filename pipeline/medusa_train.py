@@ -1,0 +1,66 @@
+"""Training of Medusa heads (`eval/medusa.py`) on the cached target features.
+
+Medusa-1 (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
+Decoding Heads"): the target stays frozen, its features come from the feature cache (no target
+forward per step), and the loss of head i is weighted by lambda_i = 0.8 ** i (the paper's choice:
+later heads are less certain and matter less, since a draft is only used when all the drafts before
+it were accepted). Here each head's loss is the recipe's divergence to the target's stored top-k
+distribution rather than cross-entropy to the next tokens (self-distillation, Medusa's section 3.2.2).
+
+Alignment: head i at feature index t predicts the token at t + 2 + i, whose teacher is the top-k row
+stored at that TOKEN position (tk_ids / tk_lp [:, t + 2 + i], present where has_t [:, t + 2 + i]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from eval.medusa import MedusaHeads
+
+from .losses import divergence
+
+HEAD_DECAY = 0.8  # Medusa's lambda_i = 0.8 ** i
+
+
+class MedusaTrainer(nn.Module):
+    """forward(batch) -> (loss, metrics). batch as `pipeline.train._collate` makes it, with "feat".
+
+    loss = sum_i 0.8^i div_i / sum_i 0.8^i over the heads with a target in the window; div_i is the
+    masked mean divergence of head i over the positions whose token at t + 2 + i has a teacher.
+    metrics: acc_i (top-1 of head i, mapped through d2t, == the teacher's top-1, over those
+    positions), div_i, and div (the weighted divergence, the loss)."""
+
+    def __init__(self, heads: MedusaHeads, tc):
+        super().__init__()
+        self.heads, self.tc = heads, tc
+
+    def forward(self, batch):
+        heads, tc = self.heads, self.tc
+        feat = batch["feat"].float()  # [B, L, H] (cached in the target's dtype, often bf16)
+        has_t, tk_ids, tk_lp = batch["has_t"], batch["tk_ids"], batch["tk_lp"]  # [B, L], [B, L, k] x2
+        L = feat.shape[1]
+        total, wsum, metrics = 0.0, 0.0, {}
+        for i in range(min(heads.num_heads, L - 2)):
+            T = L - 2 - i  # feature indices t = 0..T-1 predict tokens 2+i..L-1
+            m = has_t[:, 2 + i:]  # [B, T] the token at t+2+i has a teacher
+            if not bool(m.any()):
+                continue
+            # Only the positions with a teacher go through the LM head (prompts and padding do not).
+            x = feat[:, :T][m]  # [M, H]
+            logits = heads.head_logits(x, i).float()  # [M, Vd] (bf16 under autocast: the loss in float)
+            ids, lp = tk_ids[:, 2 + i:][m], tk_lp[:, 2 + i:][m]  # [M, k], [M, k]
+            div = divergence(tc.divergence, logits, topk_ids=ids, topk_logprobs=lp, d2t=heads.d2t,
+                             beta=tc.jsd_beta)
+            w = HEAD_DECAY ** i
+            total, wsum = total + w * div, wsum + w
+            with torch.no_grad():
+                acc = (heads.d2t[logits.argmax(-1)] == ids[:, 0]).float().mean()
+            metrics[f"acc_{i}"] = float(acc)
+            metrics[f"div_{i}"] = float(div.detach())
+        if wsum == 0:  # no teacher in this batch's windows: a zero loss that still has a graph
+            loss = sum(p.sum() for p in heads.parameters()) * 0.0
+        else:
+            loss = total / wsum
+        metrics["div"] = float(loss.detach())
+        return loss, metrics
