@@ -2,6 +2,7 @@
 
     draftsmith distill --recipe recipes/code.yaml [section.key=value ...]
     draftsmith generate|train|evaluate --recipe recipes/code.yaml [--run-id ID] [section.key=value ...]
+    draftsmith compare --recipe recipes/code.yaml [--methods eagle,medusa,...] [--steps N] [--docs F]
     draftsmith bench --draft runs/code/latest/best --prompts prompts.jsonl [...]
     draftsmith prompts --out data/code/humaneval_prompts.jsonl
     draftsmith recipe-help
@@ -143,6 +144,36 @@ def stage_evaluate(recipe, run_dir, target=None, tok=None):
     return metrics
 
 
+def stage_compare(recipe, run_dir, args, target=None, tok=None) -> dict:
+    """Every draft method (and every divergence on the best) on this run's generated data."""
+    from .compare import DIVERGENCES, check_choices, markdown, run_compare
+    from .tracking import make_tracker
+
+    methods = args.methods.split(",") if args.methods else None
+    divergences = args.divergences.split(",") if args.divergences else DIVERGENCES
+    check_choices(methods, divergences)  # before any model loads or data is generated
+    if target is None:
+        target, tok = _load(recipe)
+    if not (run_dir / "generate" / "manifest.json").exists():
+        stage_generate(recipe, run_dir, target, tok)
+    tracker = make_tracker(recipe, run_dir, "compare")
+    try:
+        out = run_compare(recipe, run_dir, target, tok,
+                          methods=methods, divergences=divergences,
+                          steps=args.steps, raw_baseline=not args.no_raw, tracker=tracker)
+    finally:
+        tracker.finish()
+    command = "draftsmith " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["compare"] else "draftsmith compare"
+    md = markdown(out, command)
+    (run_dir / "compare" / "compare.md").write_text(md)
+    if args.docs:
+        Path(args.docs).write_text(md)
+    b = out["best_measured"]
+    print(f"draftsmith: best {b['name']} K={b['k']}: tau {b['tau']:.2f}, speedup {b['speedup']:.2f}x "
+          f"({b['vs_ngram']:.2f}x the n-gram proposer) -> {run_dir / 'compare' / 'compare.md'}")
+    return out
+
+
 def distill(recipe: Recipe, new: bool = False) -> Path:
     """Step 1 generate -> Step 2 train -> Step 3 evaluate (+ Step 4 logging inside each)."""
     run_dir = open_run(recipe, for_stage=False, new=new)
@@ -184,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
                     ("train", "stage 2: train the draft (resumes from the last checkpoint)"),
                     ("evaluate", "stage 3: every checkpoint in the decoder; promote the fastest")]:
         _recipe_args(sub.add_parser(name, help=h))
+    c = sub.add_parser("compare", help="train and judge every draft method x divergence; one table")
+    _recipe_args(c)
+    c.add_argument("--methods", help="comma-separated subset of: draft_lm, lora, medusa, eagle, "
+                                     "eagle_fullvocab, self_spec, int8 (default: all)")
+    c.add_argument("--divergences", help="divergences tried on the best method (default: fkl,rkl,jsd,tv)")
+    c.add_argument("--steps", type=int, help="training steps per variant (default: the recipe's train.steps)")
+    c.add_argument("--no-raw", action="store_true", help="skip the raw-text (undistilled) baseline")
+    c.add_argument("--docs", help="also write the table to this Markdown file (e.g. docs/compare.md)")
     sub.add_parser("bench", help="compare our decoder with HF generate / assisted / prompt lookup", add_help=False)
     pr = sub.add_parser("prompts", help="write held-out prompts as JSONL (for bench)")
     pr.add_argument("--out", required=True, help="JSONL path to write HumanEval's 164 prompts to")
@@ -219,6 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         recipe = _recipe_from(args)
         if args.cmd == "distill":
             distill(recipe, new=args.new)
+            return 0
+        if args.cmd == "compare":
+            from .compare import DIVERGENCES, check_choices
+
+            check_choices(args.methods.split(",") if args.methods else None,
+                          args.divergences.split(",") if args.divergences else DIVERGENCES)
+            try:  # continue the latest run (its generated data), else start one
+                run_dir = open_run(recipe, for_stage=True)
+            except RecipeError:
+                run_dir = open_run(recipe, for_stage=False)
+            stage_compare(recipe, run_dir, args)
             return 0
         run_dir = open_run(recipe, for_stage=True)
         {"generate": stage_generate, "train": stage_train, "evaluate": stage_evaluate}[args.cmd](recipe, run_dir)

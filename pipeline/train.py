@@ -484,8 +484,10 @@ def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest,
             if resume is not None:
                 head.load_state_dict(MedusaHeads.load(resume).state_dict())
             module = MedusaTrainer(head, tc)
-        return (module, list(head.parameters()), lambda d, step, m: m.head.save(d, extra={**extra, "step": step}),
-                dataset, d2t, None)
+        def save_head(d, step, m):
+            (m.head if tc.method == "eagle" else m.heads).save(d, extra={**extra, "step": step})
+
+        return module, list(head.parameters()), save_head, dataset, d2t, None
     if tc.method == "self_spec":
         from eval.drafts import SelfSpecDraft
 
@@ -566,6 +568,10 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     extra = {"target": recipe.target, "method": tc.method, "divergence": tc.divergence, "data": tc.data}
     if tc.method == "int8":
         return _int8_checkpoint(train_dir, recipe, extra)
+    done = read_manifest(train_dir)
+    if done.get("recipe_hash") == recipe.hash() and done.get("steps") == tc.steps and \
+            (train_dir / f"checkpoint-{tc.steps:06d}").exists():
+        return train_dir  # finished: nothing to load or recompute
     rows, gen_manifest = _load_rows(run_dir, recipe)
     if target is None:
         target, tok = load_target(recipe.target, recipe.dtype, recipe.device)

@@ -1,0 +1,225 @@
+"""`draftsmith compare`: every draft method, and every divergence on the best one, trained on the same
+generated data and judged the same way in our decoder -> one table (run dir, W&B, optionally docs/).
+
+Step 1: the run's generate stage (reused when it exists; run_dir/generate and prompts/).
+Step 2: per variant, a directory run_dir/compare/<name>/ whose generate/ and prompts/ link to the
+run's, then the train stage and the evaluate stage exactly as `distill` runs them (resumable: a
+finished variant is read back). The table shows each variant's final checkpoint.
+Step 3: the hybrid (the best trained variant + n-gram lookups) and the n-gram baseline.
+Step 4: the divergences on the best method, and the best method trained on raw domain text (the
+undistilled baseline; its τ against the distilled one is the distillation lift). The best variant is
+then swept over K (measured) to give its best K.
+
+"best K" in the table is the K that maximises the predicted speedup (1-α^(K+1))/((1-α)(Kc+1)) from
+the variant's measured α (per-token, accepted/reached) and c; the sweep measures it for the best one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+from .shards import write_json_atomic
+from .tracking import NoOpTracker
+
+# name -> recipe overrides (train.*). "lora" is draft_lm with a LoRA adapter; "eagle_fullvocab" is
+# the truncated-vocabulary method's counterpart (same head, all 49k rows).
+METHODS = {
+    "draft_lm": {"method": "draft_lm", "num_layers": 2, "lora_rank": 0, "lr": 3e-4},
+    "lora": {"method": "draft_lm", "num_layers": 2, "lora_rank": 16, "lora_alpha": 32, "lr": 1e-3},
+    "medusa": {"method": "medusa"},
+    "eagle": {"method": "eagle"},
+    "eagle_fullvocab": {"method": "eagle", "draft_vocab_size": 0},
+    "self_spec": {"method": "self_spec", "num_layers": 6},
+    "int8": {"method": "int8"},
+}
+DIVERGENCES = ("fkl", "rkl", "jsd", "tv")
+
+
+class CompareError(ValueError):
+    pass
+
+
+def best_k(alpha: float, c: float | None, k_max: int = 8) -> int | None:
+    """argmax over K of the predicted speedup (1-α^(K+1)) / ((1-α)(Kc+1))."""
+    if c is None or alpha <= 0:
+        return None
+    a = min(alpha, 0.999999)
+    return max(range(1, k_max + 1), key=lambda K: (1 - a ** (K + 1)) / ((1 - a) * (K * c + 1)))
+
+
+def _link(src: Path, dst: Path) -> None:
+    if not dst.exists():
+        dst.symlink_to(os.path.relpath(src, dst.parent))
+
+
+def _variant_recipe(recipe, overrides: dict, steps: int | None):
+    r = copy.deepcopy(recipe)
+    for k, v in overrides.items():
+        setattr(r.train, k, v)
+    if steps:
+        r.train.steps = steps
+        r.train.warmup_steps = min(r.train.warmup_steps, max(steps // 10, 1))
+    r.train.save_every = r.train.steps  # one checkpoint: the table judges the final one
+    r.evaluate.hybrid, r.evaluate.baselines, r.evaluate.fp32_prompts = False, False, 0
+    r.train.__post_init__()
+    return r
+
+
+def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
+    from .evaluate import run_evaluate
+    from .train import FEATURES_FILE, run_train
+
+    vdir = run_dir / "compare" / name
+    (vdir / "train").mkdir(parents=True, exist_ok=True)
+    _link(run_dir / "generate", vdir / "generate")
+    _link(run_dir / "prompts", vdir / "prompts")
+    feats = run_dir / "compare" / f"features-{recipe.train.data}.safetensors"
+    if feats.exists() and not (vdir / "train" / FEATURES_FILE).exists():  # the same target features
+        os.link(feats, vdir / "train" / FEATURES_FILE)
+    train_dir = run_train(recipe, vdir, target=target, tokenizer=tokenizer)
+    if (train_dir / FEATURES_FILE).exists() and not feats.exists():
+        os.link(train_dir / FEATURES_FILE, feats)
+    m = run_evaluate(recipe, vdir, target, tokenizer)
+    tm = json.loads((train_dir / "manifest.json").read_text())
+    return {"name": name, "method": recipe.train.method, "divergence": recipe.train.divergence,
+            "data": recipe.train.data, "dir": str(vdir / "best"), "alpha": m["alpha"], "tau": m["tau"],
+            "c": m["c"], "k": m["k"], "best_k": best_k(_alpha_hat(vdir), m["c"]), "speedup": m["speedup"],
+            "predicted_speedup": m["predicted_speedup"], "tokens_per_s": m["tokens_per_s_spec"],
+            "plain_tokens_per_s": m["tokens_per_s_plain"], "train_tokens_per_s": tm.get("tokens_per_s"),
+            "steps": tm.get("steps"), "greedy_match": m.get("bf16_match_rate"),
+            "all_near_ties": m["greedy_exact"]}
+
+
+def _alpha_hat(vdir: Path) -> float:
+    ev = sorted((vdir / "eval").glob("checkpoint-*.json"))
+    return json.loads(ev[-1].read_text())["stats"]["alpha_hat"] if ev else 0.0
+
+
+def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k: int) -> dict:
+    """A proposer without training (ngram) or a served combination (hybrid), cached by name and K."""
+    from .evaluate import decode_pairs, heldout_ids
+
+    path = run_dir / "compare" / f"{name}-k{k}.json"
+    key = {"src": src, "k": k, "evaluate": recipe.to_dict()["evaluate"]}
+    if path.exists() and json.loads(path.read_text()).get("key") == key:
+        return json.loads(path.read_text())["row"]
+    from eval.proposers import load_proposer
+
+    prompts = heldout_ids(recipe, run_dir, tokenizer)
+    _, plain, _, s = decode_pairs(target, load_proposer(src, target), prompts, k, recipe.evaluate.max_new_tokens,
+                                  tokenizer.eos_token_id, name)
+    row = {"name": name, "method": name.split("@")[0], "divergence": None, "data": None, "dir": src,
+           "alpha": s["alpha"], "tau": s["tau"], "c": s["c"], "k": k, "best_k": best_k(s["alpha_hat"], s["c"]),
+           "speedup": s["tokens_per_s"] / plain["tokens_per_s"], "predicted_speedup": s.get("predicted_speedup"),
+           "tokens_per_s": s["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
+           "train_tokens_per_s": None, "steps": 0}
+    write_json_atomic(path, {"key": key, "row": row})
+    return row
+
+
+def check_choices(methods, divergences) -> list[str]:
+    methods = list(methods or METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise CompareError(f"unknown method(s) {unknown} for --methods; choose from {sorted(METHODS)}")
+    bad = [d for d in divergences if d not in DIVERGENCES]
+    if bad:
+        raise CompareError(f"unknown divergence(s) {bad} for --divergences; choose from {list(DIVERGENCES)}")
+    return methods
+
+
+def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergences=DIVERGENCES,
+                steps: int | None = None, raw_baseline: bool = True, k_sweep=(2, 3, 4, 6, 8),
+                tracker=None) -> dict:
+    tracker = tracker or NoOpTracker()
+    run_dir = Path(run_dir)
+    if not (run_dir / "generate" / "manifest.json").exists():
+        raise CompareError(f"{run_dir}/generate is missing; run `draftsmith generate` (or distill) first")
+    methods = check_choices(methods, divergences)
+    (run_dir / "compare").mkdir(exist_ok=True)
+    default_div = recipe.train.divergence
+    rows = []
+    # Step 2: every method with the recipe's divergence
+    for m in methods:
+        rv = _variant_recipe(recipe, {**METHODS[m], "divergence": default_div, "data": "generated"}, steps)
+        rows.append(run_variant(f"{m}-{default_div}", rv, run_dir, target, tokenizer))
+    trained = [r for r in rows if r["method"] != "int8"]
+    best = max(trained or rows, key=lambda r: r["speedup"])
+    best_m = best["name"].rsplit("-", 1)[0]
+    k = recipe.evaluate.k
+    # Step 3: hybrid of the best trained variant, and the n-gram baseline
+    rows.append(_decode_row("hybrid", f"hybrid:{best['dir']}", recipe, run_dir, target, tokenizer, k))
+    rows[-1]["method"] = f"hybrid ({best_m} + ngram)"
+    ngram = _decode_row("ngram", "ngram", recipe, run_dir, target, tokenizer, k)
+    rows.append(ngram)
+    # Step 4: divergences on the best method; the raw-text (undistilled) baseline
+    div_rows = [r for r in rows if r["name"] == f"{best_m}-{default_div}"]
+    for d in divergences:
+        if d == default_div:
+            continue
+        rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": d, "data": "generated"}, steps)
+        div_rows.append(run_variant(f"{best_m}-{d}", rv, run_dir, target, tokenizer))
+    raw = None
+    if raw_baseline and METHODS[best_m]["method"] != "int8":
+        rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": default_div, "data": "raw"}, steps)
+        raw = run_variant(f"{best_m}-{default_div}-raw", rv, run_dir, target, tokenizer)
+    # K sweep (measured) on the best served proposer
+    served = max([r for r in rows if r["name"] != "ngram"], key=lambda r: r["speedup"])
+    src = served["dir"] if served["name"] != "hybrid" else f"hybrid:{best['dir']}"
+    sweep = [_decode_row(f"{served['name']}@k", src, recipe, run_dir, target, tokenizer, kk) for kk in k_sweep]
+    out = {"methods": rows, "divergences": div_rows, "raw_baseline": raw, "best_method": best_m,
+           "k_sweep": sweep, "served": served["name"], "n_prompts": recipe.evaluate.n_prompts,
+           "max_new_tokens": recipe.evaluate.max_new_tokens, "dtype": recipe.dtype,
+           "steps": steps or recipe.train.steps,
+           "distillation_tau_lift": (best["tau"] / raw["tau"] - 1) if raw and raw["tau"] else None}
+    best_sweep = max(sweep, key=lambda r: r["speedup"])
+    out["best_measured"] = {"name": served["name"], "k": best_sweep["k"], "tau": best_sweep["tau"],
+                            "speedup": best_sweep["speedup"],
+                            "vs_ngram": best_sweep["speedup"] / ngram["speedup"] if ngram["speedup"] else None}
+    write_json_atomic(run_dir / "compare" / "compare.json", out)
+    cols = ["name", "method", "divergence", "data", "alpha", "tau", "c", "k", "best_k", "speedup",
+            "predicted_speedup", "train_tokens_per_s"]
+    tracker.table("compare/methods", cols, [[r.get(c) for c in cols] for r in rows + div_rows[1:] + ([raw] if raw else [])])
+    tracker.summary({"compare/best_speedup": best_sweep["speedup"], "compare/best_tau": best_sweep["tau"],
+                     "compare/distillation_tau_lift": out["distillation_tau_lift"] or 0.0})
+    return out
+
+
+def _fmt(v, nd=2):
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def markdown(out: dict, command: str) -> str:
+    """The comparison as a Markdown document (run dir's compare.md, and docs/ with --docs)."""
+    head = "| variant | divergence | data | α | τ | c | K | best K (pred.) | speedup | predicted | train tok/s |\n" \
+           "|---|---|---|---|---|---|---|---|---|---|---|\n"
+
+    def line(r):
+        return (f"| {r['method'] if r['name'] in ('hybrid', 'ngram') else r['name']} | {_fmt(r['divergence'])} | "
+                f"{_fmt(r['data'])} | {_fmt(r['alpha'], 3)} | {_fmt(r['tau'])} | {_fmt(r['c'], 3)} | {_fmt(r['k'])} | "
+                f"{_fmt(r['best_k'])} | **{_fmt(r['speedup'])}×** | {_fmt(r['predicted_speedup'])}× | "
+                f"{_fmt(r['train_tokens_per_s'], 0)} |\n")
+
+    s = ["# Draft methods compared\n\n",
+         f"Made by: `{command}`\n\n",
+         f"Greedy, batch 1, {out['dtype']}, {out['n_prompts']} held-out HumanEval prompts, {out['max_new_tokens']} new "
+         f"tokens; every trained variant: {out['steps']} steps on the same generated data; speedup = our "
+         "speculative decoding over plain decoding in our decoder, the two taking turns prompt by prompt.\n\n",
+         "## Methods (default divergence)\n\n", head, *map(line, out["methods"]),
+         f"\n## Divergences on the best method ({out['best_method']})\n\n", head, *map(line, out["divergences"])]
+    if out.get("raw_baseline"):
+        s += ["\n## Distillation vs raw domain text\n\n", head, line(out["raw_baseline"]),
+              f"\nτ lift of distillation over raw-text training: {_fmt(out['distillation_tau_lift'] * 100, 0)}%\n"]
+    s += [f"\n## K sweep (measured) on {out['served']}\n\n", "| K | α | τ | speedup |\n|---|---|---|---|\n"]
+    s += [f"| {r['k']} | {_fmt(r['alpha'], 3)} | {_fmt(r['tau'])} | {_fmt(r['speedup'])}× |\n" for r in out["k_sweep"]]
+    b = out["best_measured"]
+    s.append(f"\nBest: {b['name']} at K={b['k']}: τ {_fmt(b['tau'])}, speedup {_fmt(b['speedup'])}×, "
+             f"{_fmt(b['vs_ngram'])}× the n-gram proposer's speedup.\n")
+    return "".join(s)

@@ -1,0 +1,57 @@
+"""`draftsmith compare` on a tiny target: every method trains and is judged in the decoder, the
+divergences run on the best one, the raw-text baseline and the K sweep are there, and the table is
+written to the run directory, to W&B's offline files and to --docs."""
+
+import json
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.compare import METHODS, best_k
+
+from test_distill import TINY_BUDGET, tiny_target  # noqa: F401  (fixture)
+
+
+def test_best_k_maximises_the_predicted_speedup():
+    pred = lambda a, K, c: (1 - a ** (K + 1)) / ((1 - a) * (K * c + 1))  # noqa: E731
+    for a, c in [(0.8, 0.05), (0.5, 0.2), (0.3, 0.5), (0.95, 0.01)]:
+        K = best_k(a, c)
+        assert all(pred(a, K, c) >= pred(a, j, c) for j in range(1, 9))
+    assert best_k(0.9, 0.01) > best_k(0.3, 0.3)  # good cheap drafts want long runs
+    assert best_k(0.0, 0.1) is None and best_k(0.5, None) is None
+
+
+def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    docs = tmp_path / "compare.md"
+    args = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={tmp_path}", "wandb.mode=offline", *TINY_BUDGET, "train.num_layers=1",
+            "--methods", ",".join(METHODS), "--divergences", "fkl,tv", "--steps", "2", "--docs", str(docs)]
+    assert main(args) == 0
+    run = (tmp_path / "code" / "latest").resolve()
+    out = json.loads((run / "compare" / "compare.json").read_text())
+    names = [r["name"] for r in out["methods"]]
+    assert names == [f"{m}-fkl" for m in METHODS] + ["hybrid", "ngram"]
+    for r in out["methods"]:
+        assert 0.0 <= r["alpha"] <= 1.0 and r["tau"] >= 1.0 and r["speedup"] > 0, r
+        assert r["c"] is not None and r["best_k"] is not None or r["alpha"] == 0.0
+    trained = [r for r in out["methods"] if r["name"] not in ("hybrid", "ngram", "int8-fkl")]
+    assert all(r["steps"] == 2 and r["train_tokens_per_s"] > 0 for r in trained)
+    best = out["best_method"]
+    assert [r["name"] for r in out["divergences"]] == [f"{best}-fkl", f"{best}-tv"]
+    assert out["raw_baseline"]["data"] == "raw" and out["distillation_tau_lift"] is not None
+    assert [r["k"] for r in out["k_sweep"]] == [2, 3, 4, 6, 8]
+    md = docs.read_text()
+    assert md == (run / "compare" / "compare.md").read_text()
+    assert "draftsmith compare" in md and "| eagle-fkl |" in md and "K sweep" in md
+    assert any(b"compare/methods" in f.read_bytes() for f in run.glob("wandb/offline-run-*/run-*.wandb"))
+    # rerun: every variant is read back, nothing retrained
+    stamp = {p: p.stat().st_mtime for p in run.glob("compare/*/train/manifest.json")}
+    assert main(args) == 0
+    assert {p: p.stat().st_mtime for p in run.glob("compare/*/train/manifest.json")} == stamp
+
+
+def test_compare_rejects_unknown_method(tiny_target, tmp_path):  # noqa: F811
+    args = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "--methods", "eagle,warp"]
+    assert main(args) == 2
