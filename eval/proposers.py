@@ -1,4 +1,5 @@
-"""Draft proposers for the speculative decoder: n-gram prompt lookup, a small draft LM, an EAGLE head.
+"""Draft proposers for the speculative decoder: n-gram prompt lookup, a small draft LM (also the
+self-speculative and int8 drafts of eval/drafts.py), an EAGLE head (Medusa heads: eval/medusa.py).
 
 One small interface (`Proposer`), driven by `eval.decoder.SpeculativeDecoder`:
 
@@ -137,18 +138,38 @@ def _draw(logits: torch.Tensor, sampling: Sampling):
 
 
 class DraftLMProposer(Proposer):
-    """A small HF causal LM with the target's tokenizer, with its own position-indexed KV cache."""
+    """A small causal LM with the target's tokenizer, with its own position-indexed KV cache: an HF
+    model, or a draft in LeanLlama's layout (eval.drafts: SelfSpecDraft, Int8Draft).
+
+    d2t [Vd] (a truncated draft vocabulary, draft row -> target id): the model's logits are over
+    those Vd rows. Greedy drafting maps the argmax row through d2t (no [B, V] tensor); sampling
+    spreads the rows over the target vocabulary (`vocab_size` then required) with -inf elsewhere,
+    so q is a distribution over the target's ids, zero outside d2t."""
 
     name = "draft_lm"
 
-    def __init__(self, model, vocab_size: int | None = None, lean: bool = True):
+    def __init__(self, model, vocab_size: int | None = None, lean: bool = True, d2t: torch.Tensor | None = None):
         self.model = model.eval()
         self.runner = make_runner(model, lean)
         self.vocab_size = vocab_size  # the target's; draft logits beyond it (padding rows) are dropped
+        if d2t is not None and vocab_size is None:
+            raise ValueError("DraftLMProposer with a truncated vocabulary (d2t) needs the target's vocab_size")
+        self.d2t = None if d2t is None else d2t.long().to(self.runner.device)  # [Vd]
 
     def _logits(self, tokens, pos, s_len, idx):
         logits, _ = self.runner(tokens, pos, s_len, idx)  # [B, 1, Vd]
+        if self.d2t is not None:
+            return logits[:, 0]  # [B, Vd]: draft rows, mapped in _draw_draft
         return logits[:, 0, : self.vocab_size]  # [B, V]
+
+    def _draw_draft(self, logits):
+        """[B, Vd or V] draft logits -> (tokens [B] target ids, q [B, V] or None)."""
+        if self.d2t is None:
+            return _draw(logits, self.sampling)
+        if self.sampling.greedy:
+            return self.d2t[logits.argmax(-1)], None
+        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
+        return _draw(full.index_copy_(1, self.d2t, logits.float()), self.sampling)
 
     def begin(self, prompts, first, max_len, sampling, features=None):
         B, dev = len(prompts), first.device
@@ -170,7 +191,7 @@ class DraftLMProposer(Proposer):
         logits = self.next_logits
         self.fed_drafts = True  # accept() may rely on drafts 1..k-1 being in the cache
         for i in range(k):
-            tok, q = _draw(logits, self.sampling)  # [B], [B, V]
+            tok, q = self._draw_draft(logits)  # [B], [B, V]
             drafts.append(tok)
             qs.append(q)
             if i + 1 < k:  # feed draft i at position pos + 1 + i to get the next one
@@ -328,23 +349,28 @@ class EagleProposer(Proposer):
 
 
 def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
-    """"ngram" -> NgramProposer(); "hybrid:<draft dir>" -> HybridProposer over that draft;
-    an EagleHead -> EagleProposer; an HF model -> DraftLMProposer; a draft directory
-    (draftsmith_draft.json says {"kind": "eagle" | "draft_lm"}, and "proposer": "hybrid" when it
-    was promoted as a hybrid) -> its proposer."""
+    """"ngram" -> NgramProposer(); "int8" -> DraftLMProposer over an int8 copy of the target (built
+    now); "hybrid:<draft dir>" -> HybridProposer over that draft; an EagleHead -> EagleProposer; a
+    module (an HF model, or an eval.drafts draft, whose `d2t` is used) -> DraftLMProposer; a draft
+    directory (draftsmith_draft.json says {"kind": "eagle" | "medusa" | "draft_lm" | "self_spec" |
+    "int8"}, and "proposer": "hybrid" when it was promoted as a hybrid) -> its proposer. A self_spec
+    directory holds only the adapter: it is rebuilt around `target`, which must be its own target."""
     if isinstance(path_or_kind, Proposer):
         return path_or_kind
     if isinstance(path_or_kind, EagleHead):
         return EagleProposer(path_or_kind, target)
     if isinstance(path_or_kind, torch.nn.Module):
-        return DraftLMProposer(path_or_kind, target.config.vocab_size)
+        return DraftLMProposer(path_or_kind, target.config.vocab_size, d2t=getattr(path_or_kind, "d2t", None))
     if path_or_kind == "ngram":
         return NgramProposer()
+    if path_or_kind == "int8":
+        return _int8_proposer(target)
     if isinstance(path_or_kind, str) and path_or_kind.startswith("hybrid:"):
         return HybridProposer(load_proposer(path_or_kind[len("hybrid:"):], target, dtype))
     d = Path(path_or_kind)
     if not (d / HEAD_FILE).exists():
-        raise ValueError(f"{d} is not a draft directory (no {HEAD_FILE}); give a checkpoint or best/ dir, or 'ngram'")
+        raise ValueError(f"{d} is not a draft directory (no {HEAD_FILE}); give a checkpoint or best/ dir, "
+                         f"'ngram' or 'int8'")
     meta = json.loads((d / HEAD_FILE).read_text())
     dtype = dtype or target.get_output_embeddings().weight.dtype
     if meta.get("proposer") == "hybrid":  # a promoted draft that is served with n-gram lookups
@@ -352,13 +378,32 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     return _model_proposer(d, meta, target, dtype)
 
 
+def _int8_proposer(target) -> "DraftLMProposer":
+    from .drafts import int8_draft
+
+    return DraftLMProposer(int8_draft(target), target.config.vocab_size)
+
+
 def _model_proposer(d: Path, meta: dict, target, dtype) -> Proposer:
     p = target.get_output_embeddings().weight
-    if meta.get("kind") == "eagle":
+    kind = meta.get("kind")
+    if kind == "eagle":
         return EagleProposer(EagleHead.load(d, dtype=dtype, device=p.device), target)
-    if meta.get("kind") == "draft_lm":
+    if kind == "draft_lm":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).to(p.device)
         return DraftLMProposer(model, target.config.vocab_size)
-    raise ValueError(f"{d}: unknown draft kind {meta.get('kind')!r} (expected 'eagle' or 'draft_lm')")
+    if kind == "self_spec":
+        from .drafts import SelfSpecDraft
+
+        draft = SelfSpecDraft.load(d, target, dtype=dtype, device=p.device)
+        return DraftLMProposer(draft, target.config.vocab_size, d2t=draft.d2t)
+    if kind == "int8":  # nothing stored: the int8 copy is built from the target now
+        return _int8_proposer(target)
+    if kind == "medusa":
+        from .medusa import MedusaHeads, MedusaProposer
+
+        return MedusaProposer(MedusaHeads.load(d, dtype=dtype, device=p.device), target)
+    raise ValueError(f"{d}: unknown draft kind {kind!r} (expected 'eagle', 'medusa', 'draft_lm', "
+                     f"'self_spec' or 'int8')")

@@ -6,7 +6,7 @@ positions, (2) a rejected draft's slot is simply overwritten by the next round (
 (3) it returns both logits and the features (final hidden state after the final norm, the input of
 the LM head) that EAGLE heads read.
 
-`LeanLlama` reuses the HF module's weights (no copy) for Llama-family decoders (Llama, Mistral
+`LeanLlama` reads the HF module's own weights for Llama-family decoders (Llama, Mistral
 without sliding window, Qwen2: q/k/v/o + SwiGLU MLP + RMSNorm + the model's own rotary module).
 Anything else goes through `HFFallback`: the HF forward with a DynamicCache cropped after each round
 (batch 1 only; ragged batches need per-row positions that DynamicCache does not have).
@@ -19,6 +19,8 @@ s_len (host int) is the number of cache slots attended (max position written + 1
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +51,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LeanLlama:
-    """Llama-family forward over the HF module's own weights, writing K/V at absolute positions."""
+    """Llama-family forward over the HF module's own weights, writing K/V at absolute positions.
 
-    def __init__(self, model):
+    fuse=True (the default) runs q|k|v and gate|up as one matmul each: the model's own fused modules
+    where it has them (`qkv_proj`, `gate_up_proj`), else concatenated copies of the weights.
+    fuse=False calls the model's own q/k/v/gate/up modules: no copy, for drafts that share their
+    layers with the target (eval.drafts.SelfSpecDraft); five projection calls per layer instead of two."""
+
+    def __init__(self, model, fuse: bool = True):
         if not _is_llama_like(model):
             raise TypeError(f"{type(model).__name__} is not a Llama-family decoder")
         self.model = model
@@ -60,22 +67,29 @@ class LeanLlama:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = getattr(model.model.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
-        p = model.lm_head.weight
+        # The cache follows the layers' dtype (the token embedding's): a draft may keep its own LM head
+        # in another dtype than the layers it shares with the target.
+        p = model.model.embed_tokens.weight
         self.dtype, self.device = p.dtype, p.device
         self.caches: list[KVCache] = []
         # Fused projections (q|k|v and gate|up): one matmul instead of three/two per layer, which
         # matters on CPU at batch 1 where per-call overhead is a large part of a token's time. They
         # are copies taken now: a runner must be rebuilt if the model's weights change afterwards.
-        self.fused = []
+        # A model that already holds fused projections (`self_attn.qkv_proj`, `mlp.gate_up_proj`,
+        # e.g. eval.drafts' int8 draft) is used as it is, without a copy.
+        self.fused = [None] * len(model.model.layers)  # per layer: (qkv(h), gate_up(h)) callables, or None
         with torch.no_grad():
-            for layer in model.model.layers:
+            for i, layer in enumerate(model.model.layers if fuse else []):
                 att, mlp = layer.self_attn, layer.mlp
+                if hasattr(att, "qkv_proj") and hasattr(mlp, "gate_up_proj"):
+                    self.fused[i] = (att.qkv_proj, mlp.gate_up_proj)
+                    continue
                 qkv = [att.q_proj, att.k_proj, att.v_proj]
                 w_qkv = torch.cat([l.weight for l in qkv])
                 b_qkv = torch.cat([l.bias for l in qkv]) if att.q_proj.bias is not None else None
                 w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
                 b_gu = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
-                self.fused.append((w_qkv, b_qkv, w_gu, b_gu))
+                self.fused[i] = (partial(F.linear, weight=w_qkv, bias=b_qkv), partial(F.linear, weight=w_gu, bias=b_gu))
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv * self.head_dim
 
@@ -102,10 +116,13 @@ class LeanLlama:
             slots = torch.arange(s_len, device=x.device)
             mask = (slots[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
         gqa = self.n_heads != self.n_kv
-        for layer, cache, (w_qkv, b_qkv, w_gu, b_gu) in zip(m.layers, self.caches, self.fused):
+        for layer, cache, fused in zip(m.layers, self.caches, self.fused):
             att, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm(x)
-            q, k, v = F.linear(h, w_qkv, b_qkv).split([self.q_dim, self.kv_dim, self.kv_dim], -1)
+            if fused is not None:
+                q, k, v = fused[0](h).split([self.q_dim, self.kv_dim, self.kv_dim], -1)
+            else:
+                q, k, v = att.q_proj(h), att.k_proj(h), att.v_proj(h)
             q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
             k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
             v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -116,7 +133,10 @@ class LeanLlama:
                                                scale=self.scale, enable_gqa=gqa)  # [B, nh, T, hd]
             x = x + att.o_proj(a.transpose(1, 2).reshape(B, T, -1))
             h = layer.post_attention_layernorm(x)
-            gate, up = F.linear(h, w_gu, b_gu).chunk(2, -1)
+            if fused is not None:
+                gate, up = fused[1](h).chunk(2, -1)
+            else:
+                gate, up = mlp.gate_proj(h), mlp.up_proj(h)
             x = x + mlp.down_proj(F.silu(gate) * up)
         feats = m.norm(x)  # [B, T, H]
         if logit_idx is not None:
@@ -158,8 +178,10 @@ class HFFallback:
         return head(feats), feats
 
 
-def make_runner(model, lean: bool = True):
-    """The lean forward where the architecture allows it, else the HF fallback."""
+def make_runner(model, lean: bool = True, fuse: bool | None = None):
+    """The lean forward where the architecture allows it, else the HF fallback. fuse=None: fuse the
+    projections unless the model says not to (`lean_fuse = False`: its weights are shared with the
+    target, so fused copies would duplicate them)."""
     if lean and _is_llama_like(model):
-        return LeanLlama(model)
+        return LeanLlama(model, getattr(model, "lean_fuse", True) if fuse is None else fuse)
     return HFFallback(model)
