@@ -27,13 +27,13 @@ from .tracking import NoOpTracker
 # name -> recipe overrides (train.*). "lora" is draft_lm with a LoRA adapter; "eagle_fullvocab" is
 # the truncated-vocabulary method's counterpart (same head, all 49k rows).
 METHODS = {
-    "draft_lm": {"method": "draft_lm", "num_layers": 2, "lora_rank": 0, "lr": 3e-4},
-    "lora": {"method": "draft_lm", "num_layers": 2, "lora_rank": 16, "lora_alpha": 32, "lr": 1e-3},
-    "medusa": {"method": "medusa"},
     "eagle": {"method": "eagle"},
-    "eagle_fullvocab": {"method": "eagle", "draft_vocab_size": 0},
-    "self_spec": {"method": "self_spec", "num_layers": 6},
+    "medusa": {"method": "medusa"},
+    "self_spec": {"method": "self_spec", "num_layers": 6, "adapter_rank": 128, "lr": 1e-2},
     "int8": {"method": "int8"},
+    "lora": {"method": "draft_lm", "num_layers": 2, "lora_rank": 16, "lora_alpha": 32, "lr": 1e-3},
+    "draft_lm": {"method": "draft_lm", "num_layers": 2, "lora_rank": 0, "lr": 3e-4},
+    "eagle_fullvocab": {"method": "eagle", "draft_vocab_size": 0},
 }
 DIVERGENCES = ("fkl", "rkl", "jsd", "tv")
 
@@ -72,6 +72,9 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
     from .evaluate import run_evaluate
     from .train import FEATURES_FILE, run_train
 
+    L = target.config.num_hidden_layers
+    if recipe.train.method in ("self_spec", "draft_lm") and recipe.train.num_layers > max(L // 2, 1):
+        recipe.train.num_layers = max(L // 2, 1)  # a small target: keep the draft a fraction of it
     vdir = run_dir / "compare" / name
     (vdir / "train").mkdir(parents=True, exist_ok=True)
     _link(run_dir / "generate", vdir / "generate")

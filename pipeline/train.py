@@ -543,6 +543,8 @@ def _int8_checkpoint(train_dir: Path, recipe, extra: dict) -> Path:
         torch.save({"step": 0}, tmp / STATE_FILE)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+    if read_manifest(train_dir).get("recipe_hash") == recipe.hash():
+        return train_dir
     write_json_atomic(train_dir / "manifest.json", {
         "method": "int8", "divergence": None, "checkpoints": [final.name], "tokens_per_s": None,
         "final_loss": None, "draft_vocab_size": None, "steps": 0, "recipe_hash": recipe.hash(), "n_sequences": 0})

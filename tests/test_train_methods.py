@@ -61,11 +61,18 @@ def test_lora_draft_saves_adapter_and_merged_weights(tmp_path, gen_dir, target):
     assert any("lora_A" in k for k in sd)
 
 
-def test_lora_resume_equals_uninterrupted(tmp_path, gen_dir, target):
+@pytest.mark.parametrize("method,extra,weights", [
+    ("draft_lm", {"lora_rank": 4}, "adapter/adapter_model.safetensors"),
+    ("medusa", {"medusa_heads": 2, "draft_vocab_size": 40}, "head.safetensors"),
+    ("self_spec", {"num_layers": 2, "adapter_rank": 4, "draft_vocab_size": 40}, "adapter.safetensors"),
+    ("draft_lm", {"data": "mix", "onpolicy_fraction": 0.5}, "model.safetensors"),
+])
+def test_resume_equals_uninterrupted(tmp_path, gen_dir, target, method, extra, weights):
     from safetensors.torch import load_file
 
     a, b = _copy_gen(gen_dir, tmp_path / "a"), _copy_gen(gen_dir, tmp_path / "b")
-    recipe = _recipe(method="draft_lm", num_layers=1, lora_rank=4, steps=4, save_every=2)
+    recipe = _recipe(method=method, steps=4, save_every=2, **{"num_layers": 1, **extra})
+    before = {k: v.clone() for k, v in target.state_dict().items()}
     run_train(recipe, a, target=target)
 
     class Crash:
@@ -76,10 +83,31 @@ def test_lora_resume_equals_uninterrupted(tmp_path, gen_dir, target):
     with pytest.raises(KeyboardInterrupt):
         run_train(recipe, b, target=target, tracker=Crash())
     run_train(recipe, b, target=target)
-    wa = load_file(str(a / "train/checkpoint-000004/adapter/adapter_model.safetensors"))
-    wb = load_file(str(b / "train/checkpoint-000004/adapter/adapter_model.safetensors"))
+    wa = load_file(str(a / "train/checkpoint-000004" / weights))
+    wb = load_file(str(b / "train/checkpoint-000004" / weights))
+    assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+    for k, v in target.state_dict().items():  # self_spec shares the target's weights: never changed
+        assert torch.equal(v, before[k]), k
+    meta = json.loads((b / "train/checkpoint-000004/draftsmith_draft.json").read_text())
+    assert meta["kind"] == method and meta["data"] == recipe.train.data
+
+
+def test_trained_drafts_decode_exactly(tmp_path, gen_dir, target):
+    """Every trained kind loads through load_proposer and decodes exactly like plain greedy (fp32)."""
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import load_proposer
+
+    prompts = [[5, 9, 3, 7], [11, 2, 8, 8, 1, 4]]
+    plain = SpeculativeDecoder(target, None).generate(prompts, max_new_tokens=10).sequences
+    for method, extra in [("medusa", {"medusa_heads": 3}), ("self_spec", {"num_layers": 1, "draft_vocab_size": 40}),
+                          ("int8", {}), ("draft_lm", {"lora_rank": 4})]:
+        d = _copy_gen(gen_dir, tmp_path / method)
+        run_train(_recipe(method=method, steps=2, save_every=2, **extra), d, target=target)
+        ck = sorted((d / "train").glob("checkpoint-*"))[-1]
+        spec = SpeculativeDecoder(target, load_proposer(str(ck), target), k=3).generate(prompts, max_new_tokens=10)
+        assert spec.sequences == plain, method
 
 
 def test_teacher_topk_matches_the_targets_own_logprobs(target):
