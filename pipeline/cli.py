@@ -168,6 +168,10 @@ def stage_compare(recipe, run_dir, args, target=None, tok=None) -> dict:
     (run_dir / "compare" / "compare.md").write_text(md)
     if args.docs:
         Path(args.docs).write_text(md)
+    if (run_dir / "metrics.json").exists():  # the run's report gains the comparison
+        from .report import write_report
+
+        write_report(run_dir)
     b = out["best_measured"]
     print(f"draftsmith: best {b['name']} K={b['k']}: tau {b['tau']:.2f}, speedup {b['speedup']:.2f}x "
           f"({b['vs_ngram']:.2f}x the n-gram proposer) -> {run_dir / 'compare' / 'compare.md'}")

@@ -48,6 +48,39 @@ def _plots(run_dir: Path, metrics: dict) -> list[str]:
     return made
 
 
+def compare_section(run_dir: Path) -> list[str]:
+    """When `draftsmith compare` ran on this run: every method's measured speedup (int8 and n-gram
+    baselines included) as a short table and a bar plot, pointing to compare/compare.md for the rest."""
+    p = Path(run_dir) / "compare" / "compare.json"
+    if not p.exists():
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = json.loads(p.read_text())
+    rows = out["methods"] + out["divergences"][1:] + ([out["raw_baseline"]] if out.get("raw_baseline") else [])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(range(len(rows)), [r["speedup"] for r in rows],
+           color=["C1" if r["name"] in ("ngram", "int8-fkl") else "C0" for r in rows])
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("measured speedup vs plain")
+    ax.set_title("Draft methods (baselines in orange)")
+    fig.tight_layout()
+    fig.savefig(Path(run_dir) / "compare_speedup.png", dpi=110)
+    plt.close(fig)
+    f = lambda x, d=2: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
+    lines = ["", "## Draft methods compared (`draftsmith compare`)", "",
+             "| variant | α | τ | speedup |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['name']} | {f(r['alpha'], 3)} | {f(r['tau'])} | {f(r['speedup'])}× |" for r in rows]
+    lines += ["", "Baselines without training: `ngram` (prompt lookup) and `int8-fkl` (an int8 copy of the "
+              "target as the draft). Full table: [compare/compare.md](compare/compare.md).", "",
+              "![compare_speedup.png](compare_speedup.png)"]
+    return lines
+
+
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     m = json.loads((run_dir / "metrics.json").read_text())
@@ -88,6 +121,7 @@ def write_report(run_dir: Path) -> Path:
     lines += ["", "Acceptance per draft position (P(accepted | reached)): "
               + ", ".join(f(a, 3) for a in m.get("accept_per_pos", [])), ""]
     lines += [f"![{p}]({p})" for p in plots]
+    lines += compare_section(run_dir)
     out = run_dir / "report.md"
     out.write_text("\n".join(lines) + "\n")
     return out

@@ -45,6 +45,11 @@ def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
     assert md == (run / "compare" / "compare.md").read_text()
     assert "draftsmith compare" in md and "| eagle-fkl |" in md and "K sweep" in md
     assert any(b"compare/methods" in f.read_bytes() for f in run.glob("wandb/offline-run-*/run-*.wandb"))
+    # the run's report shows the comparison, int8 and n-gram baselines included, with a plot
+    from pipeline.report import compare_section
+
+    section = "\n".join(compare_section(run))
+    assert "| int8-fkl |" in section and "| ngram |" in section and (run / "compare_speedup.png").exists()
     # rerun: every variant is read back, nothing retrained
     stamp = {p: p.stat().st_mtime for p in run.glob("compare/*/train/manifest.json")}
     assert main(args) == 0
