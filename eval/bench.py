@@ -95,9 +95,12 @@ def resolve_target(spec: str) -> str:
         raise BenchError(str(e)) from None
 
 
+KINDS = ("eagle", "medusa", "draft_lm", "self_spec", "int8")
+
+
 def draft_kind(draft: str) -> str:
-    if draft == "ngram":
-        return "ngram"
+    if draft in ("ngram", "int8"):  # need no directory: prompt lookup, an int8 copy of the target
+        return draft
     d = Path(draft)
     if not d.is_dir():
         raise BenchError(f"draft directory {draft} does not exist (give a draft directory or 'ngram')")
@@ -108,8 +111,8 @@ def draft_kind(draft: str) -> str:
         kind = json.loads(f.read_text()).get("kind")
     except (json.JSONDecodeError, AttributeError):
         raise BenchError(f"{f}: bad JSON") from None
-    if kind not in ("eagle", "draft_lm"):
-        raise BenchError(f"{f}: unknown draft kind {kind!r} (expected eagle or draft_lm)")
+    if kind not in KINDS:
+        raise BenchError(f"{f}: unknown draft kind {kind!r} (expected one of {', '.join(KINDS)})")
     return kind
 
 
@@ -296,7 +299,7 @@ def compare(target, prompts, ref, other) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draftsmith bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=EMBEDDED, help="'embedded' (default) or a local HF checkpoint dir")
-    ap.add_argument("--draft", required=True, help="a draft directory (eagle or draft_lm) or 'ngram'")
+    ap.add_argument("--draft", required=True, help="a draft directory (any kind: eagle, medusa, draft_lm, self_spec, int8), 'ngram' or 'int8'")
     ap.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'messages' per line")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -148,3 +148,19 @@ def test_match_rate_and_merge():
                                  {"alpha": 0.0, "accept_per_pos": [0.0], "_n": 30}])
     assert merged["alpha"] == pytest.approx(0.25)
     assert merged["accept_per_pos"] == [pytest.approx(0.25), pytest.approx(1.0)]
+
+
+def test_int8_and_head_drafts_bench_without_hf_comparisons(tiny, tmp_path):
+    """Drafts HF cannot load as assistant_model (an int8 copy of the target, Medusa heads) still get
+    plain / HF generate / speculative rows, exact in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.medusa import MedusaHeads
+
+    rc, res = _run(tiny, tmp_path, "--draft", "int8", "--k", "2", "--n-prompts", "2")
+    assert rc == 0 and res["draft_kind"] == "int8" and "hf_assisted" not in res
+    assert res["speculative"]["tokens_per_s"] > 0 and res["exactness"]["exact_match"] is True
+    heads = MedusaHeads.from_target(AutoModelForCausalLM.from_pretrained(tiny["target"]), num_heads=2)
+    heads.save(tmp_path / "medusa")
+    rc, res = _run(tiny, tmp_path, "--draft", str(tmp_path / "medusa"), "--k", "2", "--n-prompts", "2")
+    assert rc == 0 and res["draft_kind"] == "medusa" and res["greedy_exact"] is True
