@@ -156,6 +156,10 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
     # Step 3: hybrid of the best trained variant, and the n-gram baseline
     rows.append(_decode_row("hybrid", f"hybrid:{best['dir']}", recipe, run_dir, target, tokenizer, k))
     rows[-1]["method"] = f"hybrid ({best_m} + ngram)"
+    int8 = [r for r in rows if r["method"] == "int8"]
+    if int8:  # the int8 copy accepts almost everything but costs half a target step: lookups are free
+        rows.append(_decode_row("int8+ngram", f"hybrid:{int8[0]['dir']}", recipe, run_dir, target, tokenizer, k))
+        rows[-1]["method"] = "hybrid (int8 + ngram)"
     ngram = _decode_row("ngram", "ngram", recipe, run_dir, target, tokenizer, k)
     rows.append(ngram)
     # Step 4: divergences on the best method; the raw-text (undistilled) baseline
@@ -171,7 +175,7 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
         raw = run_variant(f"{best_m}-{default_div}-raw", rv, run_dir, target, tokenizer)
     # K sweep (measured) on the best served proposer
     served = max([r for r in rows if r["name"] != "ngram"], key=lambda r: r["speedup"])
-    src = served["dir"] if served["name"] != "hybrid" else f"hybrid:{best['dir']}"
+    src = served["dir"]  # a variant's best/ dir, or "hybrid:<dir>" for the served combinations
     sweep = [_decode_row(f"{served['name']}@k", src, recipe, run_dir, target, tokenizer, kk) for kk in k_sweep]
     out = {"methods": rows, "divergences": div_rows, "raw_baseline": raw, "best_method": best_m,
            "k_sweep": sweep, "served": served["name"], "n_prompts": recipe.evaluate.n_prompts,
@@ -205,7 +209,7 @@ def markdown(out: dict, command: str) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|\n"
 
     def line(r):
-        return (f"| {r['method'] if r['name'] in ('hybrid', 'ngram') else r['name']} | {_fmt(r['divergence'])} | "
+        return (f"| {r['method'] if r['name'] in ('hybrid', 'int8+ngram', 'ngram') else r['name']} | {_fmt(r['divergence'])} | "
                 f"{_fmt(r['data'])} | {_fmt(r['alpha'], 3)} | {_fmt(r['tau'])} | {_fmt(r['c'], 3)} | {_fmt(r['k'])} | "
                 f"{_fmt(r['best_k'])} | **{_fmt(r['speedup'])}×** | {_fmt(r['predicted_speedup'])}× | "
                 f"{_fmt(r['train_tokens_per_s'], 0)} |\n")

@@ -31,7 +31,7 @@ def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
     run = (tmp_path / "code" / "latest").resolve()
     out = json.loads((run / "compare" / "compare.json").read_text())
     names = [r["name"] for r in out["methods"]]
-    assert names == [f"{m}-fkl" for m in METHODS] + ["hybrid", "ngram"]
+    assert names == [f"{m}-fkl" for m in METHODS] + ["hybrid", "int8+ngram", "ngram"]
     for r in out["methods"]:
         assert 0.0 <= r["alpha"] <= 1.0 and r["tau"] >= 1.0 and r["speedup"] > 0, r
         assert r["c"] is not None and r["best_k"] is not None or r["alpha"] == 0.0
