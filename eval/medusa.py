@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .heads import HEAD_FILE
-from .proposers import Proposer, Sampling
+from .proposers import Proposer, Sampling, to_target_vocab
 
 
 @dataclass
@@ -161,9 +161,7 @@ class MedusaProposer(Proposer):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, n, H] -> [B, n, V] target-vocab logits (ids outside the draft vocab at -inf)."""
-        d = self.heads.logits(h).float()  # [B, n, Vd]
-        out = torch.full((*d.shape[:-1], self.vocab_size), float("-inf"), device=d.device)
-        return out.index_copy_(-1, self.d2t, d)
+        return to_target_vocab(self.heads.logits(h), self.d2t, self.vocab_size)
 
     def begin(self, prompts, first, max_len, sampling: Sampling, features=None):
         if features is None:

@@ -129,6 +129,13 @@ def _verified(tokens, start, n_acc, bonus):
     return toks, pos, idx
 
 
+def to_target_vocab(logits: torch.Tensor, d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., Vd] logits over a truncated draft vocabulary -> [..., V] float logits over the target's
+    ids, -inf outside d2t (so a distribution drawn from them is zero there)."""
+    out = torch.full((*logits.shape[:-1], vocab_size), float("-inf"), device=logits.device)
+    return out.index_copy_(-1, d2t, logits.float())
+
+
 def _draw(logits: torch.Tensor, sampling: Sampling):
     """[B, V] draft logits -> (tokens [B], q [B, V] or None)."""
     if sampling.greedy:
@@ -168,8 +175,7 @@ class DraftLMProposer(Proposer):
             return _draw(logits, self.sampling)
         if self.sampling.greedy:
             return self.d2t[logits.argmax(-1)], None
-        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
-        return _draw(full.index_copy_(1, self.d2t, logits.float()), self.sampling)
+        return _draw(to_target_vocab(logits, self.d2t, self.vocab_size), self.sampling)
 
     def begin(self, prompts, first, max_len, sampling, features=None):
         B, dev = len(prompts), first.device
@@ -302,9 +308,7 @@ class EagleProposer(Proposer):
 
     def _logits(self, h):
         """[B, H] -> [B, V] target-vocab logits (rows outside the draft vocab at -inf)."""
-        d = self.head.logits(h).float()  # [B, Vd]
-        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), device=h.device)
-        return out.index_copy_(1, self.d2t, d)
+        return to_target_vocab(self.head.logits(h), self.d2t, self.vocab_size)
 
     def begin(self, prompts, first, max_len, sampling, features=None):
         B, dev = len(prompts), first.device
