@@ -148,7 +148,7 @@ def _onpolicy_batch(batch, tc, draft, target, eos: set[int], seed: int):
     full-vocabulary teacher logits for every batch, on-policy or not, where the generated batches
     here reuse the stored top-k (the dominant training cost on this hardware), and it needs an HF
     model with `generate`, which the self_spec draft is not."""
-    from eval.proposers import DraftLMProposer, Sampling
+    from eval.proposers import Sampling, load_proposer
 
     k = batch["tk_ids"].shape[-1]
     prompts, firsts, n_new = [], [], []
@@ -165,8 +165,7 @@ def _onpolicy_batch(batch, tc, draft, target, eos: set[int], seed: int):
     draft.eval()
     g = torch.Generator().manual_seed(seed)
     if tc.method == "self_spec":  # the decoder's own draft runner: a KV cache over the shared layers
-        V = target.config.vocab_size
-        prop = DraftLMProposer(draft, V, d2t=getattr(draft, "d2t", None), **_selfspec_runner_kw())
+        prop = load_proposer(draft, target)  # a DraftLMProposer with the draft's d2t
         first = torch.tensor(firsts)
         prop.begin(prompts, first, max(map(len, prompts)) + 1 + max(n_new), Sampling(1.0, generator=g))
         samples = prop.propose(max(n_new))[0].tolist() if max(n_new) > 0 else [[] for _ in prompts]
@@ -196,10 +195,6 @@ def _onpolicy_batch(batch, tc, draft, target, eos: set[int], seed: int):
     items = [{"ids": torch.tensor(sq), "P": p, "tk_ids": torch.tensor(ti, dtype=torch.long),
               "tk_lp": torch.tensor(tl, dtype=torch.float32)} for sq, p, (ti, tl) in zip(seqs, P_list, scored)]
     return _collate(items)
-
-
-def _selfspec_runner_kw() -> dict:
-    return {}
 
 
 class _Seqs(torch.utils.data.Dataset):
@@ -463,8 +458,9 @@ def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest,
     """Per method: (trainable module returning (loss, metrics), its parameters, save_draft(dir, step,
     module), dataset, d2t, the draft that samples on-policy sequences or None)."""
     V = target.config.vocab_size
-    d2t = draft_vocab(rows, V, tc.draft_vocab_size)  # Step 1: the truncated draft vocabulary
-    draft_ids = None if len(d2t) == V else d2t
+    if tc.method != "draft_lm":  # draft_lm keeps the full vocabulary so HF assistant_model loads it
+        d2t = draft_vocab(rows, V, tc.draft_vocab_size)  # Step 1: the truncated draft vocabulary
+        draft_ids = None if len(d2t) == V else d2t
     if tc.method in ("eagle", "medusa"):  # heads over the target's features: Step 2, cache them
         feats = cache_features(target, rows, train_dir / FEATURES_FILE,
                                _features_key(recipe, gen_manifest), batch_size=tc.batch_size)
@@ -493,9 +489,10 @@ def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest,
 
         from .selfspec_train import SelfSpecTrainer, trainable_parameters
 
-        draft = SelfSpecDraft(target, tc.num_layers, tc.adapter_rank, draft_ids)
-        if resume is not None:
-            draft.load_state_dict(SelfSpecDraft.load(resume, target).state_dict())
+        if resume is not None:  # rebuilt around the target: only the adapter (and head) are read
+            draft = SelfSpecDraft.load(resume, target, dtype=torch.float32)
+        else:
+            draft = SelfSpecDraft(target, tc.num_layers, tc.adapter_rank, draft_ids)
         module = SelfSpecTrainer(draft, tc)
         return (module, trainable_parameters(draft), lambda d, step, m: m.draft.save(d, extra={**extra, "step": step}),
                 _Seqs(rows), d2t, draft)

@@ -66,6 +66,8 @@ def test_lora_draft_saves_adapter_and_merged_weights(tmp_path, gen_dir, target):
     ("medusa", {"medusa_heads": 2, "draft_vocab_size": 40}, "head.safetensors"),
     ("self_spec", {"num_layers": 2, "adapter_rank": 4, "draft_vocab_size": 40}, "adapter.safetensors"),
     ("draft_lm", {"data": "mix", "onpolicy_fraction": 0.5}, "model.safetensors"),
+    ("self_spec", {"num_layers": 2, "adapter_rank": 4, "draft_vocab_size": 40, "data": "onpolicy"},
+     "adapter.safetensors"),
 ])
 def test_resume_equals_uninterrupted(tmp_path, gen_dir, target, method, extra, weights):
     from safetensors.torch import load_file
