@@ -14,7 +14,9 @@ from eval.proposers import DraftLMProposer, load_proposer
 from eval.target import LeanLlama
 from pipeline.selfspec_train import SelfSpecTrainer, trainable_parameters
 
-V, K_TOP = 96, 8
+from test_train import _greedy  # the target's greedy continuation with top-8 log-probs
+
+V = 96
 PROMPTS = [[1, 5, 9, 3, 5, 9, 4], [7, 7, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4]]
 N_NEW = 16
 TRUNC = torch.arange(0, V, 3)  # a truncated draft vocabulary: every third id
@@ -107,19 +109,6 @@ def test_selfspec_decode_path_equals_training_forward(target, truncated):
     assert train.shape == (2, 12, len(TRUNC) if truncated else V)
     torch.testing.assert_close(lean, train, rtol=1e-5, atol=1e-5)
     assert (train - early).abs().max() > 1e-2  # the adapter is applied
-
-
-@torch.no_grad()
-def _greedy(target, prompt, n):
-    """The target's greedy continuation of `prompt` with its top-k log-probs at each new token."""
-    ids = list(prompt)
-    tk_ids, tk_lp = [], []
-    for _ in range(n):
-        lp = torch.log_softmax(target(torch.tensor([ids])).logits[0, -1].float(), -1)
-        v, ix = lp.topk(K_TOP)
-        tk_ids.append(ix.tolist()), tk_lp.append(v.tolist())
-        ids.append(int(ix[0]))
-    return ids[len(prompt):], tk_ids, tk_lp
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,17 @@ V, K = 128, 8
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def target():
+def tiny_llama(num_layers: int = 2):
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=V, max_position_embeddings=256, initializer_range=0.2,
                       tie_word_embeddings=True)
     return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama()
 
 
 @torch.no_grad()

@@ -11,18 +11,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from pipeline.config import Recipe, TrainConfig
 from pipeline.train import _collate, _onpolicy_batch, _raw_rows, _teacher_topk, run_train
 
-from test_train import V, _copy_gen, _make_generate
+from test_train import V, _copy_gen, _make_generate, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=256, initializer_range=0.2,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(num_layers=3)  # three layers: self_spec and draft_lm can share two
 
 
 @pytest.fixture(scope="module")
