@@ -201,24 +201,34 @@ class EagleHead(nn.Module):
                 for _ in range(c.num_layers)]
 
     def save(self, directory: str | Path, extra: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(d / "head.safetensors"))
-        meta = {"kind": "eagle", "head_config": asdict(self.config), **(extra or {})}
-        (d / HEAD_FILE).write_text(json.dumps(meta, indent=2))
+        save_head(self, directory, {"kind": "eagle", "head_config": asdict(self.config), **(extra or {})})
 
     @classmethod
     def load(cls, directory: str | Path, dtype=None, device=None) -> "EagleHead":
-        from safetensors.torch import load_file
-
-        d = Path(directory)
-        meta = json.loads((d / HEAD_FILE).read_text())
-        if meta.get("kind") != "eagle":
-            raise ValueError(f"{d} holds a {meta.get('kind')!r} draft, not an eagle head")
-        state = load_file(str(d / "head.safetensors"))
+        meta, state = read_head(directory, "eagle", "an eagle head")
         head = cls(HeadConfig(**meta["head_config"]), state["d2t"])
         head.load_state_dict(state)
         return head.to(device=device, dtype=dtype) if dtype is not None else head.to(device=device)
+
+
+def save_head(module: nn.Module, directory: str | Path, meta: dict) -> None:
+    """A feature-reading head's draft directory: its state dict in head.safetensors, `meta` (with
+    "kind") in HEAD_FILE."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(d / "head.safetensors"))
+    (d / HEAD_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def read_head(directory: str | Path, kind: str, what: str) -> tuple[dict, dict]:
+    """-> (meta, state dict) of a head saved by `save_head`; ValueError ("... not <what>") when it
+    holds another kind."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    meta = json.loads((d / HEAD_FILE).read_text())
+    if meta.get("kind") != kind:
+        raise ValueError(f"{d} holds a {meta.get('kind')!r} draft, not {what}")
+    return meta, load_file(str(d / "head.safetensors"))

@@ -24,7 +24,6 @@ over the top-k of each head is not used (the decoder verifies one chain per row)
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .heads import HEAD_FILE
+from .heads import read_head, save_head
 from .proposers import Proposer, Sampling, to_target_vocab
 
 
@@ -114,24 +113,11 @@ class MedusaHeads(nn.Module):
         return self.lm_heads[i](self.blocks[i](feat))
 
     def save(self, directory: str | Path, extra: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(d / "head.safetensors"))
-        meta = {"kind": "medusa", "medusa_config": asdict(self.config), **(extra or {})}
-        (d / HEAD_FILE).write_text(json.dumps(meta, indent=2))
+        save_head(self, directory, {"kind": "medusa", "medusa_config": asdict(self.config), **(extra or {})})
 
     @classmethod
     def load(cls, directory: str | Path, dtype=None, device=None) -> "MedusaHeads":
-        from safetensors.torch import load_file
-
-        d = Path(directory)
-        meta = json.loads((d / HEAD_FILE).read_text())
-        if meta.get("kind") != "medusa":
-            raise ValueError(f"{d} holds a {meta.get('kind')!r} draft, not medusa heads")
-        state = load_file(str(d / "head.safetensors"))
+        meta, state = read_head(directory, "medusa", "medusa heads")
         heads = cls(MedusaConfig(**meta["medusa_config"]), state["d2t"])
         heads.load_state_dict(state)
         return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device=device)
