@@ -89,16 +89,11 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
     tm = json.loads((train_dir / "manifest.json").read_text())
     return {"name": name, "method": recipe.train.method, "divergence": recipe.train.divergence,
             "data": recipe.train.data, "dir": str(vdir / "best"), "alpha": m["alpha"], "tau": m["tau"],
-            "c": m["c"], "k": m["k"], "best_k": best_k(_alpha_hat(vdir), m["c"]), "speedup": m["speedup"],
+            "c": m["c"], "k": m["k"], "best_k": best_k(m["alpha_hat"], m["c"]), "speedup": m["speedup"],
             "predicted_speedup": m["predicted_speedup"], "tokens_per_s": m["tokens_per_s_spec"],
             "plain_tokens_per_s": m["tokens_per_s_plain"], "train_tokens_per_s": tm.get("tokens_per_s"),
             "steps": tm.get("steps"), "greedy_match": m.get("bf16_match_rate"),
             "all_near_ties": m["greedy_exact"]}
-
-
-def _alpha_hat(vdir: Path) -> float:
-    ev = sorted((vdir / "eval").glob("checkpoint-*.json"))
-    return json.loads(ev[-1].read_text())["stats"]["alpha_hat"] if ev else 0.0
 
 
 def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k: int) -> dict:
@@ -107,8 +102,9 @@ def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k
 
     path = run_dir / "compare" / f"{name}-k{k}.json"
     key = {"src": src, "k": k, "evaluate": recipe.to_dict()["evaluate"]}
-    if path.exists() and json.loads(path.read_text()).get("key") == key:
-        return json.loads(path.read_text())["row"]
+    prev = json.loads(path.read_text()) if path.exists() else {}
+    if prev.get("key") == key:
+        return prev["row"]
     from eval.proposers import load_proposer
 
     prompts = heldout_ids(recipe, run_dir, tokenizer)

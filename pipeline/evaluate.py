@@ -196,7 +196,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
         # Plain tokens/s over every candidate's paired runs; the speedup is the promoted candidate's
         # own paired ratio (its plain runs interleaved with its speculative runs).
         "tokens_per_s_plain": plain_tps, "tokens_per_s_spec": s["tokens_per_s"],
-        "speedup": best["speedup"], "c": s.get("c"), "predicted_speedup": s.get("predicted_speedup"),
+        "speedup": best["speedup"], "c": s.get("c"), "alpha_hat": s.get("alpha_hat"), "predicted_speedup": s.get("predicted_speedup"),
         "greedy_exact": best["greedy_exact"], "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
         "fp32_exact": fp32_exact, "fp32_prompts": n32, "n_divergences": len(best["divergences"]),
         "max_divergence_margin": max((d["margin"] for d in best["divergences"]), default=None),
