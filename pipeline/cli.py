@@ -144,14 +144,19 @@ def stage_evaluate(recipe, run_dir, target=None, tok=None):
     return metrics
 
 
-def stage_compare(recipe, run_dir, args, target=None, tok=None) -> dict:
+def compare_choices(args) -> tuple[list[str], list[str]]:
+    """--methods / --divergences, checked (a one-line error before any model loads or run opens)."""
+    from .compare import DIVERGENCES, check_choices
+
+    divergences = args.divergences.split(",") if args.divergences else list(DIVERGENCES)
+    return check_choices(args.methods.split(",") if args.methods else None, divergences), divergences
+
+
+def stage_compare(recipe, run_dir, args, methods, divergences, target=None, tok=None) -> dict:
     """Every draft method (and every divergence on the best) on this run's generated data."""
-    from .compare import DIVERGENCES, check_choices, markdown, run_compare
+    from .compare import markdown, run_compare
     from .tracking import make_tracker
 
-    methods = args.methods.split(",") if args.methods else None
-    divergences = args.divergences.split(",") if args.divergences else DIVERGENCES
-    check_choices(methods, divergences)  # before any model loads or data is generated
     if target is None:
         target, tok = _load(recipe)
     if not (run_dir / "generate" / "manifest.json").exists():
@@ -264,15 +269,12 @@ def main(argv: list[str] | None = None) -> int:
             distill(recipe, new=args.new)
             return 0
         if args.cmd == "compare":
-            from .compare import DIVERGENCES, check_choices
-
-            check_choices(args.methods.split(",") if args.methods else None,
-                          args.divergences.split(",") if args.divergences else DIVERGENCES)
+            methods, divergences = compare_choices(args)
             try:  # continue the latest run (its generated data), else start one
                 run_dir = open_run(recipe, for_stage=True)
             except RecipeError:
                 run_dir = open_run(recipe, for_stage=False)
-            stage_compare(recipe, run_dir, args)
+            stage_compare(recipe, run_dir, args, methods, divergences)
             return 0
         run_dir = open_run(recipe, for_stage=True)
         {"generate": stage_generate, "train": stage_train, "evaluate": stage_evaluate}[args.cmd](recipe, run_dir)
