@@ -32,6 +32,7 @@ import torch
 
 from .proposers import Proposer, Sampling, load_proposer
 from .target import make_runner
+from .tree import Tree
 
 K_MAX_AUTO = 8
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
@@ -90,7 +91,7 @@ def best_k(alpha: float, c: float, k_max: int = K_MAX_AUTO) -> tuple[int, float]
 
 class SpeculativeDecoder:
     def __init__(self, target, proposer: Proposer | str | None = None, k: int | str = 4,
-                 lean: bool = True, compile: bool = False):
+                 lean: bool = True, compile: bool = False, tree: bool = True):
         self.target = target.eval()
         self.proposer = None if proposer is None else load_proposer(proposer, target)
         if not (k == "auto" or (isinstance(k, int) and k >= 1)):
@@ -105,6 +106,9 @@ class SpeculativeDecoder:
         self.static = bool(compile) and self.device.type == "cuda"
         if self.static:
             self._fwd = torch.compile(self.runner.__call__, dynamic=False)
+        # Token trees (eval/tree.py) for proposers that offer them, under greedy decoding: they need
+        # the lean runner's slots/mask/move, and their shapes vary, so not with the compiled step.
+        self.tree = tree and hasattr(self.runner, "move") and not self.static
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -183,30 +187,33 @@ class SpeculativeDecoder:
             active = [not d for d in done]
             t_round = time.perf_counter()  # this round's wall time (resyncs excluded) for k="auto"
 
-            # propose
-            if k > 0:
-                t = time.perf_counter()
-                drafts, q = prop.propose(k)  # [B, k'], [B, k', V] | None  (k' <= k)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                st.draft_s += time.perf_counter() - t
-                st.draft_steps += max(drafts.shape[1] - 1, 0)
+            if k > 0 and sampling.greedy and self.tree and hasattr(prop, "propose_tree"):
+                # a tree round: several candidates in one forward, then back to the chain layout
+                inp, pos, feats, n_acc, bonus, host, k = self._tree_round(prop, k, cur, n, n_host, st)
             else:
-                drafts, q = torch.empty(B, 0, dtype=torch.long, device=dev), None
-            k = drafts.shape[1]
+                # propose
+                if k > 0:
+                    t = time.perf_counter()
+                    drafts, q = prop.propose(k)  # [B, k'], [B, k', V] | None  (k' <= k)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    st.draft_s += time.perf_counter() - t
+                    st.draft_steps += max(drafts.shape[1] - 1, 0)
+                else:
+                    drafts, q = torch.empty(B, 0, dtype=torch.long, device=dev), None
+                k = drafts.shape[1]
 
-            # verify: [cur, d1..dk] at positions n..n+k in one target forward
-            t = time.perf_counter()
-            inp = torch.cat([cur[:, None], drafts], 1)  # [B, k+1]
-            pos = n[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
-            logits, feats = self._fwd(inp, pos, s_full or max(n_host) + k + 1)  # [B, k+1, V], [B, k+1, H]
-            if sampling.greedy:
-                n_acc, bonus = verify_greedy(logits, drafts)
-            else:
-                n_acc, bonus = verify_sample(sampling.probs(logits), q, drafts, sampling)
-            host = torch.cat([n_acc[:, None], bonus[:, None], drafts], 1).tolist()  # host sync: the accept decision
-            dt = time.perf_counter() - t
-            st.verify_s += dt
+                # verify: [cur, d1..dk] at positions n..n+k in one target forward
+                t = time.perf_counter()
+                inp = torch.cat([cur[:, None], drafts], 1)  # [B, k+1]
+                pos = n[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
+                logits, feats = self._fwd(inp, pos, s_full or max(n_host) + k + 1)  # [B, k+1, V], [B, k+1, H]
+                if sampling.greedy:
+                    n_acc, bonus = verify_greedy(logits, drafts)
+                else:
+                    n_acc, bonus = verify_sample(sampling.probs(logits), q, drafts, sampling)
+                host = torch.cat([n_acc[:, None], bonus[:, None], drafts], 1).tolist()  # host sync: the accept decision
+                st.verify_s += time.perf_counter() - t
             st.target_forwards += 1
             if keep_feats:
                 featbuf.scatter_(1, pos[..., None].expand(-1, -1, feats.shape[-1]), feats)
@@ -235,6 +242,39 @@ class SpeculativeDecoder:
         self.last_stats = st.finish(out, self.k, self.device)
 
     # ------------------------------------------------------------------ helpers
+    def _tree_round(self, prop, k, cur, n, n_host, st):
+        """Propose a token tree, verify all its nodes in one forward, move the accepted path's K/V to
+        consecutive slots, and return the round in the chain layout the rest of the loop uses:
+        inp [B, D+1] (current token + the accepted path, padded by repeating its last node), pos,
+        feats [B, D+1, H], n_acc [B], bonus [B], host rows [n_acc, bonus, path tokens...], and the
+        tree's depth (its longest candidate: the round's K in the statistics)."""
+        dev = cur.device
+        t = time.perf_counter()
+        tree = Tree.from_lists(prop.propose_tree(k), dev)
+        st.draft_s += time.perf_counter() - t
+        st.draft_steps += max(tree.max_depth - 1, 0)
+        t = time.perf_counter()
+        N1 = tree.depth.shape[1]
+        inp = torch.cat([cur[:, None], tree.tokens], 1)  # [B, N+1]
+        s_len = max(n_host) + N1
+        slots = n[:, None] + torch.arange(N1, device=dev)  # [B, N+1]: one cache slot per node
+        logits, feats = self.runner(inp, n[:, None] + tree.depth, s_len, slots=slots,
+                                    mask=tree.mask(n, s_len))  # [B, N+1, V], [B, N+1, H]
+        best, n_acc, bonus = tree.verify_greedy(logits)
+        dec = torch.stack([best, n_acc, bonus], 1).tolist()  # host sync: the accept decision
+        D = max(a for _, a, _ in dec)
+        paths = [tree.path(b, bst) for b, (bst, _, _) in enumerate(dec)]
+        paths = [p + [p[-1]] * (D + 1 - len(p)) for p in paths]  # pad: junk beyond each row's path
+        path_idx = torch.tensor(paths, device=dev)  # [B, D+1]
+        if any(p != list(range(D + 1)) for p in paths):  # host-side check: a chain needs no move
+            self.runner.move(n[:, None] + path_idx[:, 1:], n[:, None] + torch.arange(1, D + 1, device=dev))
+        inp = inp.gather(1, path_idx)  # [B, D+1]
+        feats = feats.gather(1, path_idx[..., None].expand(-1, -1, feats.shape[-1]))  # [B, D+1, H]
+        st.verify_s += time.perf_counter() - t
+        host = [[a, bn] + row[1:] for (_, a, bn), row in zip(dec, inp.tolist())]
+        pos = n[:, None] + torch.arange(D + 1, device=dev)  # [B, D+1]
+        return inp, pos, feats, n_acc, bonus, host, tree.max_depth
+
     _plain = False  # set by _choose_k: this round is a plain (speculation off) round
 
     def _choose_k(self, st: "_Stats") -> int:

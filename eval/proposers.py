@@ -29,6 +29,7 @@ import torch
 
 from .heads import HEAD_FILE, EagleHead
 from .target import make_runner
+from .tree import build_trie
 
 
 class Sampling:
@@ -91,12 +92,23 @@ class NgramProposer(Proposer):
         self.device = first.device
 
     def _lookup(self, h: list[int], k: int) -> list[int]:
+        found = self.candidates(h, k, 1)
+        return found[0][0] if found else []
+
+    def candidates(self, h: list[int], k: int, m: int) -> list[tuple[list[int], int]]:
+        """Up to m distinct continuations (at most k tokens) of the last n tokens of h, longest n
+        first and the latest occurrence first within one n -> [(continuation, n), ...]."""
+        out: list[tuple[list[int], int]] = []
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             tail = h[-n:]
-            for s in range(len(h) - n - 1, -1, -1):  # latest match first
+            for s in range(len(h) - n - 1, -1, -1):
                 if h[s:s + n] == tail:
-                    return h[s + n:s + n + k]
-        return []
+                    cont = h[s + n:s + n + k]
+                    if all(cont != c for c, _ in out):
+                        out.append((cont, n))
+                        if len(out) >= m:
+                            return out
+        return out
 
     def propose(self, k):
         found = [self._lookup(h, k) for h in self.hist]
@@ -236,9 +248,15 @@ class DraftLMProposer(Proposer):
 
 
 class HybridProposer(Proposer):
-    """n-gram prompt lookup where it finds a match of at least `min_match` tokens, the trained draft
-    elsewhere. Code output repeats the prompt and itself (names, signatures, boilerplate), where a
-    lookup proposes long runs for free; the model covers what has not been seen yet.
+    """n-gram prompt lookup and the trained draft together. Code output repeats the prompt and itself
+    (names, signatures, boilerplate), where a lookup proposes long runs for free; the model covers
+    what has not been seen yet.
+
+    Greedy decoding (the decoder's tree rounds, eval/tree.py): each round verifies one tree holding
+    up to `branches` lookup continuations (of `k_ngram` tokens) and the model's chain of k, at most
+    `max_nodes` nodes: lookups matching >= `min_match` tokens first, then the model, then shorter
+    matches (the order only decides which nodes a full budget drops). Sampling (chains only): the
+    lookup where it matches >= `min_match` tokens, the model elsewhere.
 
     The model proposer sees every verified token whoever proposed it (`accept` always runs), so its
     cache and features stay in sync. `k_ngram` lets lookups propose longer runs than the model
@@ -246,14 +264,29 @@ class HybridProposer(Proposer):
 
     name = "hybrid"
 
-    def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = None, max_ngram: int = 3):
+    def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = 8, max_ngram: int = 3,
+                 branches: int = 2, max_nodes: int = 24):
         self.model = model
         self.ngram = NgramProposer(max_ngram=max_ngram, min_ngram=min_match)
+        self.tree_lookup = NgramProposer(max_ngram=max_ngram, min_ngram=1)
+        self.min_match, self.branches, self.max_nodes = min_match, branches, max_nodes
         self.uses_features = model.uses_features
         self.k_ngram = k_ngram
         self.max_k = k_ngram or 0
-        self.from_ngram = 0  # rounds proposed by the lookup (for stats)
+        self.from_ngram = 0  # chain rounds proposed by the lookup (for stats)
         self.from_model = 0
+
+    def propose_tree(self, k):
+        """-> per row (tokens, parents) of a trie over the lookups' continuations and the model's chain."""
+        drafts, _ = self.model.propose(k)  # [B, k]
+        if isinstance(self.model, DraftLMProposer):
+            self.model.fed_drafts = False  # the accepted path may be a lookup's: accept() feeds it all
+        rows = []
+        for h, chain in zip(self.ngram.hist, drafts.tolist()):  # host sync: the model's chain joins the host-built tree
+            found = self.tree_lookup.candidates(h, self.k_ngram or k, self.branches) if self.branches else []
+            cands = [c for c, n in found if n >= self.min_match] + [chain] + [c for c, n in found if n < self.min_match]
+            rows.append(build_trie(cands, self.max_nodes))
+        return rows
 
     def begin(self, prompts, first, max_len, sampling, features=None):
         self.ngram.begin(prompts, first, max_len, sampling)

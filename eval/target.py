@@ -16,6 +16,10 @@ Both expose the same interface:
     logits, feats = runner(tokens [B,T], pos [B,T], s_len, logit_idx=None)
 s_len (host int) is the number of cache slots attended (max position written + 1); `logit_idx`
 [B] picks one position per row for the LM head (prefill), else logits for all T positions.
+
+`LeanLlama` also verifies token trees (eval.tree): `runner(tokens, pos, s_len, slots=, mask=)` writes
+K/V at cache `slots` [B,T] (tree nodes sharing a position need their own slots) under an explicit
+attention `mask` [B,1,T,S], and `runner.move(src, dst)` copies the accepted path's K/V into place.
 """
 
 from __future__ import annotations
@@ -101,20 +105,29 @@ class LeanLlama:
         self.caches = [KVCache(batch, self.n_kv, max_len, self.head_dim, self.dtype, self.device)
                        for _ in self.model.model.layers]
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads before
+        any write): after a tree round, the accepted path's nodes move to consecutive positions."""
+        for c in self.caches:
+            for t in (c.k, c.v):
+                idx_s = src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])  # [B, nkv, P, hd]
+                t.scatter_(2, dst[:, None, :, None].expand_as(idx_s), t.gather(2, idx_s))
+
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, s_len: int,
-                 logit_idx: torch.Tensor | None = None):
+                 logit_idx: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None):
         m = self.model.model
         B, T = tokens.shape
         x = m.embed_tokens(tokens)  # [B, T, H]
         cos, sin = m.rotary_emb(x, pos)  # [B, T, hd]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+        slots = pos if slots is None else slots  # [B, T] cache slots written (a chain: its positions)
         # Query at position p sees slots 0..p of its own row; no mask when B == 1, T == 1 and every
-        # attended slot is valid (s_len == pos + 1), which lets SDPA take its fast path.
-        if T == 1 and B == 1:
-            mask = None
-        else:
-            slots = torch.arange(s_len, device=x.device)
-            mask = (slots[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+        # attended slot is valid (s_len == pos + 1), which lets SDPA take its fast path. A tree round
+        # passes its own mask (committed slots + the node's ancestors).
+        if mask is None and (T > 1 or B > 1):
+            cols = torch.arange(s_len, device=x.device)
+            mask = (cols[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
         gqa = self.n_heads != self.n_kv
         for layer, cache, fused in zip(m.layers, self.caches, self.fused):
             att, mlp = layer.self_attn, layer.mlp
@@ -128,7 +141,7 @@ class LeanLlama:
             v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            ck, cv = cache.write(pos, k, v)  # [B, nkv, S_max, hd]
+            ck, cv = cache.write(slots, k, v)  # [B, nkv, S_max, hd]
             a = F.scaled_dot_product_attention(q, ck[:, :, :s_len], cv[:, :, :s_len], attn_mask=mask,
                                                scale=self.scale, enable_gqa=gqa)  # [B, nh, T, hd]
             x = x + att.o_proj(a.transpose(1, 2).reshape(B, T, -1))

@@ -236,10 +236,18 @@ def test_stats_keys(target, draft):
 def test_hybrid_uses_both_sources_and_keeps_the_model_in_sync(target, hf_ref):
     """With the target as the model draft, every model proposal must still be accepted after n-gram
     rounds: that only holds if the model's cache saw every verified token."""
+    # chains (sampling's layout): the lookup where it matches, the model elsewhere
     hyb = HybridProposer(DraftLMProposer(target, V), min_match=1)
-    res = SpeculativeDecoder(target, hyb, k=3).generate([PROMPTS[0]], max_new_tokens=N_NEW)
+    res = SpeculativeDecoder(target, hyb, k=3, tree=False).generate([PROMPTS[0]], max_new_tokens=N_NEW)
     assert res.sequences == [hf_ref[0]]
     assert hyb.from_ngram > 0 and hyb.from_model > 0
     model_only = HybridProposer(DraftLMProposer(target, V), min_match=99)  # lookup never matches
-    res = SpeculativeDecoder(target, model_only, k=3).generate([PROMPTS[0]], max_new_tokens=N_NEW)
+    res = SpeculativeDecoder(target, model_only, k=3, tree=False).generate([PROMPTS[0]], max_new_tokens=N_NEW)
     assert res.stats["alpha_hat"] == 1.0 and model_only.from_ngram == 0
+    # trees (greedy): the model's chain is in every tree, so every round accepts at least k = 3,
+    # whichever branch the path took in the rounds before
+    for prompts in ([PROMPTS[0]], PROMPTS):
+        hyb = HybridProposer(DraftLMProposer(target, V), min_match=1, k_ngram=5)
+        res = SpeculativeDecoder(target, hyb, k=3).generate(prompts, max_new_tokens=N_NEW)
+        assert res.sequences == hf_ref[: len(prompts)]
+        assert sum(res.stats["accept_len_hist"][:3]) == 0, res.stats["accept_len_hist"]

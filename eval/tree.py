@@ -1,0 +1,104 @@
+"""Token trees: several draft continuations verified in ONE target forward (greedy decoding).
+
+SpecInfer (Miao et al., 2024) and Medusa (Cai et al., 2024) verify a tree of candidates instead of one
+chain: the candidates share their common prefixes, every node attends to the committed prefix and to
+its own ancestors only, and the longest path whose every node equals the target's argmax at its
+parent is accepted. On this CPU a forward over 16 tokens costs ~1.3x one token (8 tokens: ~1.08x),
+so a second and third candidate (another n-gram match, the trained draft's chain) are nearly free.
+
+Layout of one round, per row b (node 0 is the current token, at position n_b):
+    tokens  [B, N]       nodes 1..N (padding nodes: parent -1, never accepted)
+    parents [B, N]       parent node index in 0..N-1 (0 = the current token)
+    depth   [B, N+1]     node depth; node j sits at position n_b + depth[b, j]
+    anc     [B, N+1, N+1] anc[b, j, i]: node i is node j or one of its ancestors
+Every node gets its own cache slot n_b + j; after the round the accepted path's K/V move to the
+consecutive slots n_b + 1..n_b + a (`LeanLlama.move`), so the cache stays position-indexed.
+
+Only greedy decoding verifies trees: lossless sampling over a tree needs multi-draft rejection
+(SpecInfer's), which the chain decoder's `verify_sample` does not cover; sampling uses chains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def build_trie(candidates: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+    """Merge candidate continuations (in priority order) into a trie of at most max_nodes nodes.
+    -> (tokens, parents) of nodes 1..N in insertion order; parents index 0..N-1 (0: the current
+    token), so a parent always comes before its children."""
+    tokens, parents = [], []
+    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for cand in candidates:
+        node = 0
+        for tok in cand:
+            nxt = children.get((node, tok))
+            if nxt is None:
+                if len(tokens) >= max_nodes:
+                    break
+                tokens.append(tok)
+                parents.append(node)
+                nxt = len(tokens)
+                children[(node, tok)] = nxt
+            node = nxt
+    return tokens, parents
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [B, N] long
+    parents: torch.Tensor  # [B, N] long, -1 for padding nodes
+    depth: torch.Tensor  # [B, N+1] long
+    anc: torch.Tensor  # [B, N+1, N+1] bool
+    parents_host: list[list[int]]  # per row, its own nodes' parents (no padding)
+    max_depth: int  # host int
+
+    @classmethod
+    def from_lists(cls, rows: list[tuple[list[int], list[int]]], device) -> "Tree":
+        """rows: per batch row, (tokens, parents) from build_trie; rows are padded to one N."""
+        B, N = len(rows), max((len(t) for t, _ in rows), default=0)
+        tok = torch.zeros(B, N, dtype=torch.long)
+        par = torch.full((B, N), -1, dtype=torch.long)
+        depth = torch.zeros(B, N + 1, dtype=torch.long)
+        anc = torch.zeros(B, N + 1, N + 1, dtype=torch.bool)
+        anc[:, torch.arange(N + 1), torch.arange(N + 1)] = True  # every node sees itself
+        for b, (t, p) in enumerate(rows):
+            tok[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+            par[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+            for j, pj in enumerate(p, start=1):  # parents come first: one pass fills depth and anc
+                depth[b, j] = depth[b, pj] + 1
+                anc[b, j] |= anc[b, pj]
+            depth[b, len(t) + 1:] = 1  # padding nodes: a position past the current token, never accepted
+        md = int(depth.max()) if N else 0
+        return cls(tok.to(device), par.to(device), depth.to(device), anc.to(device), [p for _, p in rows], md)
+
+    def mask(self, n: torch.Tensor, s_len: int) -> torch.Tensor:
+        """n [B] the current token's position -> attention mask [B, 1, N+1, s_len]: node j of row b
+        sees the committed slots 0..n_b-1 and the slots n_b + i of its ancestors i (itself included)."""
+        B, N1 = self.depth.shape
+        slots = torch.arange(s_len, device=n.device)
+        m = (slots[None, None, :] < n[:, None, None]).expand(B, N1, s_len).clone()  # [B, N+1, S]
+        cols = (n[:, None] + torch.arange(N1, device=n.device))[:, None, :].expand(B, N1, N1)
+        return m.scatter_(2, cols, self.anc)[:, None]
+
+    def verify_greedy(self, logits: torch.Tensor):
+        """logits [B, N+1, V] of the target at the nodes -> best [B] (the deepest accepted node: its
+        own token and every ancestor's equal the target's argmax at their parent), n_acc [B] (its
+        depth), bonus [B] (the target's argmax after it)."""
+        g = logits.argmax(-1)  # [B, N+1]
+        par = self.parents.clamp(min=0)
+        ok = (self.tokens == g.gather(1, par)) & (self.parents >= 0)  # [B, N]
+        ok = torch.cat([torch.ones_like(ok[:, :1]), ok], 1)  # [B, N+1], the root is given
+        acc = ~(self.anc & ~ok[:, None, :]).any(-1)  # [B, N+1]: no rejected node on the path
+        score = torch.where(acc, self.depth, -1)  # [B, N+1]
+        n_acc, best = score.max(1)  # first node of the greatest accepted depth
+        return best, n_acc, g.gather(1, best[:, None])[:, 0]
+
+    def path(self, b: int, best: int) -> list[int]:
+        """Node indices from the root (0) to node `best` of row b, on the host."""
+        out, p = [best], self.parents_host[b]
+        while out[-1] != 0:
+            out.append(p[out[-1] - 1])
+        return out[::-1]

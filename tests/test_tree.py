@@ -1,0 +1,121 @@
+"""Token trees (eval/tree.py): the trie, the attention mask, the greedy accept rule against a brute
+force, and tree rounds in the decoder that must move the accepted path's K/V into place (fp32,
+tiny models: output equal to plain greedy decoding, batch 1 and ragged)."""
+
+import math
+
+import pytest
+import torch
+
+from eval.decoder import SpeculativeDecoder
+from eval.proposers import Proposer
+from eval.tree import Tree, build_trie
+from test_decoder import N_NEW, PROMPTS, V, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_build_trie_shares_prefixes_and_keeps_the_budget():
+    toks, par = build_trie([[5, 6, 7], [5, 6, 8], [9], [5, 6, 7]], max_nodes=10)
+    assert toks == [5, 6, 7, 8, 9] and par == [0, 1, 2, 2, 0]
+    toks, par = build_trie([[5, 6, 7], [9, 1]], max_nodes=4)  # the budget cuts the second candidate
+    assert toks == [5, 6, 7, 9] and par == [0, 1, 2, 0]
+    assert build_trie([[], []], 4) == ([], [])
+
+
+def test_tree_tensors_mask_and_paths():
+    rows = [build_trie([[5, 6, 7], [5, 8]], 10), build_trie([[3]], 10)]  # row 1 is padded to N = 4
+    t = Tree.from_lists(rows, "cpu")
+    assert t.tokens.shape == (2, 4) and t.parents[1].tolist() == [0, -1, -1, -1]
+    assert t.depth[0].tolist() == [0, 1, 2, 3, 2] and t.max_depth == 3
+    n = torch.tensor([3, 1])
+    m = t.mask(n, 8)[:, 0]  # [B, N+1, S]
+    # row 0, node 4 (token 8 under node 1): committed slots 0..2, then itself and its ancestors 0, 1
+    assert m[0, 4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 7]
+    assert m[1, 1].nonzero().flatten().tolist() == [0, 1, 2]
+    assert m[1, 2].nonzero().flatten().tolist() == [0, 3]  # a padding node: committed + itself only
+    assert t.path(0, 4) == [0, 1, 4] and t.path(0, 3) == [0, 1, 2, 3] and t.path(1, 0) == [0]
+
+
+def test_verify_greedy_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        B, Vs = 3, 4  # few ids: branches often agree with the argmax
+        rows = []
+        for _b in range(B):
+            cands = [torch.randint(0, Vs, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+                     for _c in range(int(torch.randint(1, 4, (1,), generator=g)))]
+            rows.append(build_trie(cands, 8))
+        t = Tree.from_lists(rows, "cpu")
+        logits = torch.randn(B, t.depth.shape[1], Vs, generator=g)
+        best, n_acc, bonus = t.verify_greedy(logits)
+        arg = logits.argmax(-1)
+        for b, (toks, par) in enumerate(rows):
+            # brute force: walk down from the root, following the child equal to the argmax
+            node, depth = 0, 0
+            while True:
+                kids = [j for j, p in enumerate(par, start=1) if p == node and toks[j - 1] == int(arg[b, node])]
+                if not kids:
+                    break
+                node, depth = kids[0], depth + 1
+            assert (int(best[b]), int(n_acc[b]), int(bonus[b])) == (node, depth, int(arg[b, node]))
+
+
+class OracleTree(Proposer):
+    """Knows each row's reference output. Its tree puts a candidate that goes wrong at depth 2 FIRST
+    and the right continuation second, so the accepted path leaves the first branch and its K/V must
+    move (a stale cache would change later tokens), plus a wrong single token."""
+
+    def __init__(self, refs):
+        self.refs = refs
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        self.i = [0] * len(prompts)  # index in ref of each row's current token
+
+    def _truth(self, b, k):
+        t = self.refs[b][self.i[b] + 1: self.i[b] + 1 + k]
+        return t + [0] * (k - len(t))  # past the reference's end: anything
+
+    def propose(self, k):
+        return torch.tensor([self._truth(b, k) for b in range(len(self.i))]), None
+
+    def propose_tree(self, k):
+        rows = []
+        for b in range(len(self.i)):
+            t = self._truth(b, k)
+            wrong = t[:1] + [(x + 1) % V for x in t[1:]]
+            rows.append(build_trie([wrong, t, [(t[0] + 2) % V]], 4 * k))
+        return rows
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        for b, a in enumerate(n_acc.tolist()):
+            if a >= 0:
+                self.i[b] += a + 1
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny(0)
+
+
+@pytest.fixture(scope="module")
+def ref(target):
+    return SpeculativeDecoder(target, None).generate(PROMPTS, max_new_tokens=N_NEW).sequences
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_tree_rounds_move_the_accepted_path(target, ref, k):
+    for prompts, refs in (([PROMPTS[0]], ref[:1]), (PROMPTS, ref)):  # batch 1 and ragged
+        res = SpeculativeDecoder(target, OracleTree(refs), k=k).generate(prompts, max_new_tokens=N_NEW)
+        assert res.sequences == refs, k
+        # every round accepts all k (the right branch is always there): N_NEW tokens in few forwards
+        assert res.stats["target_forwards"] <= 1 + math.ceil((N_NEW - 1) / (k + 1)), res.stats
+        assert res.stats["alpha_hat"] > 0.9
+
+
+def test_trees_off_without_the_lean_runner_or_when_asked(target, ref):
+    """The HF fallback runner has no slots/mask/move: the decoder verifies chains there."""
+    for dec in (SpeculativeDecoder(target, OracleTree(ref[:1]), k=3, lean=False),
+                SpeculativeDecoder(target, OracleTree(ref[:1]), k=3, tree=False)):
+        assert not dec.tree
+        assert dec.generate([PROMPTS[0]], max_new_tokens=N_NEW).sequences == ref[:1]
