@@ -135,7 +135,9 @@ class SpeculativeDecoder:
         # A proposer may propose longer runs than k (a hybrid's free n-gram lookups): size for them.
         k_cap = max(k_cap, getattr(self.proposer, "max_k", 0))
         L = [len(p) for p in prompts]
-        max_len = max(L) + max_new_tokens + k_cap + 2
+        # a tree round writes one cache slot per node past the current token
+        ahead = max(k_cap, getattr(self.proposer, "max_nodes", 0) if self.tree else 0)
+        max_len = max(L) + max_new_tokens + ahead + 2
         st = _Stats(k_cap)
         st.t0 = time.perf_counter()
         if dev.type == "cuda":

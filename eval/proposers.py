@@ -16,6 +16,10 @@ One small interface (`Proposer`), driven by `eval.decoder.SpeculativeDecoder`:
         row b kept tokens[b, :n_acc[b]+1] and then the target produced `bonus[b]`, the new current
         token at position start + n_acc + 1. n_acc == -1 marks a finished row (nothing changed).
 
+A proposer may also offer token trees for greedy rounds (eval/tree.py):
+    propose_tree(k) -> per row (tokens, parents) from eval.tree.build_trie, at most `max_nodes` nodes
+and then accept() receives the accepted path in the chain layout above.
+
 Positions are absolute token positions in each row; caches are position-indexed, so a rejected
 draft's slot is overwritten by a later write and never needs cropping.
 """
@@ -265,7 +269,7 @@ class HybridProposer(Proposer):
     name = "hybrid"
 
     def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = 8, max_ngram: int = 3,
-                 branches: int = 2, max_nodes: int = 24):
+                 branches: int = 2, max_nodes: int = 16):
         self.model = model
         self.ngram = NgramProposer(max_ngram=max_ngram, min_ngram=min_match)
         self.tree_lookup = NgramProposer(max_ngram=max_ngram, min_ngram=1)
