@@ -58,21 +58,26 @@ class Tree:
     @classmethod
     def from_lists(cls, rows: list[tuple[list[int], list[int]]], device) -> "Tree":
         """rows: per batch row, (tokens, parents) from build_trie; rows are padded to one N."""
-        B, N = len(rows), max((len(t) for t, _ in rows), default=0)
-        tok = torch.zeros(B, N, dtype=torch.long)
-        par = torch.full((B, N), -1, dtype=torch.long)
-        depth = torch.zeros(B, N + 1, dtype=torch.long)
-        anc = torch.zeros(B, N + 1, N + 1, dtype=torch.bool)
-        anc[:, torch.arange(N + 1), torch.arange(N + 1)] = True  # every node sees itself
-        for b, (t, p) in enumerate(rows):
-            tok[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-            par[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        # Built as host lists and turned into tensors once: per-node tensor ops cost more than the
+        # whole tree is worth at these sizes (16-24 nodes, a few microseconds per op).
+        N = max((len(t) for t, _ in rows), default=0)
+        toks, pars, depths, ancs = [], [], [], []
+        for t, p in rows:
+            depth = [0] * (N + 1)
+            anc = [[i == j for i in range(N + 1)] for j in range(N + 1)]  # every node sees itself
             for j, pj in enumerate(p, start=1):  # parents come first: one pass fills depth and anc
-                depth[b, j] = depth[b, pj] + 1
-                anc[b, j] |= anc[b, pj]
-            depth[b, len(t) + 1:] = 1  # padding nodes: a position past the current token, never accepted
-        md = int(depth.max()) if N else 0
-        return cls(tok.to(device), par.to(device), depth.to(device), anc.to(device), [p for _, p in rows], md)
+                depth[j] = depth[pj] + 1
+                anc[j] = [a or b for a, b in zip(anc[j], anc[pj])]
+            for j in range(len(p) + 1, N + 1):
+                depth[j] = 1  # padding nodes: a position past the current token, never accepted
+            toks.append(t + [0] * (N - len(t)))
+            pars.append(p + [-1] * (N - len(p)))
+            depths.append(depth)
+            ancs.append(anc)
+        md = max((max(d) for d in depths), default=0) if N else 0
+        as_t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+        return cls(as_t(toks, torch.long).view(len(rows), N), as_t(pars, torch.long).view(len(rows), N),
+                   as_t(depths, torch.long), as_t(ancs, torch.bool), [p for _, p in rows], md)
 
     def mask(self, n: torch.Tensor, s_len: int) -> torch.Tensor:
         """n [B] the current token's position -> attention mask [B, 1, N+1, s_len]: node j of row b
