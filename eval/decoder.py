@@ -184,7 +184,11 @@ class SpeculativeDecoder:
                 t = time.perf_counter()
                 hist = [(p + o)[:m] for p, o, m in zip(prompts, out, n_host)]  # tokens before each row's current one
                 prop.begin(hist, cur, max_len, sampling, featbuf[:, : max(n_host)] if keep_feats else None)
-                st.draft_prefill_s += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                st.draft_prefill_s += dt
+                # k="auto" charges the resync to speculation: turning it back on costs this much, which
+                # is what kept it on at batch 16 when only the rounds were counted (docs/benchmarks.md).
+                st.spec_wall += dt
                 synced = True
             active = [not d for d in done]
             t_round = time.perf_counter()  # this round's wall time (resyncs excluded) for k="auto"
