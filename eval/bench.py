@@ -5,7 +5,9 @@ Methods (greedy by default; every method gets a warm-up run that is not timed):
 - `plain`            our SpeculativeDecoder(target, None): the reference for speedups and exactness
 - `hf_generate`      HF `model.generate`, greedy (batched with left padding when --batch-size > 1)
 - `hf_assisted`      HF assisted generation with the draft as `assistant_model` (draft_lm drafts only;
-                     constant schedule with K tokens, confidence early-stop off; HF runs it at batch 1)
+                     constant schedule with K tokens, confidence early-stop off; with --k auto, HF's own
+                     adaptive schedule: "heuristic" from K=4 and its default confidence early-stop;
+                     HF runs it at batch 1)
 - `hf_prompt_lookup` HF prompt-lookup decoding with K tokens (--draft ngram only; batch 1)
 - `speculative`      our SpeculativeDecoder(target, proposer, k)
 
@@ -333,7 +335,7 @@ def _table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['method']:<18}{_fmt(r.get('tokens_per_s'), '.1f'):>10}{_fmt(r.get('speedup')):>9}"
-                     f"{_fmt(r.get('alpha'), '.3f'):>8}{_fmt(r.get('tau')):>7}{_fmt(r.get('k'), 'g'):>6}"
+                     f"{_fmt(r.get('alpha'), '.3f'):>8}{_fmt(r.get('tau')):>7}{_fmt(r.get('k'), '.3g'):>6}"
                      f"{_fmt(r.get('match_rate'), '.3f'):>7}")
     return "\n".join(lines)
 
@@ -406,8 +408,11 @@ def run(args) -> dict:
     if kind == "draft_lm":
         gc = draft_model.generation_config
         gc.num_assistant_tokens = R.k_int
-        gc.num_assistant_tokens_schedule = "constant"
-        gc.assistant_confidence_threshold = 0.0  # no early stop: exactly K draft tokens per step
+        if k == "auto":  # both sides adapt: ours picks K (or turns off), HF grows/shrinks its own
+            gc.num_assistant_tokens_schedule = "heuristic"
+        else:
+            gc.num_assistant_tokens_schedule = "constant"
+            gc.assistant_confidence_threshold = 0.0  # no early stop: exactly K draft tokens per step
         methods["hf_assisted"] = (lambda b, n: (R.hf_call(b, n, assistant_model=draft_model), None), 1)
     elif kind == "ngram":
         methods["hf_prompt_lookup"] = (lambda b, n: (R.hf_call(b, n, prompt_lookup_num_tokens=R.k_int), None), 1)
@@ -421,7 +426,7 @@ def run(args) -> dict:
                                    "c": st.get("c"), "predicted_speedup": st.get("predicted_speedup"),
                                    "accept_per_pos": st.get("accept_per_pos"), "decoder_stats": _jsonable(st)})
     if "hf_assisted" in out:
-        out["hf_assisted"].update({"k": R.k_int, "schedule": "constant"})
+        out["hf_assisted"].update({"k": R.k_int, "schedule": gc.num_assistant_tokens_schedule})
     if "hf_prompt_lookup" in out:
         out["hf_prompt_lookup"]["k"] = R.k_int
 

@@ -247,7 +247,7 @@ def test_hybrid_uses_both_sources_and_keeps_the_model_in_sync(target, hf_ref):
     # trees (greedy): the model's chain is in every tree, so every round accepts at least k = 3,
     # whichever branch the path took in the rounds before
     for prompts in ([PROMPTS[0]], PROMPTS):
-        hyb = HybridProposer(DraftLMProposer(target, V), min_match=1, k_ngram=5)
+        hyb = HybridProposer(DraftLMProposer(target, V), min_match=1, k_ngram=5, max_nodes=64)  # room for all
         res = SpeculativeDecoder(target, hyb, k=3).generate(prompts, max_new_tokens=N_NEW)
         assert res.sequences == hf_ref[: len(prompts)]
         assert sum(res.stats["accept_len_hist"][:3]) == 0, res.stats["accept_len_hist"]

@@ -121,3 +121,31 @@ def test_trees_off_without_the_lean_runner_or_when_asked(target, ref):
                 SpeculativeDecoder(target, OracleTree(ref[:1]), k=3, tree=False)):
         assert not dec.tree
         assert dec.generate([PROMPTS[0]], max_new_tokens=N_NEW).sequences == ref[:1]
+
+
+class FixedChain(Proposer):
+    """A model proposer that always drafts 1, 2, 3, ..."""
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        self.B = len(prompts)
+
+    def propose(self, k):
+        return torch.arange(1, k + 1).expand(self.B, k), None
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        pass
+
+
+def test_hybrid_tree_budget_is_shared_by_the_batch():
+    from eval.proposers import HybridProposer, Sampling
+
+    rep = [7, 8, 9, 10, 11, 12, 13, 7, 8]  # "7 8" repeats: a lookup proposes 9 10 11 12 13 7 8 ...
+    for B, want in ((1, 16), (2, 8), (4, 4), (8, 4)):
+        hyb = HybridProposer(FixedChain(), max_nodes=16)
+        hyb.begin([rep] * B, torch.full((B,), 9), 64, Sampling())
+        rows = hyb.propose_tree(4)
+        assert len(rows) == B
+        assert all(len(toks) <= want for toks, _ in rows), (B, [len(t) for t, _ in rows])
+        assert rows[0][0][:1] == [10]  # the lookup (a 3-token match) comes first
+        if B == 1:  # room for the lookup, the model's chain and the second lookup
+            assert 1 in rows[0][0] and len(rows[0][0]) > 8
