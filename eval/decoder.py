@@ -19,7 +19,9 @@ Statistics (GenerationResult.stats), counted over active rows only:
   accept_per_pos   acceptance rate at draft position i given it was reached
   accept_len_hist  counts of rounds that accepted 0..K drafts
   c                mean draft step time / mean target (verify) step time
-  predicted_speedup (1 - a^(K+1)) / ((1 - a)(K c + 1)) with a = alpha_hat, K = mean K
+  predicted_speedup (1 - a^(K+1)) / ((1 - a)(K c + 1)) with a = alpha_hat, K = mean K; with token
+                   trees (tree_rounds > 0: K is the tree's depth, a the acceptance per depth) an
+                   upper bound, since a verify of many nodes costs more than one plain step
 """
 
 from __future__ import annotations
@@ -257,6 +259,7 @@ class SpeculativeDecoder:
         dev = cur.device
         t = time.perf_counter()
         tree = Tree.from_lists(prop.propose_tree(k), dev)
+        st.tree_rounds += 1
         st.draft_s += time.perf_counter() - t
         st.draft_steps += max(tree.max_depth - 1, 0)
         t = time.perf_counter()
@@ -348,6 +351,7 @@ class _Stats:
         self.draft_prefill_s = 0.0  # proposer begin()s: prompt prefill and resyncs
         self.draft_steps = 0
         self.off_rounds = 0
+        self.tree_rounds = 0  # rounds verified as token trees (predicted_speedup is then an upper bound)
         self.plain_wall = self.spec_wall = 0.0  # k="auto": round wall time, plain and speculative
         self.plain_toks = self.spec_toks = 0  # ... and the tokens those rounds produced
         self.expected_speedup = None  # k="auto": the last estimate that drove the on/off decision
@@ -424,6 +428,7 @@ class _Stats:
             "verify_time_s": self.verify_s,
             "c": c,
             "predicted_speedup": pred,
+            "tree_rounds": self.tree_rounds,
             "k": k_mean if k_setting == "auto" else k_setting,
             "k_setting": k_setting,
             "k_choices": self.k_choices,

@@ -66,6 +66,7 @@ def aggregate(per: list[dict]) -> dict:
     n_tokens, wall = tot("n_tokens"), tot("wall_s")
     out = {"n_tokens": n_tokens, "wall_s": wall, "tokens_per_s": n_tokens / wall if wall else 0.0,
            "target_forwards": tot("target_forwards"), "proposed": tot("proposed"), "accepted": tot("accepted"),
+           "tree_rounds": tot("tree_rounds"),
            "draft_time_s": tot("draft_time_s"), "verify_time_s": tot("verify_time_s"),
            "peak_mem_bytes": max((s.get("peak_mem_bytes") or 0) for s in per)}
     out["tau"] = n_tokens / out["target_forwards"] if out["target_forwards"] else 0.0
@@ -197,6 +198,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
         # own paired ratio (its plain runs interleaved with its speculative runs).
         "tokens_per_s_plain": plain_tps, "tokens_per_s_spec": s["tokens_per_s"],
         "speedup": best["speedup"], "c": s.get("c"), "alpha_hat": s.get("alpha_hat"), "predicted_speedup": s.get("predicted_speedup"),
+        "tree_rounds": s.get("tree_rounds", 0),
         "greedy_exact": best["greedy_exact"], "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
         "fp32_exact": fp32_exact, "fp32_prompts": n32, "n_divergences": len(best["divergences"]),
         "max_divergence_margin": max((d["margin"] for d in best["divergences"]), default=None),

@@ -11,11 +11,12 @@ from pipeline.models import ModelError
 
 def test_aggregate_recomputes_rates_from_counts():
     a = {"n_tokens": 10, "wall_s": 1.0, "target_forwards": 4, "proposed": 8, "accepted": 6,
-         "accept_len_hist": [0, 0, 2, 0, 0], "c": 0.1, "k": 4}  # 2 rounds, 2 accepted each
+         "accept_len_hist": [0, 0, 2, 0, 0], "c": 0.1, "k": 4, "tree_rounds": 2}  # 2 rounds, 2 accepted each
     b = {"n_tokens": 6, "wall_s": 1.0, "target_forwards": 5, "proposed": 16, "accepted": 0,
          "accept_len_hist": [4, 0, 0, 0, 0], "c": 0.3, "k": 4}
     out = aggregate([a, b])
     assert out["tokens_per_s"] == 8.0 and out["tau"] == 16 / 9
+    assert out["tree_rounds"] == 2  # b (chains) has none: the report flags the prediction as a bound
     assert out["alpha"] == 6 / 24
     assert out["accept_len_hist"] == [4, 0, 2, 0, 0]
     # position 1 reached 6 times, passed 2; position 2 reached 2, passed 2; position 3 reached 2, passed 0

@@ -113,6 +113,7 @@ def test_tree_rounds_move_the_accepted_path(target, ref, k):
         # every round accepts all k (the right branch is always there): N_NEW tokens in few forwards
         assert res.stats["target_forwards"] <= 1 + math.ceil((N_NEW - 1) / (k + 1)), res.stats
         assert res.stats["alpha_hat"] > 0.9
+        assert res.stats["tree_rounds"] == res.stats["rounds"]  # every round after prefill was a tree
 
 
 def test_trees_off_without_the_lean_runner_or_when_asked(target, ref):
@@ -120,7 +121,8 @@ def test_trees_off_without_the_lean_runner_or_when_asked(target, ref):
     for dec in (SpeculativeDecoder(target, OracleTree(ref[:1]), k=3, lean=False),
                 SpeculativeDecoder(target, OracleTree(ref[:1]), k=3, tree=False)):
         assert not dec.tree
-        assert dec.generate([PROMPTS[0]], max_new_tokens=N_NEW).sequences == ref[:1]
+        res = dec.generate([PROMPTS[0]], max_new_tokens=N_NEW)
+        assert res.sequences == ref[:1] and res.stats["tree_rounds"] == 0
 
 
 class FixedChain(Proposer):
