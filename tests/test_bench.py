@@ -148,6 +148,11 @@ def test_match_rate_and_merge():
                                  {"alpha": 0.0, "accept_per_pos": [0.0], "_n": 30}])
     assert merged["alpha"] == pytest.approx(0.25)
     assert merged["accept_per_pos"] == [pytest.approx(0.25), pytest.approx(1.0)]
+    # with counts, rates come from the sums: a long repetitive output must not dominate τ
+    merged = bench._merge_stats([{"tau": 8.0, "rounds": 10, "proposed": 40, "accepted": 35, "_n": 80},
+                                 {"tau": 1.0, "rounds": 30, "proposed": 120, "accepted": 5, "_n": 30}])
+    assert merged["tau"] == pytest.approx((80 + 30) / 40) and merged["alpha"] == pytest.approx(40 / 160)
+    assert merged["rounds"] == 40 and merged["proposed"] == 160
 
 
 def test_int8_and_head_drafts_bench_without_hf_comparisons(tiny, tmp_path):
