@@ -99,11 +99,12 @@ class NgramProposer(Proposer):
         found = self.candidates(h, k, 1)
         return found[0][0] if found else []
 
-    def candidates(self, h: list[int], k: int, m: int) -> list[tuple[list[int], int]]:
-        """Up to m distinct continuations (at most k tokens) of the last n tokens of h, longest n
-        first and the latest occurrence first within one n -> [(continuation, n), ...]."""
+    def candidates(self, h: list[int], k: int, m: int, min_n: int | None = None) -> list[tuple[list[int], int]]:
+        """Up to m distinct continuations (at most k tokens) of the last n tokens of h, for n from
+        max_ngram down to min_n (default: min_ngram), longest n first and the latest occurrence
+        first within one n -> [(continuation, n), ...]."""
         out: list[tuple[list[int], int]] = []
-        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
+        for n in range(min(self.max_ngram, len(h) - 1), (min_n or self.min_ngram) - 1, -1):
             tail = h[-n:]
             for s in range(len(h) - n - 1, -1, -1):
                 if h[s:s + n] == tail:
@@ -273,7 +274,6 @@ class HybridProposer(Proposer):
                  branches: int = 2, max_nodes: int = 16):
         self.model = model
         self.ngram = NgramProposer(max_ngram=max_ngram, min_ngram=min_match)
-        self.tree_lookup = NgramProposer(max_ngram=max_ngram, min_ngram=1)
         self.min_match, self.branches, self.max_nodes = min_match, branches, max_nodes
         self.uses_features = model.uses_features
         self.k_ngram = k_ngram
@@ -292,7 +292,8 @@ class HybridProposer(Proposer):
         budget = max(self.max_nodes // len(self.ngram.hist), min(k, self.max_nodes))
         rows = []
         for h, chain in zip(self.ngram.hist, drafts.tolist()):  # host sync: the model's chain joins the host-built tree
-            found = self.tree_lookup.candidates(h, self.k_ngram or k, self.branches) if self.branches else []
+            # down to 1-token matches: in a tree a weak lookup only costs nodes the budget allows
+            found = self.ngram.candidates(h, self.k_ngram or k, self.branches, min_n=1) if self.branches else []
             cands = [c for c, n in found if n >= self.min_match] + [chain] + [c for c, n in found if n < self.min_match]
             rows.append(build_trie(cands, budget))
         return rows
