@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .proposers import Proposer, Sampling, load_proposer
-from .target import make_runner
+from .target import cpu_gemv, make_runner
 from .tree import Tree
 
 K_MAX_AUTO = 8
@@ -202,7 +202,8 @@ class SpeculativeDecoder:
                 # propose
                 if k > 0:
                     t = time.perf_counter()
-                    drafts, q = prop.propose(k)  # [B, k'], [B, k', V] | None  (k' <= k)
+                    with cpu_gemv(B, dev):  # the heads' matmuls have B rows: the native GEMV at batch 1-2 on CPU
+                        drafts, q = prop.propose(k)  # [B, k'], [B, k', V] | None  (k' <= k)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     st.draft_s += time.perf_counter() - t
@@ -258,7 +259,8 @@ class SpeculativeDecoder:
         tree's depth (its longest candidate: the round's K in the statistics)."""
         dev = cur.device
         t = time.perf_counter()
-        tree = Tree.from_lists(prop.propose_tree(k), dev)
+        with cpu_gemv(cur.shape[0], dev):
+            tree = Tree.from_lists(prop.propose_tree(k), dev)
         st.tree_rounds += 1
         st.draft_s += time.perf_counter() - t
         st.draft_steps += max(tree.max_depth - 1, 0)

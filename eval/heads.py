@@ -84,15 +84,16 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
 
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """pos [B, T]; k, v [B, n_kv, T, hd] -> slots pos of each row (overwrites whatever was there)."""
+        """pos [B, T]; k, v [B, n_kv, T, hd] -> slots pos of each row (overwrites whatever was there),
+        converted to the cache's dtype (eval.target keeps a float32 cache on CPU)."""
         if k.shape[0] == 1 and k.device.type == "cpu":  # one row: its positions are consecutive, so a slice copy (scatter_ is ~10x slower)
             start = int(pos[0, 0])  # a host read, free on CPU (CUDA keeps the sync-free scatter)
             self.k[:, :, start:start + k.shape[2]] = k
             self.v[:, :, start:start + k.shape[2]] = v
             return self.k, self.v
         idx = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k.scatter_(2, idx, k)
-        self.v.scatter_(2, idx, v)
+        self.k.scatter_(2, idx, k.to(self.k.dtype))
+        self.v.scatter_(2, idx, v.to(self.v.dtype))
         return self.k, self.v
 
 

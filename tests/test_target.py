@@ -1,0 +1,83 @@
+"""The lean target forward's CPU kernels: packed oneDNN weights and the native GEMV must give the same
+numbers as plain F.linear, the oneDNN switch must be restored whatever happens, and the bf16 forward
+(float32 K/V cache and attention on CPU) must agree with HF's own forward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eval.target import GEMV_MAX_ROWS, LeanLlama, _can_pack, _linear, cpu_gemv
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_bit_identical_to_f_linear(rows, bias):
+    if not _can_pack(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("this PyTorch build has no oneDNN weight packing")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(1, rows, 64, generator=g).to(torch.bfloat16)
+    lin = _linear(w, b)
+    assert not hasattr(lin, "func")  # the packed callable, not the plain F.linear partial
+    want = F.linear(x, w, b)
+    with cpu_gemv(rows, CPU):  # as LeanLlama calls it: the native GEMV for <= 2 rows
+        got = lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+def test_fp32_weights_are_not_packed():
+    w = torch.randn(8, 4)
+    assert _linear(w).func is F.linear
+
+
+def test_cpu_gemv_sets_restores_and_nests():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this build")
+    assert torch._C._get_mkldnn_enabled()
+    with cpu_gemv(1, CPU):
+        assert not torch._C._get_mkldnn_enabled()  # one row: native GEMV
+        with cpu_gemv(GEMV_MAX_ROWS + 1, CPU):
+            assert torch._C._get_mkldnn_enabled()  # a multi-token forward inside a one-row propose
+        assert not torch._C._get_mkldnn_enabled()
+    assert torch._C._get_mkldnn_enabled()
+    with pytest.raises(RuntimeError):
+        with cpu_gemv(1, CPU):
+            raise RuntimeError("boom")
+    assert torch._C._get_mkldnn_enabled()  # restored after an exception too
+
+
+def _tiny(dtype):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def test_bf16_forward_agrees_with_hf_and_keeps_a_float32_cache():
+    model = _tiny(torch.bfloat16)
+    runner = LeanLlama(model)
+    runner.reset(1, 64)
+    assert runner.caches[0].k.dtype == torch.float32  # CPU: fp32 attention (see LeanLlama.__init__)
+    ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits.float()  # HF: bf16 attention, unpacked matmuls
+        got, _ = runner(ids, torch.arange(24)[None], 24)  # prefill: 24 rows, packed weights
+        step, _ = runner(ids[:, -1:], torch.tensor([[23]]), 24)  # decode: one row, native GEMV
+    assert (got.float() - want).abs().max() < 0.05
+    assert (step.float()[0, -1] - want[0, -1]).abs().max() < 0.05
+
+
+def test_fp32_forward_equals_hf():
+    model = _tiny(torch.float32)
+    runner = LeanLlama(model)
+    runner.reset(2, 64)
+    ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids).logits
+        got, _ = runner(ids, torch.arange(20)[None].expand(2, -1), 20)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
