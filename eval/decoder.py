@@ -37,6 +37,12 @@ from .target import cpu_gemv, make_runner
 from .tree import Tree
 
 K_MAX_AUTO = 8
+# How this decoder serves proposers and runs the target, part of the key of every cached measurement
+# (pipeline.evaluate's per-checkpoint results, pipeline.compare's decode rows): bump it when speed or
+# acceptance would change, so a rerun measures again instead of reading results of the old decoder.
+# "tree-1": hybrids verify token trees (eval/tree.py). "lean-cpu-2": the CPU GEMV/packed-weight
+# forward and fp32 attention (eval/target.py), hybrid trees of at most 8 nodes.
+SERVING_REV = "lean-cpu-2"
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
 WARMUP_PLAIN = 3  # with k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 

@@ -271,7 +271,7 @@ class HybridProposer(Proposer):
     name = "hybrid"
 
     def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = 8, max_ngram: int = 3,
-                 branches: int = 2, max_nodes: int = 16):
+                 branches: int = 2, max_nodes: int = 8):
         self.model = model
         self.ngram = NgramProposer(max_ngram=max_ngram, min_ngram=min_match)
         self.min_match, self.branches, self.max_nodes = min_match, branches, max_nodes
@@ -286,9 +286,11 @@ class HybridProposer(Proposer):
         drafts, _ = self.model.propose(k)  # [B, k]
         if isinstance(self.model, DraftLMProposer):
             self.model.fed_drafts = False  # the accepted path may be a lookup's: accept() feeds it all
-        # The node budget is for the whole batch's verify forward: at batch 1 a 16-token verify costs
-        # ~1.3x a plain step, but at batch 8 the forward is compute-bound and every node costs. So
-        # each row gets max_nodes / B nodes (at least k), spent in priority order.
+        # The node budget is for the whole batch's verify forward. At batch 1 with the lean CPU
+        # forward (eval/target.py), a verify of 2-6 tokens costs ~1.45x a one-token step, 9 tokens
+        # ~1.6x and 17 tokens ~2.1x, so 8 nodes measured best (1.56x plain, 8 HumanEval prompts;
+        # 6: 1.55x, 12: 1.52x, 16: 1.51x); at batch 8 the forward is compute-bound and every node
+        # costs. So each row gets max_nodes / B nodes (at least k), spent in priority order.
         budget = max(self.max_nodes // len(self.ngram.hist), min(k, self.max_nodes))
         rows = []
         for h, chain in zip(self.ngram.hist, drafts.tolist()):  # host sync: the model's chain joins the host-built tree

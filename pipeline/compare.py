@@ -96,14 +96,10 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
             "all_near_ties": m["greedy_exact"]}
 
 
-# How the decoder serves a proposer, part of every cached decode row's key: bump it when that
-# changes, so a rerun measures again instead of reading rows of the old serving.
-# "tree-1": hybrids verify token trees (eval/tree.py), lookups propose 8 tokens.
-SERVING_REV = "tree-1"
-
-
 def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k: int) -> dict:
     """A proposer without training (ngram) or a served combination (hybrid), cached by name and K."""
+    from eval.decoder import SERVING_REV  # how the decoder serves it: a decoder change measures again
+
     from .evaluate import decode_pairs, heldout_ids
 
     path = run_dir / "compare" / f"{name}-k{k}.json"

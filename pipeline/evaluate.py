@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from eval.decoder import SpeculativeDecoder
+from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy
 from eval.proposers import load_proposer
 
@@ -121,7 +121,8 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     out_dir.mkdir(parents=True, exist_ok=True)
     eos = tokenizer.eos_token_id
     prompts = heldout_ids(recipe, run_dir, tokenizer)
-    key = {"evaluate": recipe.to_dict()["evaluate"], "dtype": recipe.dtype, "n": len(prompts)}
+    key = {"evaluate": recipe.to_dict()["evaluate"], "dtype": recipe.dtype, "n": len(prompts),
+           "serving": SERVING_REV}  # a decoder change measures again
 
     def cached(name: str, fn) -> dict:
         path = out_dir / f"{name}.json"
