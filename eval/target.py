@@ -100,7 +100,9 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool =
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:  # host ints only
+        # The native GEMV where cpu_gemv turned oneDNN off for a forward of few rows; else (more rows,
+        # or a prefill's one-row LM head inside a many-row forward) the packed weight.
+        if x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and not torch._C._get_mkldnn_enabled():  # host ints only
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
     return f
