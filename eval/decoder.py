@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .proposers import Proposer, Sampling, load_proposer
-from .target import cpu_gemv, make_runner
+from .target import cpu_gemv, greedy_argmax, make_runner
 from .tree import Tree
 
 K_MAX_AUTO = 8
@@ -63,7 +63,7 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor):
     """logits [B, k+1, V] of the target at [cur, d1..dk]; drafts [B, k].
     -> n_acc [B] (leading drafts equal to the target's argmax), next [B] (argmax after them)."""
-    g = logits.argmax(-1)  # [B, k+1]
+    g = greedy_argmax(logits)  # [B, k+1]
     ok = (drafts == g[:, :-1]).long()  # [B, k]
     n_acc = ok.cumprod(1).sum(1)  # [B]
     return n_acc, g.gather(1, n_acc[:, None])[:, 0]
@@ -162,7 +162,7 @@ class SpeculativeDecoder:
         L_t = torch.tensor(L, device=dev)  # [B]
         t = time.perf_counter()
         logits, feats = self.runner(toks, pos, T, logit_idx=L_t - 1)  # [B, 1, V], [B, T, H]
-        cur = logits[:, 0].argmax(-1) if sampling.greedy else sampling.sample(sampling.probs(logits[:, 0]))
+        cur = greedy_argmax(logits[:, 0]) if sampling.greedy else sampling.sample(sampling.probs(logits[:, 0]))
         first = cur.tolist()  # host sync: the first token
         st.prefill_s = time.perf_counter() - t
         st.target_forwards += 1

@@ -85,6 +85,13 @@ def cpu_gemv(rows: int, device: torch.device):
         torch._C._set_mkldnn_enabled(before)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> [...] the index of the first maximum, like argmax(-1). On CPU, bf16
+    argmax over the 49k vocabulary took 193 us per row-position at 1 position and 927 us at 9, and
+    max(-1) 90 and 426 us (measured here); both return the first maximal index on ties."""
+    return logits.max(-1).indices
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .target import greedy_argmax
+
 
 def build_trie(candidates: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
     """Merge candidate continuations (in priority order) into a trie of at most max_nodes nodes.
@@ -92,7 +94,7 @@ class Tree:
         """logits [B, N+1, V] of the target at the nodes -> best [B] (the deepest accepted node: its
         own token and every ancestor's equal the target's argmax at their parent), n_acc [B] (its
         depth), bonus [B] (the target's argmax after it)."""
-        g = logits.argmax(-1)  # [B, N+1]
+        g = greedy_argmax(logits)  # [B, N+1]
         par = self.parents.clamp(min=0)
         ok = (self.tokens == g.gather(1, par)) & (self.parents >= 0)  # [B, N]
         ok = torch.cat([torch.ones_like(ok[:, :1]), ok], 1)  # [B, N+1], the root is given

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval.target import GEMV_MAX_ROWS, LeanLlama, _can_pack, _linear, cpu_gemv
+from eval.target import GEMV_MAX_ROWS, LeanLlama, _can_pack, _linear, cpu_gemv, greedy_argmax
 
 CPU = torch.device("cpu")
 
@@ -85,3 +85,12 @@ def test_fp32_forward_equals_hf():
         want = model(ids).logits
         got, _ = runner(ids, torch.arange(20)[None].expand(2, -1), 20)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_argmax_is_argmax_with_first_index_on_ties(dtype):
+    x = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[0, 0, [10, 700]] = 50.0  # a tie: the first index wins, as with argmax
+    x[2, 4, [999, 3]] = 60.0
+    assert torch.equal(greedy_argmax(x), x.argmax(-1))
+    assert greedy_argmax(x)[0, 0] == 10 and greedy_argmax(x)[2, 4] == 3
