@@ -97,12 +97,12 @@ def _can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x [..., in] -> [..., out]: F.linear, with a copy of the weight packed for oneDNN on CPU bf16
     (see the note above): one or two rows take the native GEMV on the plain weight, more rows the
     packed one. Like the fused copies, a packed weight is taken now; rebuild the runner if the
     weights change."""
-    if not (pack and _can_pack(weight)):
+    if not _can_pack(weight):
         return partial(F.linear, weight=weight, bias=bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
 
@@ -115,11 +115,11 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool =
     return f
 
 
-def _module_linear(mod, pack: bool):
+def _module_linear(mod):
     """A projection module as a callable: packed when it is a plain nn.Linear, else the module itself
     (e.g. eval.drafts' int8 or truncated-vocabulary layers)."""
     if type(mod) is torch.nn.Linear:
-        return _linear(mod.weight, mod.bias, pack)
+        return _linear(mod.weight, mod.bias)
     return mod
 
 
@@ -164,7 +164,7 @@ class LeanLlama:
         with torch.no_grad():
             for i, layer in enumerate(model.model.layers if fuse else []):
                 att, mlp = layer.self_attn, layer.mlp
-                self.out[i] = (_module_linear(att.o_proj, True), _module_linear(mlp.down_proj, True))
+                self.out[i] = (_module_linear(att.o_proj), _module_linear(mlp.down_proj))
                 if hasattr(att, "qkv_proj") and hasattr(mlp, "gate_up_proj"):
                     self.fused[i] = (att.qkv_proj, mlp.gate_up_proj)
                     continue
@@ -175,7 +175,7 @@ class LeanLlama:
                 b_gu = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
                 self.fused[i] = (_linear(w_qkv, b_qkv), _linear(w_gu, b_gu))
             if fuse:
-                self.lm_head = _module_linear(model.lm_head, True)
+                self.lm_head = _module_linear(model.lm_head)
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv * self.head_dim
 
