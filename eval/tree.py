@@ -3,8 +3,9 @@
 SpecInfer (Miao et al., 2024) and Medusa (Cai et al., 2024) verify a tree of candidates instead of one
 chain: the candidates share their common prefixes, every node attends to the committed prefix and to
 its own ancestors only, and the longest path whose every node equals the target's argmax at its
-parent is accepted. On this CPU a forward over 16 tokens costs ~1.3x one token (8 tokens: ~1.08x),
-so a second and third candidate (another n-gram match, the trained draft's chain) are nearly free.
+parent is accepted. With the lean CPU forward (eval/target.py) a verify of 2-6 tokens costs ~1.47x a
+one-token step, 9 tokens ~1.6x and 17 ~2.1x (docs/benchmarks.md), so a second candidate (another
+n-gram match next to the trained draft's chain) costs little only while the tree stays small.
 
 Layout of one round, per row b (node 0 is the current token, at position n_b):
     tokens  [B, N]       nodes 1..N (padding nodes: parent -1, never accepted)
@@ -61,7 +62,7 @@ class Tree:
     def from_lists(cls, rows: list[tuple[list[int], list[int]]], device) -> "Tree":
         """rows: per batch row, (tokens, parents) from build_trie; rows are padded to one N."""
         # Built as host lists and turned into tensors once: per-node tensor ops cost more than the
-        # whole tree is worth at these sizes (16-24 nodes, a few microseconds per op).
+        # whole tree is worth at these sizes (8-24 nodes, a few microseconds per op).
         N = max((len(t) for t, _ in rows), default=0)
         toks, pars, depths, ancs = [], [], [], []
         for t, p in rows:
