@@ -266,13 +266,18 @@ class HybridProposer(Proposer):
 
     The model proposer sees every verified token whoever proposed it (`accept` always runs), so its
     cache and features stay in sync. `k_ngram` lets lookups propose longer runs than the model
-    (verifying a few more tokens costs little; drafting them with the model does not)."""
+    (verifying a few more tokens costs little; drafting them with the model does not).
+
+    `datastore` (eval.datastore, the target's own outputs on the training prompts): in tree rounds its
+    `store_branches` most frequent continuations of the current suffix join the tree after the
+    model's chain, ahead of the weak (1-token) prompt matches. Chains (sampling) do not use it."""
 
     name = "hybrid"
 
     def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = 8, max_ngram: int = 3,
-                 branches: int = 2, max_nodes: int = 8):
+                 branches: int = 2, max_nodes: int = 8, datastore=None, store_branches: int = 2):
         self.model = model
+        self.datastore, self.store_branches = datastore, store_branches
         self.ngram = NgramProposer(max_ngram=max_ngram, min_ngram=min_match)
         self.min_match, self.branches, self.max_nodes = min_match, branches, max_nodes
         self.uses_features = model.uses_features
@@ -296,7 +301,9 @@ class HybridProposer(Proposer):
         for h, chain in zip(self.ngram.hist, drafts.tolist()):  # host sync: the model's chain joins the host-built tree
             # down to 1-token matches: in a tree a weak lookup only costs nodes the budget allows
             found = self.ngram.candidates(h, self.k_ngram or k, self.branches, min_n=1) if self.branches else []
-            cands = [c for c, n in found if n >= self.min_match] + [chain] + [c for c, n in found if n < self.min_match]
+            stored = self.datastore.candidates(h, self.k_ngram or k, self.store_branches) if self.datastore else []
+            cands = [c for c, n in found if n >= self.min_match] + [chain] + [c for c, _ in stored] \
+                + [c for c, n in found if n < self.min_match]
             rows.append(build_trie(cands, budget))
         return rows
 
@@ -399,8 +406,9 @@ class EagleProposer(Proposer):
 
 def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     """"ngram" -> NgramProposer(); "int8" -> DraftLMProposer over an int8 copy of the target (built
-    now); "hybrid:<draft dir>" -> HybridProposer over that draft; an EagleHead -> EagleProposer; a
-    module (an HF model, or an eval.drafts draft, whose `d2t` is used) -> DraftLMProposer; a draft
+    now); "hybrid:<draft dir>" -> HybridProposer over that draft (and its datastore.npy, if any); an
+    EagleHead -> EagleProposer; a module (an HF model, or an eval.drafts draft, whose `d2t` is used)
+    -> DraftLMProposer; a draft
     directory (draftsmith_draft.json says {"kind": "eagle" | "medusa" | "draft_lm" | "self_spec" |
     "int8"}, and "proposer": "hybrid" when it was promoted as a hybrid) -> its proposer. A self_spec
     directory holds only the adapter: it is rebuilt around `target`, which must be its own target."""
@@ -415,7 +423,10 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     if path_or_kind == "int8":
         return _int8_proposer(target)
     if isinstance(path_or_kind, str) and path_or_kind.startswith("hybrid:"):
-        return HybridProposer(load_proposer(path_or_kind[len("hybrid:"):], target, dtype))
+        src = path_or_kind[len("hybrid:"):]
+        if src in ("ngram", "int8") or not (Path(src) / HEAD_FILE).exists():
+            return HybridProposer(load_proposer(src, target, dtype))
+        return _hybrid(Path(src), target, dtype or target.get_output_embeddings().weight.dtype)
     d = Path(path_or_kind)
     if not (d / HEAD_FILE).exists():
         raise ValueError(f"{d} is not a draft directory (no {HEAD_FILE}); give a checkpoint or best/ dir, "
@@ -423,8 +434,16 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     meta = json.loads((d / HEAD_FILE).read_text())
     dtype = dtype or target.get_output_embeddings().weight.dtype
     if meta.get("proposer") == "hybrid":  # a promoted draft that is served with n-gram lookups
-        return HybridProposer(_model_proposer(d, meta, target, dtype))
+        return _hybrid(d, target, dtype)
     return _model_proposer(d, meta, target, dtype)
+
+
+def _hybrid(d: Path, target, dtype) -> HybridProposer:
+    """A draft directory served with n-gram lookups, and with its datastore when it holds one."""
+    from .datastore import Datastore
+
+    meta = json.loads((d / HEAD_FILE).read_text())
+    return HybridProposer(_model_proposer(d, meta, target, dtype), datastore=Datastore.from_dir(d))
 
 
 def _int8_proposer(target) -> "DraftLMProposer":

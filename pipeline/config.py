@@ -111,6 +111,10 @@ class TrainConfig:
     lora_alpha: int = _f(32, "draft_lm with LoRA: the LoRA scaling alpha.")
     init_from: str = _f("target", "draft_lm: 'target' (its first num_layers layers) or a local HF causal LM "
                                   "directory with the target's tokenizer.")
+    datastore: bool = _f(True, "Save the training completions (the target's own outputs) with each checkpoint "
+                               "as a datastore: served as a hybrid, the draft's token trees also get the "
+                               "datastore's most frequent continuations of the current suffix (REST, He et "
+                               "al. 2024; SuffixDecoding, Oliaro et al. 2024). false: no datastore.")
 
     def __post_init__(self):
         _one_of("train.method", self.method, {"eagle", "medusa", "draft_lm", "self_spec", "int8"})

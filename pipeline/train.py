@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from eval.datastore import Datastore
 from eval.heads import HEAD_FILE, EagleHead
 from .losses import divergence
 from .shards import ShardError, load_shards, read_manifest, write_json_atomic
@@ -588,6 +589,15 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     resume = ckpts[-1] if ckpts else None
     module, params, save_draft, dataset, d2t, sampler_draft = _setup(
         tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest, extra)
+    # The completions the draft learns from, as a datastore served next to it (eval/datastore.py): the
+    # target's own outputs on the training prompts (the raw text for data=raw), never held-out ones.
+    store = Datastore([r["ids"][r["P"]:] for r in rows]) if tc.datastore else None
+
+    def save_all(d, s):
+        save_draft(d, s, module_unwrapped)
+        if store is not None:
+            store.save(d)
+
     eos = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
@@ -656,7 +666,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
             bar.set_postfix(loss=f"{last_loss:.3f}", acc=f"{metrics.get('acc_0', 0):.2f}")
             if step % tc.save_every == 0 or step == tc.steps:
                 if accelerator.is_main_process:
-                    p = _save_checkpoint(train_dir, step, lambda d, s: save_draft(d, s, module_unwrapped),
+                    p = _save_checkpoint(train_dir, step, save_all,
                                          optimizer, scheduler)
                     names = sorted(set(names) | {p.name})
                 accelerator.wait_for_everyone()
