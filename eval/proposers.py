@@ -132,6 +132,22 @@ class NgramProposer(Proposer):
                 self.hist[b] += tokens[b, 1:a + 1].tolist() + [t]
 
 
+class NoDraft(Proposer):
+    """Proposes nothing. A hybrid over it serves lookups alone (the prompt's and a datastore's): the
+    no-training baseline that tells what a trained draft adds."""
+
+    name = "none"
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        self.B, self.device = len(prompts), first.device
+
+    def propose(self, k):
+        return torch.empty(self.B, 0, dtype=torch.long, device=self.device), None
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        pass
+
+
 def _verified(tokens, start, n_acc, bonus):
     """The verified tokens of a round as one input: tokens [B, T] ([current, drafts...]) written at
     positions start [B].., with each row's bonus token placed after its accepted drafts.
@@ -406,8 +422,9 @@ class EagleProposer(Proposer):
 
 def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     """"ngram" -> NgramProposer(); "int8" -> DraftLMProposer over an int8 copy of the target (built
-    now); "hybrid:<draft dir>" -> HybridProposer over that draft (and its datastore.npy, if any); an
-    EagleHead -> EagleProposer; a module (an HF model, or an eval.drafts draft, whose `d2t` is used)
+    now); "hybrid:<draft dir>" -> HybridProposer over that draft (and its datastore.npy, if any);
+    "hybrid-nostore:<draft dir>" -> the same without the datastore; "datastore:<draft dir>" -> n-gram
+    and datastore lookups alone, no draft (NoDraft); an EagleHead -> EagleProposer; a module (an HF model, or an eval.drafts draft, whose `d2t` is used)
     -> DraftLMProposer; a draft
     directory (draftsmith_draft.json says {"kind": "eagle" | "medusa" | "draft_lm" | "self_spec" |
     "int8"}, and "proposer": "hybrid" when it was promoted as a hybrid) -> its proposer. A self_spec
@@ -427,6 +444,17 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
         if src in ("ngram", "int8") or not (Path(src) / HEAD_FILE).exists():
             return HybridProposer(load_proposer(src, target, dtype))
         return _hybrid(Path(src), target, dtype or target.get_output_embeddings().weight.dtype)
+    if isinstance(path_or_kind, str) and path_or_kind.startswith("hybrid-nostore:"):  # ablation: no datastore
+        return HybridProposer(load_proposer(path_or_kind[len("hybrid-nostore:"):], target, dtype))
+    if isinstance(path_or_kind, str) and path_or_kind.startswith("datastore:"):  # lookups alone, no draft
+        from .datastore import Datastore, DatastoreError
+
+        d = Path(path_or_kind[len("datastore:"):])
+        store = Datastore.from_dir(d)
+        if store is None:
+            raise DatastoreError(f"{d} holds no datastore.npy; train with train.datastore=true or give a draft "
+                                 f"directory that has one")
+        return HybridProposer(NoDraft(), datastore=store)
     d = Path(path_or_kind)
     if not (d / HEAD_FILE).exists():
         raise ValueError(f"{d} is not a draft directory (no {HEAD_FILE}); give a checkpoint or best/ dir, "

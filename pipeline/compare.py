@@ -5,7 +5,8 @@ Step 1: the run's generate stage (reused when it exists; run_dir/generate and pr
 Step 2: per variant, a directory run_dir/compare/<name>/ whose generate/ and prompts/ link to the
 run's, then the train stage and the evaluate stage exactly as `distill` runs them (resumable: a
 finished variant is read back). The table shows each variant's final checkpoint.
-Step 3: the hybrid (the best trained variant + n-gram lookups) and the n-gram baseline.
+Step 3: the hybrid (the best trained variant + n-gram lookups + its datastore), the same without the
+datastore and the lookups without the draft (what each part adds), and the n-gram baseline.
 Step 4: the divergences on the best method, and the best method trained on raw domain text (the
 undistilled baseline; its τ against the distilled one is the distillation lift). The best variant is
 then swept over K (measured) to give its best K.
@@ -154,6 +155,14 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
     # Step 3: hybrid of the best trained variant, and the n-gram baseline
     rows.append(_decode_row("hybrid", f"hybrid:{best['dir']}", recipe, run_dir, target, tokenizer, k))
     rows[-1]["method"] = f"hybrid ({best_m} + ngram)"
+    if (Path(best["dir"]) / "datastore.npy").exists():  # what the datastore adds, and what the draft adds
+        rows[-1]["method"] = f"hybrid ({best_m} + ngram + datastore)"
+        rows.append(_decode_row("hybrid-nostore", f"hybrid-nostore:{best['dir']}", recipe, run_dir, target,
+                                tokenizer, k))
+        rows[-1]["method"] = f"hybrid ({best_m} + ngram), no datastore"
+        rows.append(_decode_row("ngram+datastore", f"datastore:{best['dir']}", recipe, run_dir, target,
+                                tokenizer, k))
+        rows[-1]["method"] = "ngram + datastore (no draft)"
     int8 = [r for r in rows if r["method"] == "int8"]
     if int8:  # the int8 copy accepts almost everything but costs half a target step: lookups are free
         rows.append(_decode_row("int8+ngram", f"hybrid:{int8[0]['dir']}", recipe, run_dir, target, tokenizer, k))
@@ -172,7 +181,7 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
         rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": default_div, "data": "raw"}, steps)
         raw = run_variant(f"{best_m}-{default_div}-raw", rv, run_dir, target, tokenizer)
     # K sweep (measured) on the best served proposer
-    served = max([r for r in rows if r["name"] != "ngram"], key=lambda r: r["speedup"])
+    served = max([r for r in rows if r["name"] not in ("ngram", "ngram+datastore")], key=lambda r: r["speedup"])
     src = served["dir"]  # a variant's best/ dir, or "hybrid:<dir>" for the served combinations
     sweep = [_decode_row(f"{served['name']}@k", src, recipe, run_dir, target, tokenizer, kk) for kk in k_sweep]
     out = {"methods": rows, "divergences": div_rows, "raw_baseline": raw, "best_method": best_m,
@@ -215,7 +224,8 @@ def markdown(out: dict, command: str) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|\n"
 
     def line(r):
-        return (f"| {r['method'] if r['name'] in ('hybrid', 'int8+ngram', 'ngram') else r['name']} | {_fmt(r['divergence'])} | "
+        served = ('hybrid', 'hybrid-nostore', 'ngram+datastore', 'int8+ngram', 'ngram')
+        return (f"| {r['method'] if r['name'] in served else r['name']} | {_fmt(r['divergence'])} | "
                 f"{_fmt(r['data'])} | {_fmt(r['alpha'], 3)} | {_fmt(r['tau'])} | {_fmt(r['c'], 3)} | {_fmt(r['k'])} | "
                 f"{_fmt(r['best_k'])} | **{_fmt(r['speedup'])}×** | {_fmt(r['predicted_speedup'])}× | "
                 f"{_fmt(r['train_tokens_per_s'], 0)} |\n")

@@ -63,7 +63,7 @@ def compare_section(run_dir: Path) -> list[str]:
     rows = out["methods"] + out["divergences"][1:] + ([out["raw_baseline"]] if out.get("raw_baseline") else [])
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(range(len(rows)), [r["speedup"] for r in rows],
-           color=["C1" if r["name"] in ("ngram", "int8-fkl") else "C0" for r in rows])
+           color=["C1" if r["name"] in ("ngram", "ngram+datastore", "int8-fkl") else "C0" for r in rows])
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=35, ha="right", fontsize=7)
     ax.set_ylabel("measured speedup vs plain")
@@ -75,7 +75,8 @@ def compare_section(run_dir: Path) -> list[str]:
     lines = ["", "## Draft methods compared (`draftsmith compare`)", "",
              "| variant | α | τ | speedup |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['name']} | {f(r['alpha'], 3)} | {f(r['tau'])} | {f(r['speedup'])}× |" for r in rows]
-    lines += ["", "Baselines without training: `ngram` (prompt lookup) and `int8-fkl` (an int8 copy of the "
+    lines += ["", "Baselines without training: `ngram` (prompt lookup), `ngram+datastore` (prompt lookup and "
+              "the datastore of the target's outputs, no draft) and `int8-fkl` (an int8 copy of the "
               "target as the draft). Full table: [compare/compare.md](compare/compare.md).", "",
               "![compare_speedup.png](compare_speedup.png)"]
     return lines

@@ -31,11 +31,13 @@ def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
     run = (tmp_path / "code" / "latest").resolve()
     out = json.loads((run / "compare" / "compare.json").read_text())
     names = [r["name"] for r in out["methods"]]
-    assert names == [f"{m}-fkl" for m in METHODS] + ["hybrid", "int8+ngram", "ngram"]
+    assert names == [f"{m}-fkl" for m in METHODS] + ["hybrid", "hybrid-nostore", "ngram+datastore", "int8+ngram",
+                                                     "ngram"]
     for r in out["methods"]:
         assert 0.0 <= r["alpha"] <= 1.0 and r["tau"] >= 1.0 and r["speedup"] > 0, r
         assert r["c"] is not None and r["best_k"] is not None or r["alpha"] == 0.0
-    trained = [r for r in out["methods"] if r["name"] not in ("hybrid", "int8+ngram", "ngram", "int8-fkl")]
+    served = ("hybrid", "hybrid-nostore", "ngram+datastore", "int8+ngram", "ngram", "int8-fkl")
+    trained = [r for r in out["methods"] if r["name"] not in served]
     assert all(r["steps"] == 2 and r["train_tokens_per_s"] > 0 for r in trained)
     best = out["best_method"]
     assert [r["name"] for r in out["divergences"]] == [f"{best}-fkl", f"{best}-tv"]
@@ -44,6 +46,7 @@ def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
     md = docs.read_text()
     assert md == (run / "compare" / "compare.md").read_text()
     assert "draftsmith compare" in md and "| eagle-fkl |" in md and "K sweep" in md
+    assert "+ ngram + datastore) |" in md and "| ngram + datastore (no draft) |" in md
     assert any(b"compare/methods" in f.read_bytes() for f in run.glob("wandb/offline-run-*/run-*.wandb"))
     # the run's report shows the comparison, int8 and n-gram baselines included, with a plot
     from pipeline.report import compare_section

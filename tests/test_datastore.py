@@ -11,7 +11,7 @@ import torch
 
 from eval.datastore import FILE, SEP, Datastore, DatastoreError
 from eval.decoder import SpeculativeDecoder
-from eval.proposers import HybridProposer, Proposer, Sampling, load_proposer
+from eval.proposers import HybridProposer, NoDraft, Proposer, Sampling, load_proposer
 from test_decoder import N_NEW, PROMPTS, V, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,13 +105,13 @@ def test_hybrid_with_datastore_is_exact_and_accepts_more(target):
     plain = SpeculativeDecoder(target, None, k=1).generate(PROMPTS, max_new_tokens=N_NEW).sequences
     st = Datastore(plain)  # (a test: built from the very outputs it will be asked to predict)
     taus = {}
-    for name, store in (("without", None), ("with", st)):
-        hyb = HybridProposer(NoChain(), min_match=2, max_nodes=24, datastore=store)
+    for name, store, model in (("without", None, NoChain()), ("with", st, NoChain()), ("no draft", st, NoDraft())):
+        hyb = HybridProposer(model, min_match=2, max_nodes=24, datastore=store)
         for prompts in (PROMPTS, [PROMPTS[0]]):  # ragged, then batch 1
             res = SpeculativeDecoder(target, hyb, k=2).generate(prompts, max_new_tokens=N_NEW)
             assert res.sequences == plain[: len(prompts)]
         taus[name] = res.stats["tau"]  # batch 1's
-    assert taus["with"] > taus["without"] + 1.0, taus
+    assert taus["with"] > taus["without"] + 1.0 and taus["no draft"] > taus["without"] + 1.0, taus
 
 
 def test_train_stage_writes_the_datastore_and_the_hybrid_loads_it(tmp_path):
@@ -132,8 +132,13 @@ def test_train_stage_writes_the_datastore_and_the_hybrid_loads_it(tmp_path):
     meta = json.loads((ck / "draftsmith_draft.json").read_text())
     (ck / "draftsmith_draft.json").write_text(json.dumps(meta | {"proposer": "hybrid"}))
     assert load_proposer(str(ck), tgt).datastore.flat == want  # a promoted best/ dir serves it too
+    assert load_proposer(f"hybrid-nostore:{ck}", tgt).datastore is None
+    alone = load_proposer(f"datastore:{ck}", tgt)
+    assert isinstance(alone.model, NoDraft) and alone.datastore.flat == want
     d2 = _copy_gen(tmp_path / "gen", tmp_path / "r2")
     train_dir = run_train(_recipe(method="medusa", steps=2, save_every=2, medusa_heads=2, datastore=False), d2,
                           target=tgt)
     assert not (train_dir / "checkpoint-000002" / FILE).exists()
     assert load_proposer(f"hybrid:{train_dir / 'checkpoint-000002'}", tgt).datastore is None
+    with pytest.raises(DatastoreError, match="holds no datastore.npy"):
+        load_proposer(f"datastore:{train_dir / 'checkpoint-000002'}", tgt)
