@@ -100,9 +100,16 @@ def resolve_target(spec: str) -> str:
 KINDS = ("eagle", "medusa", "draft_lm", "self_spec", "int8")
 
 
+SERVED = ("hybrid:", "hybrid-nostore:", "datastore:")  # a draft directory served another way (load_proposer)
+
+
 def draft_kind(draft: str) -> str:
     if draft in ("ngram", "int8"):  # need no directory: prompt lookup, an int8 copy of the target
         return draft
+    for pre in SERVED:
+        if draft.startswith(pre):
+            draft_kind(draft[len(pre):])  # the directory must be a draft directory
+            return pre[:-1]
     d = Path(draft)
     if not d.is_dir():
         raise BenchError(f"draft directory {draft} does not exist (give a draft directory or 'ngram')")
@@ -312,7 +319,10 @@ def compare(target, prompts, ref, other) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="draftsmith bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=EMBEDDED, help="'embedded' (default) or a local HF checkpoint dir")
-    ap.add_argument("--draft", required=True, help="a draft directory (any kind: eagle, medusa, draft_lm, self_spec, int8), 'ngram' or 'int8'")
+    ap.add_argument("--draft", required=True, help="a draft directory (any kind: eagle, medusa, draft_lm, self_spec, "
+                    "int8), 'ngram' or 'int8'; or a directory served another way: 'hybrid:DIR' (with n-gram "
+                    "lookups and its datastore), 'hybrid-nostore:DIR' (without the datastore), 'datastore:DIR' "
+                    "(lookups alone, no draft)")
     ap.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'messages' per line")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)

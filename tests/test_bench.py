@@ -169,3 +169,21 @@ def test_int8_and_head_drafts_bench_without_hf_comparisons(tiny, tmp_path):
     heads.save(tmp_path / "medusa")
     rc, res = _run(tiny, tmp_path, "--draft", str(tmp_path / "medusa"), "--k", "2", "--n-prompts", "2")
     assert rc == 0 and res["draft_kind"] == "medusa" and res["greedy_exact"] is True
+
+
+def test_served_sources_bench_a_draft_with_its_datastore(tiny, tmp_path):
+    """'hybrid:DIR', 'hybrid-nostore:DIR' and 'datastore:DIR' serve one draft directory three ways;
+    each is exact in fp32, and a prefix over a non-draft directory is a one-line error."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.datastore import Datastore
+    from eval.medusa import MedusaHeads
+
+    heads = MedusaHeads.from_target(AutoModelForCausalLM.from_pretrained(tiny["target"]), num_heads=2)
+    heads.save(tmp_path / "medusa")
+    Datastore([[5, 6, 7, 8], [9, 10, 11]]).save(tmp_path / "medusa")
+    for pre in ("hybrid", "hybrid-nostore", "datastore"):
+        rc, res = _run(tiny, tmp_path, "--draft", f"{pre}:{tmp_path / 'medusa'}", "--k", "2", "--n-prompts", "2")
+        assert rc == 0 and res["draft_kind"] == pre and res["greedy_exact"] is True, (pre, res.get("greedy_exact"))
+    rc, _ = _run(tiny, tmp_path, "--draft", f"hybrid:{tmp_path / 'nowhere'}", "--n-prompts", "2")
+    assert rc == 2
