@@ -192,7 +192,8 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     s = best["stats"]
     plain_tps = sum(r["plain_stats"]["n_tokens"] for r in results) / sum(r["plain_stats"]["wall_s"] for r in results)
     metrics = {
-        "domain": recipe.domain, "target": recipe.target, "draft_method": draft_meta.get("method", draft_meta["kind"]) + ("+ngram" if hybrid else ""),
+        "domain": recipe.domain, "target": recipe.target, "draft_method": draft_meta.get("method", draft_meta["kind"])
+        + ("+ngram" if hybrid else "") + ("+datastore" if hybrid and (best_dir / "datastore.npy").exists() else ""),
         "divergence": draft_meta.get("divergence"), "checkpoint": best["name"], "k": cfg.k,
         "alpha": s["alpha"], "tau": s["tau"], "accept_per_pos": s["accept_per_pos"],
         # Plain tokens/s over every candidate's paired runs; the speedup is the promoted candidate's

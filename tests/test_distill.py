@@ -67,7 +67,10 @@ def test_distill_tiny_target_end_to_end(tiny_target, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target)
-    load_proposer(str(latest / "best"), target)
+    prop = load_proposer(str(latest / "best"), target)
+    # best/ carries the datastore of the training completions; a hybrid serves it and says so
+    assert (latest / "best" / "datastore.npy").exists()
+    assert m["draft_method"].endswith("+ngram+datastore") == (getattr(prop, "datastore", None) is not None)
 
     # Running the same command again on a finished run starts a new run (the old one is kept).
     first = latest.resolve().name
