@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eval.datastore import Datastore
+from eval.datastore import FILE as DATASTORE_FILE, Datastore
 from eval.heads import HEAD_FILE, EagleHead
 from .losses import divergence
 from .shards import ShardError, load_shards, read_manifest, write_json_atomic
@@ -592,6 +592,9 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     # The completions the draft learns from, as a datastore served next to it (eval/datastore.py): the
     # target's own outputs on the training prompts (the raw text for data=raw), never held-out ones.
     store = Datastore([r["ids"][r["P"]:] for r in rows]) if tc.datastore else None
+    for ck in ckpts if store is not None else []:  # written before the datastore was on: add it now
+        if not (ck / DATASTORE_FILE).exists():
+            store.save(ck)
 
     def save_all(d, s):
         save_draft(d, s, module_unwrapped)

@@ -142,3 +142,6 @@ def test_train_stage_writes_the_datastore_and_the_hybrid_loads_it(tmp_path):
     assert load_proposer(f"hybrid:{train_dir / 'checkpoint-000002'}", tgt).datastore is None
     with pytest.raises(DatastoreError, match="holds no datastore.npy"):
         load_proposer(f"datastore:{train_dir / 'checkpoint-000002'}", tgt)
+    # switched on later: the resumed (already finished) run adds it to the existing checkpoints
+    train_dir = run_train(_recipe(method="medusa", steps=2, save_every=2, medusa_heads=2), d2, target=tgt)
+    assert Datastore.load(train_dir / "checkpoint-000002").flat == want
