@@ -101,10 +101,11 @@ def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k
     """A proposer without training (ngram) or a served combination (hybrid), cached by name and K."""
     from eval.decoder import SERVING_REV  # how the decoder serves it: a decoder change measures again
 
-    from .evaluate import decode_pairs, heldout_ids
+    from .evaluate import decode_pairs, heldout_ids, source_fingerprint
 
     path = run_dir / "compare" / f"{name}-k{k}.json"
-    key = {"src": src, "k": k, "evaluate": recipe.to_dict()["evaluate"], "serving": SERVING_REV}
+    key = {"src": src, "k": k, "evaluate": recipe.to_dict()["evaluate"], "serving": SERVING_REV,
+           "files": source_fingerprint(src)}
     prev = json.loads(path.read_text()) if path.exists() else {}
     if prev.get("key") == key:
         return prev["row"]

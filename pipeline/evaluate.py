@@ -103,6 +103,16 @@ def _fp32_check(target, proposer_src, prompts, k, max_new_tokens, eos) -> bool:
     return plain == spec
 
 
+def source_fingerprint(src: str) -> list:
+    """What a cached measurement of `src` ("ngram", a draft directory, "hybrid:<dir>", ...) depends on
+    besides the decoder: the draft directory's file names and sizes, so that e.g. a datastore added to
+    a checkpoint later measures again instead of reading back the result without it."""
+    d = Path(str(src).split(":", 1)[-1])
+    if not d.is_dir():
+        return []
+    return sorted([p.name, p.stat().st_size] for p in d.iterdir() if p.is_file() and p.name != "trainer_state.pt")
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
     m = read_manifest(Path(run_dir) / "train")
     names = m.get("checkpoints") or []
@@ -124,14 +134,15 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     key = {"evaluate": recipe.to_dict()["evaluate"], "dtype": recipe.dtype, "n": len(prompts),
            "serving": SERVING_REV}  # a decoder change measures again
 
-    def cached(name: str, fn) -> dict:
+    def cached(name: str, fn, src=None) -> dict:
         path = out_dir / f"{name}.json"
+        k = key | {"files": source_fingerprint(src)} if src is not None else key
         if path.exists():
             prev = json.loads(path.read_text())
-            if prev.get("key") == key:
+            if prev.get("key") == k:
                 return prev
         result = fn()
-        result["key"] = key
+        result["key"] = k
         write_json_atomic(path, result)
         return result
 
@@ -154,12 +165,13 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
             check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(ck), f"draft {ck}")
     results = []
     for ck in tqdm(ckpts, desc="evaluate checkpoints"):
-        results.append(cached(ck.name, lambda ck=ck: evaluate_one(ck.name, ck)))
+        results.append(cached(ck.name, lambda ck=ck: evaluate_one(ck.name, ck), ck))
     # Step 3b: the best checkpoint served with n-gram lookups (hybrid), and the n-gram baseline.
     best_ck = max(results, key=lambda r: r["speedup"])
     if cfg.hybrid:
         results.append(cached(f"{best_ck['name']}+ngram",
-                              lambda: evaluate_one(f"{best_ck['name']}+ngram", f"hybrid:{best_ck['source']}")))
+                              lambda: evaluate_one(f"{best_ck['name']}+ngram", f"hybrid:{best_ck['source']}"),
+                              f"hybrid:{best_ck['source']}"))
     baseline = cached("ngram", lambda: evaluate_one("ngram", "ngram")) if cfg.baselines else None
 
     for r in results + ([baseline] if baseline else []):

@@ -569,8 +569,9 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     if tc.method == "int8":
         return _int8_checkpoint(train_dir, recipe, extra)
     done = read_manifest(train_dir)
+    stored = not tc.datastore or all((ck / DATASTORE_FILE).exists() for ck in _checkpoints(train_dir))
     if done.get("recipe_hash") == recipe.hash() and done.get("steps") == tc.steps and \
-            (train_dir / f"checkpoint-{tc.steps:06d}").exists():
+            (train_dir / f"checkpoint-{tc.steps:06d}").exists() and stored:
         return train_dir  # finished: nothing to load or recompute
     rows, gen_manifest = _load_rows(run_dir, recipe)
     if target is None:
