@@ -32,7 +32,7 @@ import torch
 from .decoder import SpeculativeDecoder
 from .exactness import compare_greedy
 from .loading import LoadError, convert_embedded, tokenizers_match
-from .proposers import NgramProposer, load_proposer
+from .proposers import SERVED_AS, NgramProposer, load_proposer
 
 EMBEDDED = "embedded"
 DRAFT_FILE = "draftsmith_draft.json"
@@ -100,16 +100,13 @@ def resolve_target(spec: str) -> str:
 KINDS = ("eagle", "medusa", "draft_lm", "self_spec", "int8")
 
 
-SERVED = ("hybrid:", "hybrid-nostore:", "datastore:")  # a draft directory served another way (load_proposer)
-
-
 def draft_kind(draft: str) -> str:
     if draft in ("ngram", "int8"):  # need no directory: prompt lookup, an int8 copy of the target
         return draft
-    for pre in SERVED:
-        if draft.startswith(pre):
-            draft_kind(draft[len(pre):])  # the directory must be a draft directory
-            return pre[:-1]
+    how, _, src = draft.partition(":")
+    if src and how in SERVED_AS:  # a draft directory served another way (load_proposer)
+        draft_kind(src)  # the directory must be a draft directory
+        return how
     d = Path(draft)
     if not d.is_dir():
         raise BenchError(f"draft directory {draft} does not exist (give a draft directory or 'ngram')")

@@ -424,10 +424,9 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     """"ngram" -> NgramProposer(); "int8" -> DraftLMProposer over an int8 copy of the target (built
     now); "hybrid:<draft dir>" -> HybridProposer over that draft (and its datastore.npy, if any);
     "hybrid-nostore:<draft dir>" -> the same without the datastore; "datastore:<draft dir>" -> n-gram
-    and datastore lookups alone, no draft (NoDraft); an EagleHead -> EagleProposer; a module (an HF model, or an eval.drafts draft, whose `d2t` is used)
-    -> DraftLMProposer; a draft
-    directory (draftsmith_draft.json says {"kind": "eagle" | "medusa" | "draft_lm" | "self_spec" |
-    "int8"}, and "proposer": "hybrid" when it was promoted as a hybrid) -> its proposer. A self_spec
+    and datastore lookups alone, no draft (NoDraft); an EagleHead -> EagleProposer; a module (an HF
+    model, or an eval.drafts draft, whose `d2t` is used) -> DraftLMProposer; a draft directory
+    (draftsmith_draft.json says {"kind": "eagle" | "medusa" | "draft_lm" | "self_spec" | "int8"}, and "proposer": "hybrid" when it was promoted as a hybrid) -> its proposer. A self_spec
     directory holds only the adapter: it is rebuilt around `target`, which must be its own target."""
     if isinstance(path_or_kind, Proposer):
         return path_or_kind
@@ -439,22 +438,9 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
         return NgramProposer()
     if path_or_kind == "int8":
         return _int8_proposer(target)
-    if isinstance(path_or_kind, str) and path_or_kind.startswith("hybrid:"):
-        src = path_or_kind[len("hybrid:"):]
-        if src in ("ngram", "int8") or not (Path(src) / HEAD_FILE).exists():
-            return HybridProposer(load_proposer(src, target, dtype))
-        return _hybrid(Path(src), target, dtype or target.get_output_embeddings().weight.dtype)
-    if isinstance(path_or_kind, str) and path_or_kind.startswith("hybrid-nostore:"):  # ablation: no datastore
-        return HybridProposer(load_proposer(path_or_kind[len("hybrid-nostore:"):], target, dtype))
-    if isinstance(path_or_kind, str) and path_or_kind.startswith("datastore:"):  # lookups alone, no draft
-        from .datastore import Datastore, DatastoreError
-
-        d = Path(path_or_kind[len("datastore:"):])
-        store = Datastore.from_dir(d)
-        if store is None:
-            raise DatastoreError(f"{d} holds no datastore.npy; train with train.datastore=true or give a draft "
-                                 f"directory that has one")
-        return HybridProposer(NoDraft(), datastore=store)
+    if isinstance(path_or_kind, str) and path_or_kind.split(":", 1)[0] in SERVED_AS:
+        how, src = path_or_kind.split(":", 1)
+        return _served(how, src, target, dtype)
     d = Path(path_or_kind)
     if not (d / HEAD_FILE).exists():
         raise ValueError(f"{d} is not a draft directory (no {HEAD_FILE}); give a checkpoint or best/ dir, "
@@ -462,16 +448,32 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     meta = json.loads((d / HEAD_FILE).read_text())
     dtype = dtype or target.get_output_embeddings().weight.dtype
     if meta.get("proposer") == "hybrid":  # a promoted draft that is served with n-gram lookups
-        return _hybrid(d, target, dtype)
+        return _served("hybrid", d, target, dtype)
     return _model_proposer(d, meta, target, dtype)
 
 
-def _hybrid(d: Path, target, dtype) -> HybridProposer:
-    """A draft directory served with n-gram lookups, and with its datastore when it holds one."""
-    from .datastore import Datastore
+SERVED_AS = ("hybrid", "hybrid-nostore", "datastore")  # "<how>:<draft dir>" sources of load_proposer
 
+
+def _served(how: str, src, target, dtype) -> HybridProposer:
+    """A draft directory served with n-gram lookups: "hybrid" with its datastore when it holds one,
+    "hybrid-nostore" without it, "datastore" with the datastore and no draft. The draft is the
+    directory's own model, whatever its "proposer" says (so a promoted best/ is not wrapped twice)."""
+    from .datastore import Datastore, DatastoreError
+
+    d = Path(src)
+    is_draft = (d / HEAD_FILE).exists()
+    store = Datastore.from_dir(d) if is_draft and how != "hybrid-nostore" else None
+    if how == "datastore":
+        if store is None:
+            raise DatastoreError(f"{d} holds no datastore.npy; train with train.datastore=true or give a draft "
+                                 f"directory that has one")
+        return HybridProposer(NoDraft(), datastore=store)
+    if not is_draft:  # "ngram", "int8", or load_proposer's error for a directory that is no draft
+        return HybridProposer(load_proposer(str(src), target, dtype))
     meta = json.loads((d / HEAD_FILE).read_text())
-    return HybridProposer(_model_proposer(d, meta, target, dtype), datastore=Datastore.from_dir(d))
+    dtype = dtype or target.get_output_embeddings().weight.dtype
+    return HybridProposer(_model_proposer(d, meta, target, dtype), datastore=store)
 
 
 def _int8_proposer(target) -> "DraftLMProposer":

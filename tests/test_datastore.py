@@ -132,7 +132,8 @@ def test_train_stage_writes_the_datastore_and_the_hybrid_loads_it(tmp_path):
     meta = json.loads((ck / "draftsmith_draft.json").read_text())
     (ck / "draftsmith_draft.json").write_text(json.dumps(meta | {"proposer": "hybrid"}))
     assert load_proposer(str(ck), tgt).datastore.flat == want  # a promoted best/ dir serves it too
-    assert load_proposer(f"hybrid-nostore:{ck}", tgt).datastore is None
+    nostore = load_proposer(f"hybrid-nostore:{ck}", tgt)  # of a promoted dir: its draft, not its hybrid
+    assert nostore.datastore is None and not isinstance(nostore.model, HybridProposer)
     alone = load_proposer(f"datastore:{ck}", tgt)
     assert isinstance(alone.model, NoDraft) and alone.datastore.flat == want
     d2 = _copy_gen(tmp_path / "gen", tmp_path / "r2")
