@@ -22,6 +22,8 @@ import json
 import os
 from pathlib import Path
 
+from eval.datastore import FILE as DATASTORE_FILE
+
 from .shards import write_json_atomic
 from .tracking import NoOpTracker
 
@@ -156,7 +158,7 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
     # Step 3: hybrid of the best trained variant, and the n-gram baseline
     rows.append(_decode_row("hybrid", f"hybrid:{best['dir']}", recipe, run_dir, target, tokenizer, k))
     rows[-1]["method"] = f"hybrid ({best_m} + ngram)"
-    if (Path(best["dir"]) / "datastore.npy").exists():  # what the datastore adds, and what the draft adds
+    if (Path(best["dir"]) / DATASTORE_FILE).exists():  # what the datastore adds, and what the draft adds
         rows[-1]["method"] = f"hybrid ({best_m} + ngram + datastore)"
         rows.append(_decode_row("hybrid-nostore", f"hybrid-nostore:{best['dir']}", recipe, run_dir, target,
                                 tokenizer, k))

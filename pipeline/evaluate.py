@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from eval.datastore import FILE as DATASTORE_FILE
 from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy
 from eval.proposers import load_proposer
@@ -205,7 +206,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     plain_tps = sum(r["plain_stats"]["n_tokens"] for r in results) / sum(r["plain_stats"]["wall_s"] for r in results)
     metrics = {
         "domain": recipe.domain, "target": recipe.target, "draft_method": draft_meta.get("method", draft_meta["kind"])
-        + ("+ngram" if hybrid else "") + ("+datastore" if hybrid and (best_dir / "datastore.npy").exists() else ""),
+        + ("+ngram" if hybrid else "") + ("+datastore" if hybrid and (best_dir / DATASTORE_FILE).exists() else ""),
         "divergence": draft_meta.get("divergence"), "checkpoint": best["name"], "k": cfg.k,
         "alpha": s["alpha"], "tau": s["tau"], "accept_per_pos": s["accept_per_pos"],
         # Plain tokens/s over every candidate's paired runs; the speedup is the promoted candidate's
