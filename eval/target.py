@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .heads import KVCache
+from .kernels import MAX_ROWS, small_gemm
 
 
 def _is_llama_like(model) -> bool:
@@ -63,7 +64,9 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
 # to it (measured): the native GEMV (fp32 accumulation) at one or two rows, 27 / 18 GB/s, though it
 # falls to 2 GB/s at 16 rows; and oneDNN with the weights packed once (`_reorder_linear_weight`),
 # 20-27 GB/s from 1 to 8 rows and 16 at 16, for verify and prefill forwards. The LM head
-# [49152, 576] at one row: 4.3 ms default, 2.2 native, 2.1 packed.
+# [49152, 576] at one row: 4.3 ms default, 2.2 native, 2.1 packed. Both still lose to this project's
+# kernel (eval/kernels.py) at 1-16 rows: all 121 matmuls of the target in 10.1 ms at one row (native
+# 14.4), 12.2 at nine (oneDNN packed 15.0), so where it builds it takes every forward of <= 16 rows.
 GEMV_MAX_ROWS = 2
 PACK_HINT_ROWS = 16  # the row count oneDNN picks its packed layout for (the best of 1, 8, 16 measured)
 
@@ -98,21 +101,34 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x [..., in] -> [..., out]: F.linear, with a copy of the weight packed for oneDNN on CPU bf16
-    (see the note above): one or two rows take the native GEMV on the plain weight, more rows the
-    packed one. Like the fused copies, a packed weight is taken now; rebuild the runner if the
-    weights change."""
+    """x [..., in] -> [..., out]: F.linear, with copies of the weight packed on CPU bf16 (see the note
+    above): up to kernels.MAX_ROWS rows go to this project's kernel (eval/kernels.py) where it builds,
+    else one or two rows to the native GEMV on the plain weight; more rows to oneDNN's packed copy.
+    Like the fused copies, packed weights are taken now; rebuild the runner if the weights change."""
     if not _can_pack(weight):
         return partial(F.linear, weight=weight, bias=bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
+    ext = small_gemm() if weight.shape[1] % 2 == 0 else None
+    if ext is not None:
+        n_out, kpacked = weight.shape[0], ext.pack(weight)
+        kbias = torch.zeros(kpacked.shape[0] * 16)  # fp32, padded like the packed rows
+        if bias is not None:
+            kbias[:n_out] = bias.float()
 
     def f(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]  # host ints only, here and below
+        if ext is not None and rows <= MAX_ROWS:
+            y = ext.linear(x.reshape(rows, -1).contiguous(), kpacked, kbias if bias is not None else _NONE, n_out)
+            return y.view(*x.shape[:-1], n_out)
         # The native GEMV where cpu_gemv turned oneDNN off for a forward of few rows; else (more rows,
         # or a prefill's one-row LM head inside a many-row forward) the packed weight.
-        if x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and not torch._C._get_mkldnn_enabled():  # host ints only
+        if rows <= GEMV_MAX_ROWS and not torch._C._get_mkldnn_enabled():
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
     return f
+
+
+_NONE = torch.empty(0)
 
 
 def _module_linear(mod):

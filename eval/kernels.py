@@ -1,0 +1,58 @@
+"""The one hand-written kernel: bf16 matmuls of 1-16 rows on CPUs with AVX512-BF16 (eval/csrc/small_gemm.cpp).
+
+Why by hand: on this project's CPU (2 cores, avx512_bf16) a verify forward of 2-16 tokens went
+through oneDNN, whose bf16 matmul streamed the weights at 9-24 GB/s (17-15 ms for the target's
+matmuls at 2-9 rows, packed or not) against 27 GB/s for PyTorch's native one-row GEMV, which in
+turn falls to 2 GB/s at 16 rows. Neither PyTorch, oneDNN's public ops nor inductor (slower here,
+see docs/benchmarks.md) has a small-M bf16 path that streams the weights once at full bandwidth.
+This one keeps all rows' accumulators in registers and reads each weight once (measured: 10.1 ms at
+1 row, 12.2 at 9 for the target's 121 matmuls), and sums each output in the same order whatever the
+row count, so a verify forward's matmuls round exactly like a one-token step's.
+
+`small_gemm()` compiles it once per machine (~30 s, cached under `eval.loading.cache_dir()`/ext) with
+torch's own extension builder, and returns None, so callers fall back to oneDNN, where the CPU lacks
+avx512_bf16, no compiler or ninja is found, or DRAFTSMITH_KERNELS=0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+from .loading import cache_dir
+
+MAX_ROWS = 16  # the kernel's row limit (one accumulator per row and 16 outputs in registers)
+SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def small_gemm():
+    """The compiled module (`pack(w)`, `linear(x, packed, bias, n_out)`), or None where it cannot run."""
+    if os.environ.get("DRAFTSMITH_KERNELS", "1") == "0" or not cpu_has_avx512_bf16():
+        return None
+    from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
+
+    build = cache_dir() / "ext" / "small_gemm"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return load("draftsmith_small_gemm", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build),
+                    verbose=False)
+    except Exception as e:  # no compiler, no ninja, an old assembler: oneDNN does the work instead
+        warnings.warn(f"draftsmith: the CPU matmul kernel did not build ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); using oneDNN, verification is slower. "
+                      "Install a C++ compiler and `pip install ninja`, or set DRAFTSMITH_KERNELS=0 to silence this.")
+        return None
