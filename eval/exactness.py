@@ -1,8 +1,10 @@
 """Greedy exactness report: do two decoders' outputs agree token for token, and where they do not,
 was the target's choice a near-tie?
 
-In bf16 the multi-token verify forward rounds differently from a one-token forward, so speculative
-and plain greedy outputs may part at positions where the target's top-2 logits are nearly equal.
+In bf16 a multi-token verify forward can round differently from a one-token forward (oneDNN's and
+SDPA's sums are blocked by row and kv counts), so speculative and plain greedy outputs may part at
+positions where the target's top-2 logits are nearly equal. On CPUs where eval/kernels.py builds, the
+lean runner's forwards of up to 16 tokens are row-invariant and bf16 outputs must match exactly.
 `compare_greedy` finds each sequence's first divergence and recomputes that margin with one target
 forward over prompt + common prefix, so such a divergence can be shown to be a near-tie.
 """

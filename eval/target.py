@@ -125,6 +125,7 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
         if rows <= GEMV_MAX_ROWS and not torch._C._get_mkldnn_enabled():
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+    f.row_invariant = ext is not None  # up to MAX_ROWS rows: a row's sums do not depend on the others
     return f
 
 
@@ -192,6 +193,14 @@ class LeanLlama:
                 self.fused[i] = (_linear(w_qkv, b_qkv), _linear(w_gu, b_gu))
             if fuse:
                 self.lm_head = _module_linear(model.lm_head)
+        ext = small_gemm() if fuse and self.device.type == "cpu" and self.cache_dtype == torch.float32 else None
+        self.attend = ext.attend if ext is not None and self.head_dim % 16 == 0 and self.head_dim <= 256 else None
+        # Every forward of <= MAX_ROWS tokens rounds each row as a one-token step would (kernel matmuls
+        # for every projection and the LM head, kernel attention): greedy speculative output then equals
+        # plain output bit for bit in bf16 too, when a round verifies at most MAX_ROWS tokens.
+        self.row_invariant = self.attend is not None and all(
+            getattr(f, "row_invariant", False) for pair in self.fused + self.out for f in pair) \
+            and getattr(self.lm_head, "row_invariant", False)
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv * self.head_dim
 
@@ -234,6 +243,13 @@ class LeanLlama:
             cols = torch.arange(s_len, device=x.device)
             mask = (cols[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
         gqa = self.n_heads != self.n_kv
+        # This project's attention kernel (eval/kernels.py) on CPU, where it builds: each row attends
+        # over its visible slots in slot order with fixed-order sums, so a verify or tree forward gives
+        # every row the numbers of a one-token step at its position (with the row-invariant matmuls:
+        # bf16 speculative decoding equals bf16 plain decoding). SDPA elsewhere.
+        attend = self.attend if T <= MAX_ROWS else None
+        if attend is not None:
+            vis = (mask[:, 0] if mask is not None else torch.ones(B, T, s_len, dtype=torch.bool)).contiguous()  # [B, T, S]
         for layer, cache, fused, (o_proj, down_proj) in zip(m.layers, self.caches, self.fused, self.out):
             att, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm(x)
@@ -248,8 +264,11 @@ class LeanLlama:
             k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, nkv, T, hd]
             v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
             ck, cv = cache.write(slots, k, v)  # [B, nkv, S_max, hd], in cache_dtype
-            a = F.scaled_dot_product_attention(q.to(ck.dtype), ck[:, :, :s_len], cv[:, :, :s_len], attn_mask=mask,
-                                               scale=self.scale, enable_gqa=gqa)  # [B, nh, T, hd]
+            if attend is not None:
+                a = attend(q.to(ck.dtype).contiguous(), ck, cv, vis, self.scale)  # [B, nh, T, hd]
+            else:
+                a = F.scaled_dot_product_attention(q.to(ck.dtype), ck[:, :, :s_len], cv[:, :, :s_len],
+                                                   attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             x = x + o_proj(a.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
             h = layer.post_attention_layernorm(x)
             if fused is not None:

@@ -70,3 +70,98 @@ def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "SOURCE", bad)
     with pytest.warns(UserWarning, match="did not build"):
         assert kernels.small_gemm.__wrapped__() is None
+
+
+def _attn_case(B, nh, nkv, T, S, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, nh, T, 16, generator=g)
+    kc, vc = torch.randn(2, B, nkv, S + 7, 16, generator=g)  # longer caches than attended, like the decoder's
+    return q, kc.contiguous(), vc.contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("nh,nkv", [(4, 4), (6, 2), (8, 2), (10, 2)])  # groups of 1, 3, 4 and 5 heads
+@pytest.mark.parametrize("T", [1, 5, 9])
+def test_attention_matches_sdpa_under_causal_and_tree_masks(nh, nkv, T):
+    B, S = 2, 40
+    q, kc, vc = _attn_case(B, nh, nkv, T, S, nh * 100 + T)
+    pos = torch.tensor([[S - T + i for i in range(T)], [S - T - 3 + i for i in range(T)]])  # ragged rows
+    causal = torch.arange(S)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    tree = causal & (torch.rand(B, T, S, generator=torch.Generator().manual_seed(T)) > 0.3)
+    tree[:, :, 0] = True  # every row sees something
+    for vis in (causal, tree):
+        got = ext.attend(q, kc, vc, vis.contiguous(), 0.25)
+        want = F.scaled_dot_product_attention(q, kc[:, :, :S], vc[:, :, :S], attn_mask=vis[:, None], scale=0.25,
+                                              enable_gqa=nh != nkv)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_attention_row_sees_the_same_numbers_as_a_one_token_step():
+    """A tree node over [committed slots + its ancestors' slots] gets bit for bit what a one-token step
+    gets over consecutive slots holding the same keys and values."""
+    q, kc, vc = _attn_case(1, 6, 2, 3, 30, 7)
+    committed, anc = 20, [20, 23, 25]  # node 2's ancestors sit at tree slots 20, 23, 25
+    vis = torch.zeros(1, 3, 30, dtype=torch.bool)
+    vis[0, 2, :committed] = True
+    vis[0, 2, anc] = True
+    tree_out = ext.attend(q, kc, vc, vis, 0.125)[:, :, 2]
+    kc2, vc2 = kc.clone(), vc.clone()  # the same path moved to consecutive slots 20..22, as after acceptance
+    kc2[:, :, committed:committed + 3], vc2[:, :, committed:committed + 3] = kc[:, :, anc], vc[:, :, anc]
+    step = ext.attend(q[:, :, 2:3].contiguous(), kc2, vc2, torch.ones(1, 1, committed + 3, dtype=torch.bool), 0.125)
+    assert torch.equal(tree_out, step[:, :, 0])
+    empty = ext.attend(q, kc, vc, torch.zeros(1, 3, 30, dtype=torch.bool), 0.125)
+    assert torch.equal(empty, torch.zeros_like(empty))  # a row that sees nothing gets zeros, not NaN
+
+
+def _bf16_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    # SmolLM2's widths (576, 1536) in one layer: at these sizes oneDNN's and SDPA's sums are blocked by
+    # row and kv counts (at 96 wide they happened to agree); head_dim 32, groups of 3 heads.
+    cfg = LlamaConfig(vocab_size=96, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      initializer_range=0.1, pad_token_id=0)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+@needs_kernel
+def test_bf16_verify_forward_rounds_like_one_token_steps():
+    """The lean runner's logits and features for T tokens in one forward equal, bit for bit, T
+    one-token forwards (oneDNN and SDPA did not: their sums are blocked by row and kv counts)."""
+    from eval.target import LeanLlama
+
+    r = LeanLlama(_bf16_target())
+    toks = torch.randint(1, 96, (1, 30), generator=torch.Generator().manual_seed(0))
+    S, T = 21, 9
+    with torch.no_grad():
+        r.reset(1, 64)
+        r(toks[:, :S], torch.arange(S)[None], S, logit_idx=torch.tensor([S - 1]))
+        logits, feats = r(toks[:, S:], torch.arange(S, S + T)[None], S + T)
+        steps = [r(toks[:, S + i:S + i + 1], torch.tensor([[S + i]]), S + i + 1) for i in range(T)]
+    assert torch.equal(logits, torch.cat([s[0] for s in steps], 1))
+    assert torch.equal(feats, torch.cat([s[1] for s in steps], 1))
+
+
+@needs_kernel
+def test_bf16_speculative_decoding_equals_plain_bit_for_bit():
+    """With the row-invariant kernels, bf16 greedy speculative output (chains and trees, batch 1 and
+    ragged) is exactly plain decoding's: no near-tie exceptions."""
+    from eval.datastore import Datastore
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import HybridProposer, NgramProposer, NoDraft
+
+    target = _bf16_target()
+    prompts = [[1, 5, 9, 3, 5, 9, 4], [7, 7, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [12]]
+    plain_dec = SpeculativeDecoder(target, None, k=1)
+    assert plain_dec.runner.row_invariant
+    plain = plain_dec.generate(prompts, max_new_tokens=40).sequences
+    store = Datastore(plain)  # (built from the outputs it will predict, so the trees accept a lot)
+    taus = []
+    for prop, k in ((NgramProposer(), 6), (HybridProposer(NoDraft(), min_match=1, max_nodes=12, datastore=store), 4)):
+        for rows in ([0, 1, 2, 3], [2]):  # ragged, then batch 1
+            res = SpeculativeDecoder(target, prop, k=k).generate([prompts[i] for i in rows], max_new_tokens=40)
+            assert res.sequences == [plain[i] for i in rows]
+            taus.append(res.stats["tau"])
+    assert max(taus) > 2.0, taus  # drafts were accepted: multi-token verifies did happen

@@ -7,7 +7,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 // W [N, K] bf16 -> [ceil(N/16), K/2, 16, 2] bf16 (N zero-padded to a multiple of 16). K must be even.
 torch::Tensor pack(torch::Tensor w) {
@@ -83,7 +85,136 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, 
   return y;
 }
 
+// exp(x) for x <= 0 on 16 lanes: 2^n * p(r) with r = x - n ln2 (ln2 in two parts) and Cephes' expf
+// polynomial, within ~2 ulp of expf. Hand-written because libm has no vector exp callable here.
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// [sum(a), sum(b), sum(c), sum(d)] over 16 lanes each, by one fixed tree whatever the inputs.
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 x = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));  // [a b c d] per 128-bit lane
+  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+// Attention of each query row over the cache slots it may see, in fp32:
+//   q [B, nh, T, hd], k/v cache [B, nkv, S_max, hd] (contiguous), vis [B, T, S] bool -> [B, nh, T, hd].
+// The visible slots of a row are gathered first, in slot order, and every sum (q.k over hd, the
+// softmax's sum, p.v) runs over that compact list in a fixed order. So a row's result depends only on
+// the keys/values it sees, in their order: a tree node over [committed slots + its ancestors' slots]
+// gets exactly the numbers a one-token step at the same position gets over consecutive slots, which
+// PyTorch's SDPA (blocked over the kv length, masked or not) does not guarantee.
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor vis, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attend: q [B, nh, T, hd] fp32");
+  TORCH_CHECK(kc.scalar_type() == at::kFloat && kc.is_contiguous() && vc.is_contiguous(), "attend: fp32 caches");
+  TORCH_CHECK(vis.scalar_type() == at::kBool && vis.is_contiguous() && vis.dim() == 3, "attend: vis [B, T, S] bool");
+  const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), hd = q.size(3);
+  const int64_t nkv = kc.size(1), Smax = kc.size(2), S = vis.size(2);
+  TORCH_CHECK(hd % 16 == 0 && hd <= 256 && nh % nkv == 0 && S <= Smax && vis.size(0) == B && vis.size(1) == T,
+              "attend: head_dim a multiple of 16 (<= 256), heads a multiple of kv heads, S <= cache length");
+  auto out = torch::empty_like(q);
+  // Compact lists of visible slots per (b, t), shared by all heads.
+  std::vector<int32_t> idx(B * T * S);
+  std::vector<int64_t> cnt(B * T);
+  const bool* vp = vis.data_ptr<bool>();
+  for (int64_t bt = 0; bt < B * T; bt++) {
+    int64_t c = 0;
+    for (int64_t s = 0; s < S; s++) if (vp[bt * S + s]) idx[bt * S + c++] = (int32_t)s;
+    cnt[bt] = c;
+  }
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vcp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t nc = hd / 16, group = nh / nkv;
+  const __m128 scv = _mm_set1_ps((float)scale);
+  // One task per (b, kv head, t): the query heads sharing a kv head (4 at a time) read each key and
+  // value once, and their 4 dot products are reduced together in one fixed tree (`sum4`).
+  at::parallel_for(0, B * nkv * T, 2, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sbuf(4 * (S + 16));
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t t = i % T, g = (i / T) % nkv, b = i / (T * nkv);
+      const int64_t bt = b * T + t, n = cnt[bt];
+      const int32_t* ix = idx.data() + bt * S;
+      const float* kh = kp + (b * nkv + g) * Smax * hd;
+      const float* vh = vcp + (b * nkv + g) * Smax * hd;
+      for (int64_t r0 = 0; r0 < group; r0 += 4) {
+        const int64_t nr = group - r0 < 4 ? group - r0 : 4;
+        auto row = [&](int64_t r) { return ((b * nh + g * group + r0 + r) * T + t) * hd; };  // q/out offset
+        if (n == 0) {
+          for (int64_t r = 0; r < nr; r++) for (int64_t d = 0; d < hd; d++) op[row(r) + d] = 0.f;
+          continue;
+        }
+        __m512 qv[4][16];
+        for (int64_t r = 0; r < 4; r++)
+          for (int64_t c = 0; c < nc; c++) qv[r][c] = r < nr ? _mm512_loadu_ps(qp + row(r) + c * 16) : _mm512_setzero_ps();
+        float* sb[4] = {sbuf.data(), sbuf.data() + (S + 16), sbuf.data() + 2 * (S + 16), sbuf.data() + 3 * (S + 16)};
+        __m128 mx = _mm_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j++) {  // scores: a dot product over hd per visible slot and head
+          const float* kr = kh + (int64_t)ix[j] * hd;
+          __m512 acc[4];
+          for (int64_t r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+          for (int64_t c = 0; c < nc; c++) {
+            const __m512 kv = _mm512_loadu_ps(kr + c * 16);
+            for (int64_t r = 0; r < 4; r++) acc[r] = _mm512_fmadd_ps(qv[r][c], kv, acc[r]);
+          }
+          const __m128 s4 = _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), scv);
+          mx = _mm_max_ps(mx, s4);
+          alignas(16) float tmp[4];
+          _mm_store_ps(tmp, s4);
+          for (int64_t r = 0; r < 4; r++) sb[r][j] = tmp[r];
+        }
+        alignas(16) float mxs[4];
+        _mm_store_ps(mxs, mx);
+        float inv[4];
+        for (int64_t r = 0; r < nr; r++) {  // softmax numerators, lane j % 16 of the compact list
+          __m512 sum = _mm512_setzero_ps();
+          const __m512 mxv = _mm512_set1_ps(mxs[r]);
+          for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sb[r] + j), mxv)));
+            _mm512_mask_storeu_ps(sb[r] + j, m, e);
+            sum = _mm512_add_ps(sum, e);
+          }
+          inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+        }
+        __m512 acc[4][16];
+        for (int64_t r = 0; r < nr; r++) for (int64_t c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {  // p . v, slot by slot in compact order
+          const float* vr = vh + (int64_t)ix[j] * hd;
+          for (int64_t c = 0; c < nc; c++) {
+            const __m512 vv = _mm512_loadu_ps(vr + c * 16);
+            for (int64_t r = 0; r < nr; r++) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(sb[r][j]), vv, acc[r][c]);
+          }
+        }
+        for (int64_t r = 0; r < nr; r++)
+          for (int64_t c = 0; c < nc; c++)
+            _mm512_storeu_ps(op + row(r) + c * 16, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear");
   m.def("linear", &linear, "y = x @ W^T (+ b), M <= 16 rows");
+  m.def("attend", &attend, "fp32 attention of each row over its visible cache slots, row-invariant");
 }
