@@ -43,7 +43,9 @@ K_MAX_AUTO = 8
 # "tree-1": hybrids verify token trees (eval/tree.py). "lean-cpu-2": the CPU GEMV/packed-weight
 # forward and fp32 attention (eval/target.py), hybrid trees of at most 8 nodes. "datastore-1": a hybrid
 # whose draft directory holds a datastore (eval/datastore.py) adds its continuations to the tree.
-SERVING_REV = "datastore-1"
+# "kernels-1": on CPUs with avx512_bf16, the row-invariant matmul and attention kernels
+# (eval/kernels.py): cheaper verifies, and bf16 speculative output equal to plain output.
+SERVING_REV = "kernels-1"
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
 WARMUP_PLAIN = 3  # with k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 
