@@ -141,6 +141,8 @@ class EvaluateConfig:
     n_prompts: int = _f(24, "Held-out prompts per checkpoint evaluation (0 = all).")
     max_new_tokens: int = _f(128, "New tokens per prompt.")
     k: int = _f(4, "Draft tokens proposed per round.")
+    ngram_k: int = _f(8, "Draft tokens per round for the n-gram baseline: prompt lookup pays with longer "
+                         "runs than a trained draft (its best K on code is 8, docs/compare.md's K sweep).")
     fp32_prompts: int = _f(3, "Prompts re-run in fp32 where greedy output must match plain decoding exactly.")
     near_tie_tol: float = _f(0.5, "bf16 divergences count as near-ties when the target's top-2 logit "
                                   "margin is below this.")
@@ -149,7 +151,7 @@ class EvaluateConfig:
                             "they match, the draft elsewhere); promoted if it is faster.")
 
     def __post_init__(self):
-        for k in ("max_new_tokens", "k"):
+        for k in ("max_new_tokens", "k", "ngram_k"):
             _positive(f"evaluate.{k}", getattr(self, k))
         _positive("evaluate.n_prompts", self.n_prompts, zero_ok=True)
         _positive("evaluate.fp32_prompts", self.fp32_prompts, zero_ok=True)

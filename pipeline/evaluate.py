@@ -3,7 +3,8 @@
 Step 3a: each checkpoint on the held-out prompts, greedy, batch 1: α, τ, acceptance per draft
 position, tokens/s of speculative and of plain decoding in the same decoder (taking turns prompt by
 prompt), speedup, the draft/target cost ratio c and the speedup predicted from α and c.
-Step 3b: the best checkpoint served as a hybrid with n-gram lookups, and the n-gram baseline.
+Step 3b: the best checkpoint served as a hybrid with n-gram lookups (with and without its datastore),
+and the n-gram baseline at its own K.
 Step 3c: the candidate with the best measured speedup, not the lowest loss, is promoted to best/;
 its greedy output is checked equal to plain greedy output exactly in fp32 on a subset of prompts.
 Every candidate's greedy output is compared with plain greedy output on every prompt in the
@@ -147,8 +148,8 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
         write_json_atomic(path, result)
         return result
 
-    def evaluate_one(name: str, src) -> dict:
-        plain_seqs, plain, seqs, stats = decode_pairs(target, load_proposer(src, target), prompts, cfg.k,
+    def evaluate_one(name: str, src, k: int | None = None) -> dict:
+        plain_seqs, plain, seqs, stats = decode_pairs(target, load_proposer(src, target), prompts, k or cfg.k,
                                                       cfg.max_new_tokens, eos, name)
         match = compare_greedy(target, prompts, plain_seqs, seqs, tol=cfg.near_tie_tol)
         return {"name": name, "source": str(src), "stats": stats, "plain_stats": plain,
@@ -167,13 +168,18 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     results = []
     for ck in tqdm(ckpts, desc="evaluate checkpoints"):
         results.append(cached(ck.name, lambda ck=ck: evaluate_one(ck.name, ck), ck))
-    # Step 3b: the best checkpoint served with n-gram lookups (hybrid), and the n-gram baseline.
+    # Step 3b: the best checkpoint served with n-gram lookups (hybrid), with and without its datastore
+    # when it has one (its extra tree nodes pay on some outputs and not on others: measured, not
+    # assumed), and the n-gram baseline at its own K.
     best_ck = max(results, key=lambda r: r["speedup"])
     if cfg.hybrid:
-        results.append(cached(f"{best_ck['name']}+ngram",
-                              lambda: evaluate_one(f"{best_ck['name']}+ngram", f"hybrid:{best_ck['source']}"),
-                              f"hybrid:{best_ck['source']}"))
-    baseline = cached("ngram", lambda: evaluate_one("ngram", "ngram")) if cfg.baselines else None
+        forms = [("+ngram", "hybrid:")]
+        if (Path(best_ck["source"]) / DATASTORE_FILE).exists():
+            forms.append(("+ngram-nostore", "hybrid-nostore:"))
+        for suffix, prefix in forms:
+            name, src = f"{best_ck['name']}{suffix}", f"{prefix}{best_ck['source']}"
+            results.append(cached(name, lambda name=name, src=src: evaluate_one(name, src), src))
+    baseline = cached("ngram", lambda: evaluate_one("ngram", "ngram", cfg.ngram_k)) if cfg.baselines else None
 
     for r in results + ([baseline] if baseline else []):
         s = r["stats"]
@@ -184,8 +190,9 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
 
     # Step 3c: promote by measured speedup; prove exactness of the promoted draft in fp32.
     best = max(results, key=lambda r: r["speedup"])
-    hybrid = best["source"].startswith("hybrid:")
-    src_dir = Path(best["source"][len("hybrid:"):] if hybrid else best["source"])
+    prefix = next((p for p in ("hybrid:", "hybrid-nostore:") if best["source"].startswith(p)), "")
+    hybrid = bool(prefix)
+    src_dir = Path(best["source"][len(prefix):])
     n32 = min(cfg.fp32_prompts, len(prompts))
     fp32_exact = _fp32_check(target, best["source"], prompts[:n32], cfg.k, cfg.max_new_tokens, eos) if n32 else None
     for r in results + ([baseline] if baseline else []):
@@ -194,7 +201,9 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     best_dir = run_dir / "best"
     tmp = run_dir / ".best-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src_dir, tmp, ignore=shutil.ignore_patterns("trainer_state.pt"))
+    # A hybrid promoted without its datastore is promoted without the file: best/ serves as measured.
+    skip = ("trainer_state.pt",) + ((DATASTORE_FILE,) if prefix == "hybrid-nostore:" else ())
+    shutil.copytree(src_dir, tmp, ignore=shutil.ignore_patterns(*skip))
     meta = json.loads((tmp / "draftsmith_draft.json").read_text())
     meta["proposer"] = "hybrid" if hybrid else "draft"
     (tmp / "draftsmith_draft.json").write_text(json.dumps(meta, indent=2))
@@ -207,7 +216,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     metrics = {
         "domain": recipe.domain, "target": recipe.target, "draft_method": draft_meta.get("method", draft_meta["kind"])
         + ("+ngram" if hybrid else "") + ("+datastore" if hybrid and (best_dir / DATASTORE_FILE).exists() else ""),
-        "divergence": draft_meta.get("divergence"), "checkpoint": best["name"], "k": cfg.k,
+        "divergence": draft_meta.get("divergence"), "checkpoint": best["name"], "k": cfg.k, "ngram_k": cfg.ngram_k,
         "alpha": s["alpha"], "tau": s["tau"], "accept_per_pos": s["accept_per_pos"],
         # Plain tokens/s over every candidate's paired runs; the speedup is the promoted candidate's
         # own paired ratio (its plain runs interleaved with its speculative runs).

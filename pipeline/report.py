@@ -114,7 +114,8 @@ def write_report(run_dir: Path) -> Path:
     lines.append(f"| fp32 exact on a subset | {m.get('fp32_exact')} |")
     if m.get("ngram_baseline"):
         b = m["ngram_baseline"]
-        lines += ["", f"Baseline without training (n-gram prompt lookup): α {f(b['alpha'], 3)}, τ {f(b['tau'])}, "
+        lines += ["", f"Baseline without training (n-gram prompt lookup, K={m.get('ngram_k', m['k'])}): "
+                      f"α {f(b['alpha'], 3)}, τ {f(b['tau'])}, "
                       f"speedup {f(b['speedup'])}×."]
     lines += ["", "## Every checkpoint", "", "| checkpoint | α | τ | tokens/s | speedup | greedy exact |",
               "| --- | --- | --- | --- | --- | --- |"]

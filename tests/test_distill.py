@@ -68,9 +68,14 @@ def test_distill_tiny_target_end_to_end(tiny_target, tmp_path, monkeypatch):
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target)
     prop = load_proposer(str(latest / "best"), target)
-    # best/ carries the datastore of the training completions; a hybrid serves it and says so
-    assert (latest / "best" / "datastore.npy").exists()
+    # The best checkpoint was served as a hybrid with and without its datastore, and the faster form
+    # promoted as measured: best/ carries the datastore exactly when the promoted form used it.
+    names = [c["name"] for c in m["checkpoints"]]
+    assert any(n.endswith("+ngram") for n in names) and any(n.endswith("+ngram-nostore") for n in names)
+    nostore = m["checkpoint"].endswith("+ngram-nostore")
+    assert (latest / "best" / "datastore.npy").exists() == (not nostore)
     assert m["draft_method"].endswith("+ngram+datastore") == (getattr(prop, "datastore", None) is not None)
+    assert m["ngram_k"] == 8  # the n-gram baseline at its own K, not the draft's
 
     # Running the same command again on a finished run starts a new run (the old one is kept).
     first = latest.resolve().name
