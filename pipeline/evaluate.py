@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from eval.datastore import FILE as DATASTORE_FILE
 from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy
+from eval.kernels import MAX_ROWS
 from eval.proposers import load_proposer
 
 from .data import encode_prompt, read_jsonl
@@ -59,7 +60,17 @@ def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: 
             res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
             out[name][0].append(res.sequences[0])
             out[name][1].append(res.stats)
-    return out["plain"][0], aggregate(out["plain"][1]), out["spec"][0], aggregate(out["spec"][1])
+    spec_stats = aggregate(out["spec"][1])
+    # Every verify of this run rounded each row like a one-token step (eval/kernels.py): bf16 output
+    # must then equal plain output exactly, not only up to near-ties.
+    spec_stats["row_invariant"] = bool(getattr(spec.runner, "row_invariant", False)) and k < MAX_ROWS
+    return out["plain"][0], aggregate(out["plain"][1]), out["spec"][0], spec_stats
+
+
+def exactness_rule(dtype: str, row_invariant: bool) -> str:
+    """How a candidate's greedy output must agree with plain decoding's: "exact" in fp32 or with the
+    row-invariant CPU kernels, else "near-ties" (bf16: each first divergence a near-tie)."""
+    return "exact" if dtype == "float32" or row_invariant else "near-ties"
 
 
 def aggregate(per: list[dict]) -> dict:
@@ -196,7 +207,8 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     n32 = min(cfg.fp32_prompts, len(prompts))
     fp32_exact = _fp32_check(target, best["source"], prompts[:n32], cfg.k, cfg.max_new_tokens, eos) if n32 else None
     for r in results + ([baseline] if baseline else []):
-        ok = r["exact_match"] if recipe.dtype == "float32" else r["all_near_ties"]
+        r["exactness_rule"] = exactness_rule(recipe.dtype, r["stats"].get("row_invariant", False))
+        ok = r["exact_match"] if r["exactness_rule"] == "exact" else r["all_near_ties"]
         r["greedy_exact"] = bool(ok) and (fp32_exact is not False if r is best else True)
     best_dir = run_dir / "best"
     tmp = run_dir / ".best-tmp"
@@ -223,7 +235,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
         "tokens_per_s_plain": plain_tps, "tokens_per_s_spec": s["tokens_per_s"],
         "speedup": best["speedup"], "c": s.get("c"), "alpha_hat": s.get("alpha_hat"), "predicted_speedup": s.get("predicted_speedup"),
         "tree_rounds": s.get("tree_rounds", 0),
-        "greedy_exact": best["greedy_exact"], "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
+        "greedy_exact": best["greedy_exact"], "exactness_rule": best["exactness_rule"], "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
         "fp32_exact": fp32_exact, "fp32_prompts": n32, "n_divergences": len(best["divergences"]),
         "max_divergence_margin": max((d["margin"] for d in best["divergences"]), default=None),
         "near_tie_tol": cfg.near_tie_tol, "n_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,

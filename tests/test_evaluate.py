@@ -1,8 +1,10 @@
-"""Evaluate stage: the per-prompt aggregation, and a draft LM with another tokenizer is refused."""
+"""Evaluate stage: the per-prompt aggregation, a draft LM with another tokenizer is refused, and the
+exactness rule (exact in fp32 and where the row-invariant CPU kernels ran, near-ties otherwise)."""
 
 import json
 
 import pytest
+import torch
 
 from pipeline.config import load_recipe
 from pipeline.evaluate import aggregate, run_evaluate
@@ -40,3 +42,32 @@ def test_draft_lm_with_another_tokenizer_is_refused(tmp_path, real_tokenizer):
     recipe = load_recipe(domain="code")
     with pytest.raises(ModelError, match="checkpoint-000001.*tokenizer differs"):
         run_evaluate(recipe, run, target=None, tokenizer=real_tokenizer)
+
+
+def test_exactness_rule_is_exact_in_fp32_and_with_row_invariant_kernels():
+    from pipeline.evaluate import exactness_rule
+
+    assert exactness_rule("float32", False) == "exact"
+    assert exactness_rule("bfloat16", True) == "exact"
+    assert exactness_rule("bfloat16", False) == "near-ties"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_pairs_reports_whether_verifies_were_row_invariant(dtype):
+    """bf16 on a CPU where eval/kernels.py builds: every verify row-invariant, so evaluate will demand
+    exact bf16 output; fp32 weights take PyTorch's kernels (and fp32 is held exact anyway)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eval.kernels import small_gemm
+    from eval.proposers import NgramProposer
+    from pipeline.evaluate import decode_pairs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # head_dim 16
+    target = LlamaForCausalLM(cfg).to(dtype).eval()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5]]
+    plain, _, spec, stats = decode_pairs(target, NgramProposer(), prompts, 4, 8, None, "t")
+    assert stats["row_invariant"] == (dtype == torch.bfloat16 and small_gemm() is not None)
+    if stats["row_invariant"]:
+        assert spec == plain
