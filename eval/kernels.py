@@ -17,9 +17,12 @@ avx512_bf16, no compiler or ninja is found, or DRAFTSMITH_KERNELS=0.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
+
+import torch
 
 from .loading import cache_dir
 
@@ -46,7 +49,10 @@ def small_gemm():
         return None
     from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
 
-    build = cache_dir() / "ext" / "small_gemm"
+    # One build directory per torch installation: the extension links against that torch, and two
+    # venvs sharing one directory would rebuild it each time they alternate.
+    tag = hashlib.sha1(f"{torch.__version__}:{Path(torch.__file__).resolve()}".encode()).hexdigest()[:10]
+    build = cache_dir() / "ext" / f"small_gemm-{tag}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         return load("draftsmith_small_gemm", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build),
