@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 from .decoder import SpeculativeDecoder
-from .kernels import MAX_ROWS
-from .exactness import compare_greedy
+from .exactness import compare_greedy, exactness_rule
 from .loading import LoadError, convert_embedded, tokenizers_match
 from .proposers import SERVED_AS, NgramProposer, load_proposer
 
@@ -259,6 +258,8 @@ def _merge_stats(stats: list[dict]) -> dict:
                 out[key] = max(vals)
             else:
                 out[key] = sum(v * wi for v, wi in zip(vals, w)) / sum(w)
+        elif all(isinstance(v, bool) for v in vals):  # a property of every call (e.g. row_invariant)
+            out[key] = all(vals)
         elif all(isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v) for v in vals):
             n = max(len(v) for v in vals)
             if key.endswith("hist"):
@@ -462,10 +463,11 @@ def run(args) -> dict:
     if args.temperature == 0:
         exact = seqs["speculative"][:n_ref] == seqs["plain"][:n_ref]
         rep = compare(target, prompts, seqs["plain"][:n_ref], seqs["speculative"][:n_ref])
-        if args.dtype == "float32":
-            rule, ok = "exact match in float32", exact
-        elif getattr(spec_dec.runner, "row_invariant", False) and (k == "auto" or k < MAX_ROWS):
-            rule, ok = "exact match in bfloat16 (row-invariant CPU kernels, eval/kernels.py)", exact
+        how = exactness_rule(args.dtype, bool(_merge_stats(measured["speculative"]["stats"]).get("row_invariant")))
+        if how == "exact":
+            ok = exact
+            rule = "exact match in float32" if args.dtype == "float32" else \
+                "exact match in bfloat16 (row-invariant CPU kernels, eval/kernels.py)"
         else:
             rule, ok = "bfloat16: every divergence from plain is a near-tie", exact or bool(rep.get("all_near_ties"))
         out["exactness"] = {"rule": rule, "exact_match": exact, "dtype": args.dtype, "report": rep}

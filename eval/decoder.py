@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .proposers import Proposer, Sampling, load_proposer
+from .kernels import MAX_ROWS
 from .target import cpu_gemv, greedy_argmax, make_runner
 from .tree import Tree
 
@@ -226,6 +227,7 @@ class SpeculativeDecoder:
                 inp = torch.cat([cur[:, None], drafts], 1)  # [B, k+1]
                 pos = n[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
                 logits, feats = self._fwd(inp, pos, s_full or max(n_host) + k + 1)  # [B, k+1, V], [B, k+1, H]
+                st.max_verify = max(st.max_verify, k + 1)
                 if sampling.greedy:
                     n_acc, bonus = verify_greedy(logits, drafts)
                 else:
@@ -257,7 +259,10 @@ class SpeculativeDecoder:
             n_host = [x + a + 1 for x, a in zip(n_host, a_eff)]
             cur = bonus
 
-        self.last_stats = st.finish(out, self.k, self.device)
+        # Every verify forward of this call rounded each row like a one-token step (eval/kernels.py):
+        # greedy output must then equal plain decoding's bit for bit, in bf16 too.
+        row_invariant = bool(getattr(self.runner, "row_invariant", False)) and st.max_verify <= MAX_ROWS
+        self.last_stats = st.finish(out, self.k, self.device) | {"row_invariant": row_invariant}
 
     # ------------------------------------------------------------------ helpers
     def _tree_round(self, prop, k, cur, n, n_host, st):
@@ -280,6 +285,7 @@ class SpeculativeDecoder:
         slots = n[:, None] + torch.arange(N1, device=dev)  # [B, N+1]: one cache slot per node
         logits, feats = self.runner(inp, n[:, None] + tree.depth, s_len, slots=slots,
                                     mask=tree.mask(n, s_len))  # [B, N+1, V], [B, N+1, H]
+        st.max_verify = max(st.max_verify, N1)
         best, n_acc, bonus = tree.verify_greedy(logits)
         dec = torch.stack([best, n_acc, bonus], 1).tolist()  # host sync: the accept decision
         D = max(a for _, a, _ in dec)
@@ -363,6 +369,7 @@ class _Stats:
         self.draft_steps = 0
         self.off_rounds = 0
         self.tree_rounds = 0  # rounds verified as token trees (predicted_speedup is then an upper bound)
+        self.max_verify = 1  # the most tokens one verify forward held (a tree's nodes + 1, or k + 1)
         self.plain_wall = self.spec_wall = 0.0  # k="auto": round wall time, plain and speculative
         self.plain_toks = self.spec_toks = 0  # ... and the tokens those rounds produced
         self.expected_speedup = None  # k="auto": the last estimate that drove the on/off decision

@@ -14,6 +14,13 @@ from __future__ import annotations
 import torch
 
 
+def exactness_rule(dtype: str, row_invariant: bool) -> str:
+    """How greedy speculative output must agree with plain decoding's: "exact" in fp32, or in bf16 where
+    every verify forward was row-invariant (the decoder's stats["row_invariant"]); else "near-ties"
+    (each first divergence a near-tie, `compare_greedy`'s all_near_ties)."""
+    return "exact" if dtype == "float32" or row_invariant else "near-ties"
+
+
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:

@@ -23,8 +23,7 @@ from tqdm.auto import tqdm
 
 from eval.datastore import FILE as DATASTORE_FILE
 from eval.decoder import SERVING_REV, SpeculativeDecoder
-from eval.exactness import compare_greedy
-from eval.kernels import MAX_ROWS
+from eval.exactness import compare_greedy, exactness_rule
 from eval.proposers import load_proposer
 
 from .data import encode_prompt, read_jsonl
@@ -60,17 +59,7 @@ def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: 
             res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
             out[name][0].append(res.sequences[0])
             out[name][1].append(res.stats)
-    spec_stats = aggregate(out["spec"][1])
-    # Every verify of this run rounded each row like a one-token step (eval/kernels.py): bf16 output
-    # must then equal plain output exactly, not only up to near-ties.
-    spec_stats["row_invariant"] = bool(getattr(spec.runner, "row_invariant", False)) and k < MAX_ROWS
-    return out["plain"][0], aggregate(out["plain"][1]), out["spec"][0], spec_stats
-
-
-def exactness_rule(dtype: str, row_invariant: bool) -> str:
-    """How a candidate's greedy output must agree with plain decoding's: "exact" in fp32 or with the
-    row-invariant CPU kernels, else "near-ties" (bf16: each first divergence a near-tie)."""
-    return "exact" if dtype == "float32" or row_invariant else "near-ties"
+    return out["plain"][0], aggregate(out["plain"][1]), out["spec"][0], aggregate(out["spec"][1])
 
 
 def aggregate(per: list[dict]) -> dict:
@@ -81,7 +70,8 @@ def aggregate(per: list[dict]) -> dict:
            "target_forwards": tot("target_forwards"), "proposed": tot("proposed"), "accepted": tot("accepted"),
            "tree_rounds": tot("tree_rounds"),
            "draft_time_s": tot("draft_time_s"), "verify_time_s": tot("verify_time_s"),
-           "peak_mem_bytes": max((s.get("peak_mem_bytes") or 0) for s in per)}
+           "peak_mem_bytes": max((s.get("peak_mem_bytes") or 0) for s in per),
+           "row_invariant": bool(per) and all(s.get("row_invariant", False) for s in per)}
     out["tau"] = n_tokens / out["target_forwards"] if out["target_forwards"] else 0.0
     out["alpha"] = out["accepted"] / out["proposed"] if out["proposed"] else 0.0
     hists = [s.get("accept_len_hist") or [] for s in per]

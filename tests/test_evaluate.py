@@ -45,7 +45,7 @@ def test_draft_lm_with_another_tokenizer_is_refused(tmp_path, real_tokenizer):
 
 
 def test_exactness_rule_is_exact_in_fp32_and_with_row_invariant_kernels():
-    from pipeline.evaluate import exactness_rule
+    from eval.exactness import exactness_rule
 
     assert exactness_rule("float32", False) == "exact"
     assert exactness_rule("bfloat16", True) == "exact"

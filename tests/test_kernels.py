@@ -172,3 +172,29 @@ def test_bf16_speculative_decoding_equals_plain_bit_for_bit():
             assert res.sequences == [plain[i] for i in rows]
             taus.append(res.stats["tau"])
     assert max(taus) > 2.0, taus  # drafts were accepted: multi-token verifies did happen
+
+
+@needs_kernel
+def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels():
+    """stats["row_invariant"] comes from the verify forwards the decoder ran: a verify of more than
+    MAX_ROWS tokens takes oneDNN/SDPA, and the exact-match rule must not be claimed for it."""
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import Proposer
+
+    class Zeros(Proposer):  # always k drafts, so every verify holds k + 1 tokens
+        name = "zeros"
+
+        def begin(self, prompts, first, max_len, sampling, features=None):
+            self.B = len(prompts)
+
+        def propose(self, k):
+            return torch.zeros(self.B, k, dtype=torch.long), None
+
+        def accept(self, tokens, start, n_acc, bonus, features=None):
+            pass
+
+    target = _bf16_target()
+    prompts = [[1, 5, 9, 3, 5, 9, 4]]
+    for k, want in ((1, True), (kernels.MAX_ROWS - 1, True), (kernels.MAX_ROWS, False)):
+        stats = SpeculativeDecoder(target, None if k == 1 else Zeros(), k=k).generate(prompts, max_new_tokens=6).stats
+        assert stats["row_invariant"] is want, k
