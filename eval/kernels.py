@@ -1,4 +1,5 @@
-"""The one hand-written kernel: bf16 matmuls of 1-16 rows on CPUs with AVX512-BF16 (eval/csrc/small_gemm.cpp).
+"""This project's two hand-written CPU kernels (eval/csrc/small_gemm.cpp, CPUs with AVX512-BF16): bf16
+matmuls of 1-16 rows, and fp32 attention whose sums do not depend on the other query rows.
 
 Why by hand: on this project's CPU (2 cores, avx512_bf16) a verify forward of 2-16 tokens went
 through oneDNN, whose bf16 matmul streamed the weights at 9-24 GB/s (17-15 ms for the target's
@@ -7,7 +8,8 @@ turn falls to 2 GB/s at 16 rows. Neither PyTorch, oneDNN's public ops nor induct
 see docs/benchmarks.md) has a small-M bf16 path that streams the weights once at full bandwidth.
 This one keeps all rows' accumulators in registers and reads each weight once (measured: 10.1 ms at
 1 row, 12.2 at 9 for the target's 121 matmuls), and sums each output in the same order whatever the
-row count, so a verify forward's matmuls round exactly like a one-token step's.
+row count, so a verify forward's matmuls round exactly like a one-token step's. The attention sums
+each row over its own visible cache slots in slot order, for the same reason (eval/target.py).
 
 `small_gemm()` compiles it once per machine (~30 s, cached under `eval.loading.cache_dir()`/ext) with
 torch's own extension builder, and returns None, so callers fall back to oneDNN, where the CPU lacks
@@ -44,7 +46,8 @@ def cpu_has_avx512_bf16() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def small_gemm():
-    """The compiled module (`pack(w)`, `linear(x, packed, bias, n_out)`), or None where it cannot run."""
+    """The compiled module (`pack(w)`, `linear(x, packed, bias, n_out)`, `attend(q, k, v, vis, scale)`),
+    or None where it cannot run."""
     if os.environ.get("DRAFTSMITH_KERNELS", "1") == "0" or not cpu_has_avx512_bf16():
         return None
     from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
@@ -58,7 +61,7 @@ def small_gemm():
         return load("draftsmith_small_gemm", [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build),
                     verbose=False)
     except Exception as e:  # no compiler, no ninja, an old assembler: oneDNN does the work instead
-        warnings.warn(f"draftsmith: the CPU matmul kernel did not build ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}); using oneDNN, verification is slower. "
+        warnings.warn(f"draftsmith: the CPU kernels did not build ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); using oneDNN and SDPA (slower verifies, bf16 not bit-exact). "
                       "Install a C++ compiler and `pip install ninja`, or set DRAFTSMITH_KERNELS=0 to silence this.")
         return None

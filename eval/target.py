@@ -110,15 +110,15 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
     ext = small_gemm() if weight.shape[1] % 2 == 0 else None
     if ext is not None:
-        n_out, kpacked = weight.shape[0], ext.pack(weight)
-        kbias = torch.zeros(kpacked.shape[0] * 16)  # fp32, padded like the packed rows
+        n_out, kpacked, kbias = weight.shape[0], ext.pack(weight), _NONE
         if bias is not None:
+            kbias = torch.zeros(kpacked.shape[0] * 16)  # fp32, padded like the packed rows
             kbias[:n_out] = bias.float()
 
     def f(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]  # host ints only, here and below
         if ext is not None and rows <= MAX_ROWS:
-            y = ext.linear(x.reshape(rows, -1).contiguous(), kpacked, kbias if bias is not None else _NONE, n_out)
+            y = ext.linear(x.reshape(rows, -1).contiguous(), kpacked, kbias, n_out)
             return y.view(*x.shape[:-1], n_out)
         # The native GEMV where cpu_gemv turned oneDNN off for a forward of few rows; else (more rows,
         # or a prefill's one-row LM head inside a many-row forward) the packed weight.
