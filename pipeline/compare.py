@@ -73,7 +73,7 @@ def _variant_recipe(recipe, overrides: dict, steps: int | None):
 
 def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
     from .evaluate import run_evaluate
-    from .train import FEATURES_FILE, run_train
+    from .train import FEATURES_FILE, RAW_TEACHER_FILE, run_train
 
     L = target.config.num_hidden_layers
     if recipe.train.method in ("self_spec", "draft_lm") and recipe.train.num_layers > max(L // 2, 1):
@@ -85,9 +85,14 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
     feats = run_dir / "compare" / f"features-{recipe.train.data}.safetensors"
     if feats.exists() and not (vdir / "train" / FEATURES_FILE).exists():  # the same target features
         os.link(feats, vdir / "train" / FEATURES_FILE)
+    raw = run_dir / "compare" / RAW_TEACHER_FILE  # the scored raw-text mix: the same for every variant
+    if recipe.train.raw_windows and raw.exists() and not (vdir / "train" / RAW_TEACHER_FILE).exists():
+        os.link(raw, vdir / "train" / RAW_TEACHER_FILE)  # (its key is checked on load)
     train_dir = run_train(recipe, vdir, target=target, tokenizer=tokenizer)
     if (train_dir / FEATURES_FILE).exists() and not feats.exists():
         os.link(train_dir / FEATURES_FILE, feats)
+    if (train_dir / RAW_TEACHER_FILE).exists() and not raw.exists():
+        os.link(train_dir / RAW_TEACHER_FILE, raw)
     m = run_evaluate(recipe, vdir, target, tokenizer)
     tm = json.loads((train_dir / "manifest.json").read_text())
     return {"name": name, "method": recipe.train.method, "divergence": recipe.train.divergence,
@@ -181,7 +186,7 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
         div_rows.append(run_variant(f"{best_m}-{d}", rv, run_dir, target, tokenizer))
     raw = None
     if raw_baseline and METHODS[best_m]["method"] != "int8":
-        rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": default_div, "data": "raw"}, steps)
+        rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": default_div, "data": "raw", "raw_windows": 0}, steps)
         raw = run_variant(f"{best_m}-{default_div}-raw", rv, run_dir, target, tokenizer)
     # K sweep (measured) on the best served proposer
     served = max([r for r in rows if r["name"] not in ("ngram", "ngram+datastore")], key=lambda r: r["speedup"])

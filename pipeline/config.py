@@ -86,6 +86,12 @@ class TrainConfig:
                                 "by the target, GKD), or 'mix' (generated batches, a fraction "
                                 "`onpolicy_fraction` of them replaced by on-policy ones). onpolicy/mix need a "
                                 "token-level draft: draft_lm or self_spec.")
+    raw_windows: int = _f(0, "Data mix: this many windows of the domain's raw text (train.seq_len tokens each) "
+                             "are added to the generated data, each scored by the target in one "
+                             "teacher-forced forward (its top-k at every position is the teacher, its "
+                             "features feed eagle/medusa; Medusa-1 trains on such data). Several times "
+                             "cheaper per teacher token than generation, but the tokens are the text's, not "
+                             "the target's own. 0 = none; not with data=raw.")
     onpolicy_fraction: float = _f(0.5, "data=mix: fraction of steps that train on draft-sampled sequences "
                                        "(GKD's lambda; data=onpolicy uses 1).")
     divergence: str = _f("fkl", "Divergence to the target: fkl, rkl, jsd, tv.")
@@ -122,6 +128,10 @@ class TrainConfig:
         if self.data in ("onpolicy", "mix") and self.method not in ("draft_lm", "self_spec"):
             raise RecipeError(f"train.data={self.data!r} samples sequences from the draft, which needs a "
                               f"token-level draft (train.method=draft_lm or self_spec), not {self.method!r}")
+        _positive("train.raw_windows", self.raw_windows, zero_ok=True)
+        if self.data == "raw" and self.raw_windows:
+            raise RecipeError(f"train.raw_windows={self.raw_windows} adds target-scored raw text to the generated "
+                              f"data; train.data='raw' is the one-hot raw-text baseline: set raw_windows=0")
         if not 0.0 < self.onpolicy_fraction <= 1.0:
             raise RecipeError(f"train.onpolicy_fraction={self.onpolicy_fraction} must be in (0, 1]")
         for k in ("medusa_heads", "adapter_rank", "lora_alpha"):

@@ -57,6 +57,7 @@ from .tracking import NoOpTracker
 
 STATE_FILE = "trainer_state.pt"
 FEATURES_FILE = "features.safetensors"
+RAW_TEACHER_FILE = "raw-teacher.safetensors"
 
 
 class TrainError(ValueError):
@@ -117,6 +118,19 @@ def _raw_rows(recipe, tokenizer, n: int) -> list[dict]:
     except DataError as e:
         raise TrainError(str(e)) from None
     return [{"ids": c, "P": 1, "tk_ids": [[t] for t in c[1:]], "tk_lp": [[0.0]] * (len(c) - 1)} for c in chunks]
+
+
+def _raw_windows(recipe, tokenizer) -> list[list[int]]:
+    """train.raw_windows windows of the domain's raw text (held-out overlaps dropped), for the data mix."""
+    from .data import DataError, raw_text_chunks
+
+    if tokenizer is None:
+        raise TrainError("train.raw_windows needs the target's tokenizer to tokenize the raw text")
+    try:
+        return raw_text_chunks(recipe.data.source, tokenizer, recipe.train.raw_windows, recipe.train.seq_len,
+                               recipe.seed, recipe.data.heldout)
+    except DataError as e:
+        raise TrainError(str(e)) from None
 
 
 @torch.no_grad()
@@ -206,9 +220,9 @@ class _Seqs(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, i):
-        r = self.rows[i]
-        out = {"ids": torch.tensor(r["ids"]), "P": r["P"], "tk_ids": torch.tensor(r["tk_ids"], dtype=torch.long),
-               "tk_lp": torch.tensor(r["tk_lp"], dtype=torch.float32)}
+        r = self.rows[i]  # generated rows hold lists, scored raw windows tensors
+        out = {"ids": torch.as_tensor(r["ids"]), "P": r["P"], "tk_ids": torch.as_tensor(r["tk_ids"], dtype=torch.long),
+               "tk_lp": torch.as_tensor(r["tk_lp"], dtype=torch.float32)}
         if self.feats is not None:
             out["feat"] = self.feats[i]
         return out
@@ -320,6 +334,70 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
     save_file({"features": torch.cat(feats).contiguous(), "offsets": offs}, tmp, metadata={"key": key})
     os.replace(tmp, path)
     return feats
+
+
+def _raw_teacher_key(recipe) -> str:
+    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "seed": recipe.seed,
+         "source": recipe.data.source, "heldout": recipe.data.heldout, "n": recipe.train.raw_windows,
+         "k": recipe.generate.top_k_logprobs}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def score_raw_windows(target, windows, k: int, path: Path, key: str, batch_size: int = 8):
+    """Data mix (train.raw_windows): windows of the domain's raw text scored by the target in one
+    teacher-forced forward each, which yields both the teacher (the target's top-k log-probs for every
+    token after the first, as generate stores them for completions) and the target's final-norm
+    features (what eagle and medusa train on). Medusa-1 trains its heads on such teacher-forced data;
+    it costs one batched forward per window where generation costs one forward per token.
+
+    Returns (rows in `_load_rows`' format with P=1 and tensor teachers, features [n, H] per row).
+    Cached in one safetensors file keyed by (target, dtype, seq_len, seed, source, n, k); written to a
+    temporary file and renamed, so an interrupted run scores again rather than reading half a file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    path = Path(path)
+    t = None
+    if path.exists():
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("key") == key:
+                t = {n: f.get_tensor(n) for n in f.keys()}
+    if t is None:
+        windows = windows() if callable(windows) else windows  # tokenizing the raw text: only when not cached
+        device = next(target.parameters()).device
+        order = sorted(range(len(windows)), key=lambda i: len(windows[i]))  # length-sorted: little padding
+        feats, tk_ids, tk_lp = [None] * len(windows), [None] * len(windows), [None] * len(windows)
+        for s in tqdm(range(0, len(order), batch_size), desc="score raw text", leave=False):
+            idx = order[s:s + batch_size]
+            L = max(len(windows[i]) for i in idx)
+            ids = torch.zeros(len(idx), L, dtype=torch.long)
+            am = torch.zeros(len(idx), L, dtype=torch.long)
+            for b, i in enumerate(idx):
+                ids[b, :len(windows[i])], am[b, :len(windows[i])] = torch.tensor(windows[i]), 1
+            h = target.model(input_ids=ids.to(device), attention_mask=am.to(device)).last_hidden_state  # [B, L, H]
+            lp, ix = torch.log_softmax(target.lm_head(h[:, :-1]).float(), -1).topk(k, -1)  # [B, L-1, k] x2
+            for b, i in enumerate(idx):
+                n = len(windows[i])
+                feats[i], tk_ids[i], tk_lp[i] = h[b, :n].cpu(), ix[b, :n - 1].cpu().int(), lp[b, :n - 1].cpu()
+        lens = torch.tensor([len(w) for w in windows])
+        t = {"ids": torch.tensor([x for w in windows for x in w], dtype=torch.int32), "lens": lens,
+             "features": torch.cat(feats).contiguous(), "tk_ids": torch.cat(tk_ids).contiguous(),
+             "tk_lp": torch.cat(tk_lp).contiguous()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".raw-teacher-", suffix=".safetensors")
+        os.close(fd)
+        save_file(t, tmp, metadata={"key": key})
+        os.replace(tmp, path)
+    rows, feats = [], []
+    o = ot = 0
+    for n in t["lens"].tolist():
+        rows.append({"ids": t["ids"][o:o + n].tolist(), "P": 1, "tk_ids": t["tk_ids"][ot:ot + n - 1].long(),
+                     "tk_lp": t["tk_lp"][ot:ot + n - 1]})
+        feats.append(t["features"][o:o + n])
+        o, ot = o + n, ot + n - 1
+    return rows, feats
 
 
 class EagleTrainer(nn.Module):
@@ -455,16 +533,18 @@ def _draft_lm_base(tc, target, tokenizer):
     return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
 
 
-def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest, extra):
+def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest, extra, raw_feats=()):
     """Per method: (trainable module returning (loss, metrics), its parameters, save_draft(dir, step,
-    module), dataset, d2t, the draft that samples on-policy sequences or None)."""
+    module), dataset, d2t, the draft that samples on-policy sequences or None). The last len(raw_feats)
+    rows are scored raw windows whose features are already computed."""
     V = target.config.vocab_size
     if tc.method != "draft_lm":  # draft_lm keeps the full vocabulary so HF assistant_model loads it
         d2t = draft_vocab(rows, V, tc.draft_vocab_size)  # Step 1: the truncated draft vocabulary
         draft_ids = None if len(d2t) == V else d2t
     if tc.method in ("eagle", "medusa"):  # heads over the target's features: Step 2, cache them
-        feats = cache_features(target, rows, train_dir / FEATURES_FILE,
-                               _features_key(recipe, gen_manifest), batch_size=tc.batch_size)
+        n_gen = len(rows) - len(raw_feats)
+        feats = cache_features(target, rows[:n_gen], train_dir / FEATURES_FILE,
+                               _features_key(recipe, gen_manifest), batch_size=tc.batch_size) + list(raw_feats)
         dataset = _Seqs(rows, feats)
         if tc.method == "eagle":
             head = EagleHead.from_target(target, tc.num_layers, draft_ids).float()
@@ -579,8 +659,13 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
         tokenizer = tokenizer or tok
     if tc.data == "raw":  # as many raw windows as there are generated sequences: the same budget
         rows = _raw_rows(recipe, tokenizer, len(rows))
-    _check_vocab(rows, target, tokenizer)
     target.eval()
+    n_gen, raw_feats = len(rows), []
+    if tc.raw_windows:  # the data mix: raw text with the target's own teacher-forced top-k
+        raw, raw_feats = score_raw_windows(target, lambda: _raw_windows(recipe, tokenizer), len(rows[0]["tk_ids"][0]),
+                                           train_dir / RAW_TEACHER_FILE, _raw_teacher_key(recipe), tc.batch_size)
+        rows = rows + raw
+    _check_vocab(rows, target, tokenizer)
     device = pick_device(recipe.device)
     torch.manual_seed(recipe.seed)
     random.seed(recipe.seed)
@@ -589,10 +674,11 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     ckpts = _checkpoints(train_dir)
     resume = ckpts[-1] if ckpts else None
     module, params, save_draft, dataset, d2t, sampler_draft = _setup(
-        tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest, extra)
+        tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest, extra, raw_feats)
     # The completions the draft learns from, as a datastore served next to it (eval/datastore.py): the
-    # target's own outputs on the training prompts (the raw text for data=raw), never held-out ones.
-    store = Datastore([r["ids"][r["P"]:] for r in rows]) if tc.datastore else None
+    # target's own outputs on the training prompts (the raw text for data=raw), never held-out ones, and
+    # not the raw_windows mix (the text's tokens, not the target's outputs).
+    store = Datastore([r["ids"][r["P"]:] for r in rows[:n_gen]]) if tc.datastore else None
     for ck in ckpts if store is not None else []:  # written before the datastore was on: add it now
         if not (ck / DATASTORE_FILE).exists():
             store.save(ck)

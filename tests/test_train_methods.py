@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pipeline.config import Recipe, TrainConfig
-from pipeline.train import _collate, _onpolicy_batch, _raw_rows, _teacher_topk, run_train
+from pipeline.train import (RAW_TEACHER_FILE, _collate, _onpolicy_batch, _raw_rows, _teacher_topk, run_train,
+                            score_raw_windows)
 
 from test_train import V, _copy_gen, _make_generate, tiny_llama
 
@@ -186,6 +187,60 @@ def test_raw_data_trains_eagle_on_raw_text(tmp_path, real_tokenizer):
                           tokenizer=real_tokenizer)
     m = json.loads((train_dir / "manifest.json").read_text())
     assert m["data"] == "raw" and m["n_sequences"] == 4 and m["steps"] == 2
+
+
+def test_score_raw_windows_is_the_targets_teacher_forced_forward(tmp_path, target):
+    """Each window's teacher is the target's own top-k at every position after the first and its features
+    are the target's final-norm hidden states, exactly what a one-window forward gives; cached by key."""
+    torch.manual_seed(0)
+    wins = [torch.randint(0, V, (n,)).tolist() for n in (12, 7, 12, 3, 9)]  # ragged: padding must not leak
+    rows, feats = score_raw_windows(target, wins, 5, tmp_path / "r.safetensors", "key1", batch_size=2)
+    assert [r["ids"] for r in rows] == wins
+    with torch.no_grad():
+        for w, r, f in zip(wins, rows, feats):
+            x = torch.tensor([w])
+            h = target.model(input_ids=x).last_hidden_state[0]  # [n, H]
+            lp, ix = torch.log_softmax(target(input_ids=x).logits[0, :-1].float(), -1).topk(5, -1)
+            assert r["P"] == 1 and r["tk_ids"].shape == (len(w) - 1, 5)
+            torch.testing.assert_close(f, h, rtol=1e-4, atol=1e-5)
+            assert torch.equal(r["tk_ids"], ix)
+            torch.testing.assert_close(r["tk_lp"], lp, rtol=1e-4, atol=1e-5)
+
+    def no_tokenizing():
+        raise AssertionError("a cached score must not tokenize the raw text again")
+
+    again, _ = score_raw_windows(target, no_tokenizing, 5, tmp_path / "r.safetensors", "key1")
+    assert [r["ids"] for r in again] == wins and all(torch.equal(a["tk_ids"], b["tk_ids"]) for a, b in zip(rows, again))
+    with pytest.raises(AssertionError, match="tokenize"):  # another key scores again
+        score_raw_windows(target, no_tokenizing, 5, tmp_path / "r.safetensors", "key2")
+
+
+@pytest.mark.parametrize("method", ["medusa", "draft_lm"])
+def test_raw_windows_mix_adds_scored_raw_text_but_not_to_the_datastore(tmp_path, real_tokenizer, method):
+    """train.raw_windows: the generated rows plus n raw windows scored by the target; the datastore keeps
+    only the target's own completions."""
+    from eval.datastore import Datastore
+
+    torch.manual_seed(0)
+    big = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1,
+                                       vocab_size=len(real_tokenizer), tie_word_embeddings=True)).eval()
+    gen = _make_generate(tmp_path, big, n_rows=4, clen=4)
+    recipe = _recipe(method=method, raw_windows=6, seq_len=48, steps=2, draft_vocab_size=512, medusa_heads=2,
+                     datastore=True)
+    train_dir = run_train(recipe, tmp_path, target=big, tokenizer=real_tokenizer)
+    m = json.loads((train_dir / "manifest.json").read_text())
+    assert m["n_sequences"] == 4 + 6 and m["steps"] == 2
+    assert (train_dir / RAW_TEACHER_FILE).exists()
+    store = Datastore.load(train_dir / "checkpoint-000002")
+    assert store.n_tokens == sum(len(r["completion_ids"]) for r in gen)  # the completions, no raw text
+
+
+def test_raw_windows_is_not_for_the_raw_baseline():
+    with pytest.raises(Exception, match="raw_windows"):
+        TrainConfig(data="raw", raw_windows=4)
+    with pytest.raises(Exception, match="raw_windows"):
+        TrainConfig(raw_windows=-1)
 
 
 def test_int8_needs_no_training(tmp_path, target):
