@@ -134,6 +134,7 @@ class MedusaProposer(Proposer):
     name = "medusa"
     uses_features = True
     max_k = 0
+    alt_m = 3  # per-head candidates kept for alternatives()
 
     def __init__(self, heads: MedusaHeads, target):
         p = target.get_output_embeddings().weight
@@ -162,10 +163,26 @@ class MedusaProposer(Proposer):
     def propose(self, k):
         n = min(k, self.heads.num_heads)  # host ints only
         h = self.heads(self.cur_feat, n)  # [B, n, H]
-        if self.sampling.greedy:  # argmax over the draft vocabulary, mapped: no [B, n, V] tensor
-            return self.d2t[self.heads.logits(h).argmax(-1)], None  # [B, n]
+        if self.sampling.greedy:  # top-m over the draft vocabulary, mapped: no [B, n, V] tensor
+            top = self.d2t[self.heads.logits(h).topk(self.alt_m, -1).indices]  # [B, n, m], best first
+            self.last_top = top  # the runners-up: alternatives() turns them into tree branches
+            return top[..., 0], None  # [B, n]
         q = self.sampling.probs(self._logits(h))  # [B, n, V]
         return self.sampling.sample(q), q  # each draft sampled from its own head's q
+
+    def alternatives(self, m: int) -> list[list[list[int]]]:
+        """After a greedy propose(): per row, up to m runner-up paths, in Medusa's order of likelihood
+        (Cai et al., 2024, section 3.1.2, sparse tree): head 0's 2nd choice followed by head 1's 1st,
+        head 1's 2nd after head 0's 1st, head 0's 3rd; heads are independent, so any pairing is a
+        valid path. The chain (every head's 1st) is propose()'s."""
+        top = self.last_top.tolist()  # host sync: the tree is built on the host
+        out = []
+        for t in top:  # t [n][alt_m]
+            n = len(t)
+            paths = [[t[0][1]] + ([t[1][0]] if n > 1 else []), ([t[0][0], t[1][1]] if n > 1 else None),
+                     [t[0][2]] if self.alt_m > 2 else None]
+            out.append([p for p in paths if p][:m])
+        return out
 
     def accept(self, tokens, start, n_acc, bonus, features=None):
         # features [B, T, H] at positions start..start+T-1; the bonus token (position start+n_acc+1)

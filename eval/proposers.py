@@ -291,8 +291,10 @@ class HybridProposer(Proposer):
     name = "hybrid"
 
     def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = 8, max_ngram: int = 3,
-                 branches: int = 2, max_nodes: int = 8, datastore=None, store_branches: int = 2):
+                 branches: int = 2, max_nodes: int = 8, datastore=None, store_branches: int = 2,
+                 alt_branches: int = 0):
         self.model = model
+        self.alt_branches = alt_branches if hasattr(model, "alternatives") else 0
         self.datastore, self.store_branches = datastore, store_branches
         self.ngram = NgramProposer(max_ngram=max_ngram, min_ngram=min_match)
         self.min_match, self.branches, self.max_nodes = min_match, branches, max_nodes
@@ -313,12 +315,14 @@ class HybridProposer(Proposer):
         # 6: 1.55x, 12: 1.52x, 16: 1.51x); at batch 8 the forward is compute-bound and every node
         # costs. So each row gets max_nodes / B nodes (at least k), spent in priority order.
         budget = max(self.max_nodes // len(self.ngram.hist), min(k, self.max_nodes))
+        B = len(self.ngram.hist)
+        alts = self.model.alternatives(self.alt_branches) if self.alt_branches else [[] for _ in range(B)]
         rows = []
         for h, chain in zip(self.ngram.hist, drafts.tolist()):  # host sync: the model's chain joins the host-built tree
             # down to 1-token matches: in a tree a weak lookup only costs nodes the budget allows
             found = self.ngram.candidates(h, self.k_ngram or k, self.branches, min_n=1) if self.branches else []
             stored = self.datastore.candidates(h, self.k_ngram or k, self.store_branches) if self.datastore else []
-            cands = [c for c, n in found if n >= self.min_match] + [chain] + [c for c, _ in stored] \
+            cands = [c for c, n in found if n >= self.min_match] + [chain] + alts.pop(0) + [c for c, _ in stored] \
                 + [c for c, n in found if n < self.min_match]
             rows.append(build_trie(cands, budget))
         return rows

@@ -244,6 +244,35 @@ def test_k_auto_and_hybrid_exact(target, trained, ref):
 
 
 @torch.no_grad()
+def test_alternatives_are_the_heads_runners_up_and_keep_the_tree_exact(target, trained, ref):
+    """alternatives(m) after a greedy propose: Medusa's sparse-tree paths from each head's top-3 (head 0's
+    2nd + head 1's 1st, head 0's 1st + head 1's 2nd, head 0's 3rd), in that order; a hybrid that adds
+    them to its tree still decodes exactly what plain decoding does and accepts at least as much."""
+    heads = trained[0]
+    prop = MedusaProposer(heads, target)
+    feats = target.model(torch.tensor([PROMPTS[2]])).last_hidden_state  # [1, S, H]
+    prop.begin([PROMPTS[2]], torch.tensor([0]), 64, Sampling(), features=feats)
+    chain = prop.propose(NH)[0][0].tolist()
+    top = heads.d2t[heads.logits(heads(feats[0, -1])).topk(3, -1).indices].tolist()  # [NH, 3]
+    assert chain == [t[0] for t in top]
+    assert prop.alternatives(3) == [[[top[0][1], top[1][0]], [top[0][0], top[1][1]], [top[0][2]]]]
+    assert prop.alternatives(1) == [[[top[0][1], top[1][0]]]]
+    prop.propose(1)  # one head: no second head to pair with
+    assert prop.alternatives(3) == [[[top[0][1]], [top[0][2]]]]
+    taus = {}
+    for a in (0, 3):
+        hyb = HybridProposer(MedusaProposer(heads, target), min_match=2, max_nodes=16, alt_branches=a)
+        for prompts in (PROMPTS, [PROMPTS[0]]):  # ragged, then batch 1
+            res = SpeculativeDecoder(target, hyb, k=2).generate(prompts, max_new_tokens=N_NEW)
+            assert res.sequences == ref[: len(prompts)], a
+        # batch 1 with room for every candidate: added nodes displace none, so no round accepts less
+        hyb.max_nodes = 64
+        taus[a] = [SpeculativeDecoder(target, hyb, k=2).generate([p], max_new_tokens=N_NEW).stats["tau"]
+                   for p in PROMPTS]
+    assert all(t3 >= t0 for t0, t3 in zip(taus[0], taus[3])), taus
+
+
+@torch.no_grad()
 def test_drafts_are_the_heads_on_the_true_feature(target, trained):
     """Every round, draft i of row b is head i's argmax on the target feature at (current position - 1),
     recomputed from scratch on the final sequence: the proposer's begin/accept pick the right feature."""
