@@ -46,7 +46,9 @@ K_MAX_AUTO = 8
 # whose draft directory holds a datastore (eval/datastore.py) adds its continuations to the tree.
 # "kernels-1": on CPUs with avx512_bf16, the row-invariant matmul and attention kernels
 # (eval/kernels.py): cheaper verifies, and bf16 speculative output equal to plain output.
-SERVING_REV = "kernels-1"
+# "medusa-tree-1": a hybrid over Medusa heads adds the heads' runner-up paths to its tree
+# (HybridProposer.alt_branches), and 13-16-row verifies run the kernel in two passes.
+SERVING_REV = "medusa-tree-1"
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
 WARMUP_PLAIN = 3  # with k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 
