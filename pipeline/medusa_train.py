@@ -9,6 +9,13 @@ distribution rather than cross-entropy to the next tokens (self-distillation, Me
 
 Alignment: head i at feature index t predicts the token at t + 2 + i, whose teacher is the top-k row
 stored at that TOKEN position (tk_ids / tk_lp [:, t + 2 + i], present where has_t [:, t + 2 + i]).
+
+On-policy positions only: at decode time head i reads the feature that produced token t + 1 and the
+tokens t + 1 .. t + 1 + i in between are the target's own greedy choices, which the head cannot see.
+So head i trains at t only where those tokens are the target's top-1 (ids == tk_ids[..., 0]): always
+true of greedy generated completions, and true of the raw-text mix (train.raw_windows) exactly where
+the text happens to follow the target. Elsewhere the teacher at t + 2 + i is conditioned on a token
+the target would not have produced, and training on it measurably did not help (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -39,11 +46,14 @@ class MedusaTrainer(nn.Module):
         heads, tc = self.heads, self.tc
         feat = batch["feat"].float()  # [B, L, H] (cached in the target's dtype, often bf16)
         has_t, tk_ids, tk_lp = batch["has_t"], batch["tk_ids"], batch["tk_lp"]  # [B, L], [B, L, k] x2
+        greedy = has_t & (batch["ids"] == tk_ids[..., 0])  # [B, L]: token j is the target's top-1
         L = feat.shape[1]
         total, wsum, metrics = 0.0, 0.0, {}
         for i in range(min(heads.num_heads, L - 2)):
             T = L - 2 - i  # feature indices t = 0..T-1 predict tokens 2+i..L-1
-            m = has_t[:, 2 + i:]  # [B, T] the token at t+2+i has a teacher
+            m = has_t[:, 2 + i:].clone()  # [B, T] the token at t+2+i has a teacher ...
+            for j in range(i + 1):  # ... and the tokens t+1..t+1+i between are the target's greedy ones
+                m &= greedy[:, 1 + j:1 + j + T]
             if not bool(m.any()):
                 continue
             # Only the positions with a teacher go through the LM head (prompts and padding do not).

@@ -129,7 +129,9 @@ def test_trainer_short_window_and_no_teacher(target):
     heads = MedusaHeads.from_target(target, NH)
     H = target.config.hidden_size
     # 4 tokens: only heads 0 and 1 have a token t+2+i inside the window
-    item = {"ids": torch.tensor([1, 2, 3, 4]), "P": 1, "tk_ids": torch.randint(0, V, (3, TOPK)),
+    tk = torch.randint(0, V, (3, TOPK))
+    tk[:, 0] = torch.tensor([2, 3, 4])  # greedy: each token is its teacher's top-1
+    item = {"ids": torch.tensor([1, 2, 3, 4]), "P": 1, "tk_ids": tk,
             "tk_lp": torch.full((3, TOPK), -3.0), "feat": torch.randn(4, H)}
     loss, m = MedusaTrainer(heads, _tc())(_collate([item]))
     assert torch.isfinite(loss) and "acc_1" in m and "acc_2" not in m
@@ -138,6 +140,32 @@ def test_trainer_short_window_and_no_teacher(target):
                                                      "tk_lp": item["tk_lp"][:0]}]))
     loss.backward()
     assert float(loss.detach()) == 0.0 and "acc_0" not in m
+
+
+def test_trainer_trains_head_i_only_after_greedy_tokens(target):
+    """Head i at feature t trains only where tokens t+1..t+1+i are the target's top-1 (what it meets at
+    decode time): in a raw-text row whose token 4 is not the target's choice, the teacher of token 5 is
+    read by no head (head 0 at t=3, head 1 at t=2 and head 2 at t=1 all pass through token 4), while
+    the teacher of token 6 still trains head 0 at t=4."""
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(target, NH)
+    H = target.config.hidden_size
+    ids = torch.arange(10, 20)  # [L=10], P=1: teachers for tokens 1..9 at rows 0..8
+    tk = torch.randint(0, V, (9, TOPK))
+    tk[:, 0] = ids[1:]
+    tk[3, 0] = 99  # token 4 is not the target's top-1
+    lp = torch.log_softmax(torch.randn(9, TOPK), -1)
+    item = {"ids": ids, "P": 1, "tk_ids": tk, "tk_lp": lp, "feat": torch.randn(10, H)}
+    trainer = MedusaTrainer(heads, _tc())
+
+    def loss_with(row):  # a different teacher distribution for one token (its ids unchanged)
+        lp2 = lp.clone()
+        lp2[row] = torch.log_softmax(torch.randn(TOPK) * 3, -1)
+        return float(trainer(_collate([{**item, "tk_lp": lp2}]))[0].detach())
+
+    base = float(trainer(_collate([item]))[0].detach())
+    assert loss_with(4) == base  # token 5's teacher: no head may read it
+    assert loss_with(5) != base  # token 6's teacher: head 0 at t=4
 
 
 # ------------------------------------------------------------------------------------ the module
