@@ -71,3 +71,37 @@ def test_decode_pairs_reports_whether_verifies_were_row_invariant(dtype):
     assert stats["row_invariant"] == (dtype == torch.bfloat16 and small_gemm() is not None)
     if stats["row_invariant"]:
         assert spec == plain
+
+
+def test_decode_together_rotates_turns_and_matches_separate_runs(monkeypatch):
+    """Several candidates measured together: on prompt i the turn order (plain first, then each
+    candidate) is rotated by i, every candidate decodes every prompt once, and its output and
+    acceptance equal those of its own decode_pairs run (only the timing is shared)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import NgramProposer
+    from pipeline.evaluate import decode_pairs, decode_together
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    target = LlamaForCausalLM(cfg).float().eval()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5], [7, 8, 9, 7, 8], [3, 3, 3, 3]]
+    props = {"a": (NgramProposer(), 2), "b": (NgramProposer(max_ngram=2), 4)}
+    order, gen = [], SpeculativeDecoder.generate
+
+    def logged(self, prompts_, **kw):
+        if kw.get("max_new_tokens") == 8:  # not the warm-up
+            order.append("plain" if self.proposer is None else "a" if self.proposer is props["a"][0] else "b")
+        return gen(self, prompts_, **kw)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", logged)
+    plain, plain_stats, outs = decode_together(target, props, prompts, 8, None, "t")
+    assert order == ["plain", "a", "b", "a", "b", "plain", "b", "plain", "a", "plain", "a", "b"]
+    monkeypatch.setattr(SpeculativeDecoder, "generate", gen)
+    assert plain_stats["n_tokens"] == sum(map(len, plain))
+    for name, (prop, k) in props.items():
+        p2, _, seqs, stats = decode_pairs(target, prop, prompts, k, 8, None, name)
+        assert outs[name][0] == seqs == plain == p2
+        assert (outs[name][1]["tau"], outs[name][1]["alpha"]) == (stats["tau"], stats["alpha"])
