@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from eval.datastore import FILE as DATASTORE_FILE
 from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy, exactness_rule
-from eval.proposers import load_proposer
+from eval.proposers import SERVED_AS, load_proposer
 
 from .data import encode_prompt, read_jsonl
 from .models import check_tokenizers
@@ -226,9 +226,10 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
 
     # Step 3c: promote by measured speedup; prove exactness of the promoted draft in fp32.
     best = max(results, key=lambda r: r["speedup"])
-    prefix = next((p for p in ("hybrid:", "hybrid-nostore:") if best["source"].startswith(p)), "")
-    hybrid = bool(prefix)
-    src_dir = Path(best["source"][len(prefix):])
+    how, sep, rest = best["source"].partition(":")  # "<how>:<draft dir>" for a served form (SERVED_AS)
+    served = how if sep and how in SERVED_AS else None
+    hybrid = served is not None
+    src_dir = Path(rest if hybrid else best["source"])
     n32 = min(cfg.fp32_prompts, len(prompts))
     fp32_exact = _fp32_check(target, best["source"], prompts[:n32], cfg.k, cfg.max_new_tokens, eos) if n32 else None
     for r in results + ([baseline] if baseline else []):
@@ -239,7 +240,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     tmp = run_dir / ".best-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     # A hybrid promoted without its datastore is promoted without the file: best/ serves as measured.
-    skip = ("trainer_state.pt",) + ((DATASTORE_FILE,) if prefix == "hybrid-nostore:" else ())
+    skip = ("trainer_state.pt",) + ((DATASTORE_FILE,) if served == "hybrid-nostore" else ())
     shutil.copytree(src_dir, tmp, ignore=shutil.ignore_patterns(*skip))
     meta = json.loads((tmp / "draftsmith_draft.json").read_text())
     meta["proposer"] = "hybrid" if hybrid else "draft"
