@@ -179,19 +179,7 @@ def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels()
     """stats["row_invariant"] comes from the verify forwards the decoder ran: a verify of more than
     MAX_ROWS tokens takes oneDNN/SDPA, and the exact-match rule must not be claimed for it."""
     from eval.decoder import SpeculativeDecoder
-    from eval.proposers import Proposer
-
-    class Zeros(Proposer):  # always k drafts, so every verify holds k + 1 tokens
-        name = "zeros"
-
-        def begin(self, prompts, first, max_len, sampling, features=None):
-            self.B = len(prompts)
-
-        def propose(self, k):
-            return torch.zeros(self.B, k, dtype=torch.long), None
-
-        def accept(self, tokens, start, n_acc, bonus, features=None):
-            pass
+    from test_datastore import NoChain as Zeros  # always k drafts, so every verify holds k + 1 tokens
 
     target = _bf16_target()
     prompts = [[1, 5, 9, 3, 5, 9, 4]]
