@@ -108,27 +108,20 @@ def _check_vocab(rows, target, tokenizer=None):
 def _raw_rows(recipe, tokenizer, n: int) -> list[dict]:
     """The undistilled baseline: `n` windows of the domain's raw text; the teacher at every position
     after the first is the text's own next token (top-1 with log-prob 0: a one-hot target)."""
-    from .data import DataError, raw_text_chunks
-
-    if tokenizer is None:
-        raise TrainError("train.data='raw' needs the target's tokenizer to tokenize the raw text")
-    try:
-        chunks = raw_text_chunks(recipe.data.source, tokenizer, n, recipe.train.seq_len, recipe.seed,
-                                 recipe.data.heldout)
-    except DataError as e:
-        raise TrainError(str(e)) from None
+    chunks = _raw_windows(recipe, tokenizer, n, "train.data='raw'")
     return [{"ids": c, "P": 1, "tk_ids": [[t] for t in c[1:]], "tk_lp": [[0.0]] * (len(c) - 1)} for c in chunks]
 
 
-def _raw_windows(recipe, tokenizer) -> list[list[int]]:
-    """train.raw_windows windows of the domain's raw text (held-out overlaps dropped), for the data mix."""
+def _raw_windows(recipe, tokenizer, n: int, what: str) -> list[list[int]]:
+    """`n` windows of the domain's raw text (held-out overlaps dropped), for `what` (the recipe key that
+    asked: the raw baseline or the raw_windows mix)."""
     from .data import DataError, raw_text_chunks
 
     if tokenizer is None:
-        raise TrainError("train.raw_windows needs the target's tokenizer to tokenize the raw text")
+        raise TrainError(f"{what} needs the target's tokenizer to tokenize the raw text")
     try:
-        return raw_text_chunks(recipe.data.source, tokenizer, recipe.train.raw_windows, recipe.train.seq_len,
-                               recipe.seed, recipe.data.heldout)
+        return raw_text_chunks(recipe.data.source, tokenizer, n, recipe.train.seq_len, recipe.seed,
+                               recipe.data.heldout)
     except DataError as e:
         raise TrainError(str(e)) from None
 
@@ -296,6 +289,22 @@ def _features_key(recipe, gen_manifest: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
+    """Length-sorted (little padding) right-padded batches of token-id lists, with a progress bar:
+    yields (indices into seqs, ids [b, L], attention mask [b, L])."""
+    from tqdm.auto import tqdm
+
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    for s in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
+        idx = order[s:s + batch_size]
+        L = max(len(seqs[i]) for i in idx)
+        ids = torch.zeros(len(idx), L, dtype=torch.long)
+        am = torch.zeros(len(idx), L, dtype=torch.long)
+        for b, i in enumerate(idx):
+            ids[b, :len(seqs[i])], am[b, :len(seqs[i])] = torch.tensor(seqs[i]), 1
+        yield idx, ids, am
+
+
 @torch.no_grad()
 def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, device=None) -> list[torch.Tensor]:
     """EAGLE Step 2: one teacher-forced target forward per sequence -> final-norm hidden states
@@ -304,7 +313,6 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
     matches; written to a temporary file and renamed."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
 
     path = Path(path)
     if path.exists():
@@ -313,16 +321,8 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
                 flat, offs = f.get_tensor("features"), f.get_tensor("offsets").tolist()
                 return [flat[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
     device = device or next(target.parameters()).device
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["ids"]))  # length-sorted: little padding
     feats: list = [None] * len(rows)
-    for s in tqdm(range(0, len(order), batch_size), desc="target features", leave=False):
-        idx = order[s:s + batch_size]
-        L = max(len(rows[i]["ids"]) for i in idx)
-        ids = torch.zeros(len(idx), L, dtype=torch.long)
-        am = torch.zeros(len(idx), L, dtype=torch.long)
-        for b, i in enumerate(idx):
-            n = len(rows[i]["ids"])
-            ids[b, :n], am[b, :n] = torch.tensor(rows[i]["ids"]), 1
+    for idx, ids, am in _padded_batches([r["ids"] for r in rows], batch_size, "target features"):
         h = target.model(input_ids=ids.to(device), attention_mask=am.to(device)).last_hidden_state
         for b, i in enumerate(idx):
             feats[i] = h[b, :len(rows[i]["ids"])].cpu()
@@ -356,7 +356,6 @@ def score_raw_windows(target, windows, k: int, path: Path, key: str, batch_size:
     temporary file and renamed, so an interrupted run scores again rather than reading half a file."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
 
     path = Path(path)
     t = None
@@ -367,15 +366,8 @@ def score_raw_windows(target, windows, k: int, path: Path, key: str, batch_size:
     if t is None:
         windows = windows() if callable(windows) else windows  # tokenizing the raw text: only when not cached
         device = next(target.parameters()).device
-        order = sorted(range(len(windows)), key=lambda i: len(windows[i]))  # length-sorted: little padding
         feats, tk_ids, tk_lp = [None] * len(windows), [None] * len(windows), [None] * len(windows)
-        for s in tqdm(range(0, len(order), batch_size), desc="score raw text", leave=False):
-            idx = order[s:s + batch_size]
-            L = max(len(windows[i]) for i in idx)
-            ids = torch.zeros(len(idx), L, dtype=torch.long)
-            am = torch.zeros(len(idx), L, dtype=torch.long)
-            for b, i in enumerate(idx):
-                ids[b, :len(windows[i])], am[b, :len(windows[i])] = torch.tensor(windows[i]), 1
+        for idx, ids, am in _padded_batches(windows, batch_size, "score raw text"):
             h = target.model(input_ids=ids.to(device), attention_mask=am.to(device)).last_hidden_state  # [B, L, H]
             lp, ix = torch.log_softmax(target.lm_head(h[:, :-1]).float(), -1).topk(k, -1)  # [B, L-1, k] x2
             for b, i in enumerate(idx):
@@ -662,8 +654,9 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     target.eval()
     n_gen, raw_feats = len(rows), []
     if tc.raw_windows:  # the data mix: raw text with the target's own teacher-forced top-k
-        raw, raw_feats = score_raw_windows(target, lambda: _raw_windows(recipe, tokenizer), len(rows[0]["tk_ids"][0]),
-                                           train_dir / RAW_TEACHER_FILE, _raw_teacher_key(recipe), tc.batch_size)
+        windows = lambda: _raw_windows(recipe, tokenizer, tc.raw_windows, "train.raw_windows")  # noqa: E731
+        raw, raw_feats = score_raw_windows(target, windows, len(rows[0]["tk_ids"][0]), train_dir / RAW_TEACHER_FILE,
+                                           _raw_teacher_key(recipe), tc.batch_size)
         rows = rows + raw
     _check_vocab(rows, target, tokenizer)
     device = pick_device(recipe.device)
