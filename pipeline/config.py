@@ -110,6 +110,9 @@ class TrainConfig:
     unroll: int = _f(2, "EAGLE training-time test: draft steps unrolled on the head's own features.")
     feature_loss_weight: float = _f(0.1, "Weight of the feature regression (smooth L1) term for eagle.")
     medusa_heads: int = _f(4, "medusa: heads, i.e. further positions predicted from one feature (max K).")
+    medusa_recurrent: bool = _f(False, "medusa: each head also reads the previous head's state and the token "
+                                       "before the one it predicts (ReDrafter / Hydra-style recurrent heads, "
+                                       "eval/medusa.py); false: Medusa-1's independent heads.")
     adapter_rank: int = _f(64, "self_spec: rank of the residual adapter between the shared layers and the "
                                "target's final norm.")
     lora_rank: int = _f(0, "draft_lm: 0 = full fine-tuning; > 0 = LoRA of this rank (peft), saved both as "

@@ -549,10 +549,12 @@ def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest,
 
             from .medusa_train import MedusaTrainer
 
-            head = MedusaHeads.from_target(target, tc.medusa_heads, draft_ids).float()
+            head = MedusaHeads.from_target(target, tc.medusa_heads, draft_ids, recurrent=tc.medusa_recurrent).float()
             if resume is not None:
                 head.load_state_dict(MedusaHeads.load(resume).state_dict())
-            module = MedusaTrainer(head, tc)
+            embed = nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True) \
+                if tc.medusa_recurrent else None
+            module = MedusaTrainer(head, tc, embed)
         def save_head(d, step, m):
             (m.head if tc.method == "eagle" else m.heads).save(d, extra={**extra, "step": step})
 

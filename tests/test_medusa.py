@@ -375,3 +375,168 @@ def test_speculative_sampling_matches_target(bug, monkeypatch):
     pv, stats = e2e_pvalues(t, MedusaProposer(MedusaHeads.from_target(t, 2), t), dict(temperature=1.0))
     assert stats["proposed"] > 0 and 0 < stats["alpha"] < 1
     assert (min(pv) < 1e-6) if bug else (min(pv) > 1e-4), pv
+
+
+# ------------------------------------------------------------------------------------ recurrent heads
+
+def _embed(target):
+    return torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
+
+
+@pytest.fixture(scope="module")
+def trained_rec(target):
+    """Recurrent heads trained like `trained`: (heads, metrics before, metrics after, items)."""
+    items = _rows(target)
+    batch = _collate(items)
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(target, NH, recurrent=True)
+    trainer = MedusaTrainer(heads, _tc(), _embed(target))
+    opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    first = None
+    for _ in range(150):
+        loss, metrics = trainer(batch)
+        first = first or metrics
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        last = trainer(batch)[1]
+    return heads.eval(), first, last, items
+
+
+def _perturbed_rec(target, seed=0, draft_ids=None):
+    """Fresh recurrent heads with random blocks (fresh ones are the identity: drafts would not depend
+    on the tokens they read)."""
+    torch.manual_seed(seed)
+    heads = MedusaHeads.from_target(target, NH, draft_ids=draft_ids, recurrent=True)
+    with torch.no_grad():
+        for blk in heads.blocks:
+            blk.down.weight.normal_(0, 0.3)
+    return heads.eval()
+
+
+def test_recurrent_identity_start_and_roundtrip(tmp_path, target):
+    """Fresh recurrent heads are the target's LM head whatever tokens they read; the config survives a
+    save/load; the trainer refuses recurrent heads without the embedding they read."""
+    heads = MedusaHeads.from_target(target, NH, recurrent=True)
+    f, e = torch.randn(5, 32), torch.randn(5, NH, 32)
+    st = heads.states(f, e)  # [5, NH, H]
+    assert st.shape == (5, NH, 32)
+    torch.testing.assert_close(heads.logits(st)[:, 2], target.lm_head(f))
+    heads = _perturbed_rec(target)
+    heads.save(tmp_path / "r")
+    back = MedusaHeads.load(tmp_path / "r")
+    assert back.recurrent and json.loads((tmp_path / "r" / HEAD_FILE).read_text())["medusa_config"]["recurrent"]
+    torch.testing.assert_close(back.logits(back.states(f, e)), heads.logits(heads.states(f, e)), rtol=0, atol=0)
+    assert not torch.allclose(heads.states(f, e), heads.states(f, e + 1))  # the tokens matter
+    with pytest.raises(ValueError, match="embedding"):
+        MedusaTrainer(heads, _tc())
+
+
+def test_recurrent_training_raises_accuracy(trained_rec, trained):
+    heads, before, after, _ = trained_rec
+    print("before", before, "\nafter", after, "\nplain heads", trained[2])
+    assert after["acc_0"] > 0.6 and after["acc_0"] > before["acc_0"] + 0.3, (before, after)
+    assert after["acc_1"] > before["acc_1"] + 0.2 and after["acc_2"] > before["acc_2"] + 0.2, (before, after)
+    assert all(lm.weight.grad is not None for lm in heads.lm_heads) and heads.blocks[0].up.weight.grad is not None
+
+
+@pytest.mark.parametrize("k", [1, 2, NH + 2, "auto"])
+def test_recurrent_greedy_exact(target, trained_rec, ref, k):
+    props = {"trained": MedusaProposer(trained_rec[0], target),
+             "trunc": MedusaProposer(_perturbed_rec(target, 1, torch.arange(0, V, 2)), target),
+             "hybrid": HybridProposer(MedusaProposer(trained_rec[0], target), min_match=2, max_nodes=16)}
+    for name, prop in props.items():
+        dec = SpeculativeDecoder(target, prop, k=k)
+        for p, r in zip(PROMPTS, ref):
+            assert dec.generate([p], max_new_tokens=N_NEW).sequences == [r], (name, k, p)
+        assert dec.generate(PROMPTS, max_new_tokens=N_NEW).sequences == ref, (name, k)
+
+
+@torch.no_grad()
+def test_recurrent_drafts_read_the_current_token_and_the_drafts(target, trained_rec):
+    """Every round, recomputed from scratch on the final sequence: draft 0 is head 0's argmax on the
+    feature at (current position - 1) and the current token, draft i head i's argmax on head i-1's
+    state and draft i-1."""
+    heads = trained_rec[0]
+    emb = target.get_input_embeddings()
+    prop = MedusaProposer(heads, target)
+    rounds, accepts = [], []
+    propose, accept = prop.propose, prop.accept
+    prop.propose = lambda k: rounds.append(propose(k)[0].clone()) or (rounds[-1], None)
+    prop.accept = lambda tokens, start, n_acc, bonus, features=None: (
+        accepts.append(n_acc.clone()), accept(tokens, start, n_acc, bonus, features))
+    res = SpeculativeDecoder(target, prop, k=NH).generate(PROMPTS, max_new_tokens=N_NEW)
+    for b, p in enumerate(PROMPTS):
+        seq = p + res.sequences[b]
+        feats = target.model(torch.tensor([seq])).last_hidden_state[0]  # [S, H]
+        n, checked = len(p), 0
+        for drafts, n_acc in zip(rounds, accepts):
+            if n_acc[b] < 0:
+                break
+            s, tok, want = feats[n - 1], seq[n], []
+            for i in range(NH):
+                s = heads.step(i, s, emb(torch.tensor(tok)))
+                tok = int(heads.d2t[heads.lm_heads[i](s).argmax()])
+                want.append(tok)
+            assert drafts[b].tolist() == want, (b, n)
+            n += int(n_acc[b]) + 1
+            checked += 1
+        assert checked >= 3
+
+
+def test_recurrent_trained_heads_are_accepted(target, trained_rec, trained):
+    """On the prompts they were trained on, the trained recurrent heads' drafts are accepted at every
+    depth, more than fresh heads' and at least as much as the plain heads trained alike."""
+    items = trained_rec[3][:6]
+    prompts = [it["ids"][: it["P"]].tolist() for it in items]
+    want = [it["ids"][it["P"]:].tolist() for it in items]
+    stats = {}
+    for name, heads in (("rec", trained_rec[0]), ("plain", trained[0]),
+                        ("fresh", MedusaHeads.from_target(target, NH, recurrent=True))):
+        res = SpeculativeDecoder(target, MedusaProposer(heads, target), k=NH).generate(
+            prompts, max_new_tokens=24, eos_token_id=target.config.eos_token_id)
+        assert res.sequences == want
+        stats[name] = res.stats
+    print({k: (s["tau"], s["accept_per_pos"]) for k, s in stats.items()})
+    s = stats["rec"]
+    assert min(s["accept_per_pos"]) > 0.5 and s["tau"] > stats["fresh"]["tau"] + 0.8
+    assert s["tau"] >= stats["plain"]["tau"]
+
+
+@torch.no_grad()
+def test_recurrent_alternatives_follow_head0_runner_up(target):
+    """The first runner-up path is head 0's 2nd choice followed by head 1's best GIVEN that token (not
+    head 1's best after head 0's 1st, as for independent heads)."""
+    heads = _perturbed_rec(target, 2)
+    emb = target.get_input_embeddings()
+    prop = MedusaProposer(heads, target)
+    feats = target.model(torch.tensor([PROMPTS[2]])).last_hidden_state  # [1, S, H]
+    prop.begin([PROMPTS[2]], torch.tensor([7]), 64, Sampling(), features=feats)
+    chain = prop.propose(2)[0][0].tolist()
+    s0 = heads.step(0, feats[0, -1], emb(torch.tensor(7)))
+    top0 = heads.d2t[heads.lm_heads[0](s0).topk(3).indices].tolist()
+    after = [heads.d2t[heads.lm_heads[1](heads.step(1, s0, emb(torch.tensor(t)))).topk(2).indices].tolist()
+             for t in top0[:2]]
+    assert chain == [top0[0], after[0][0]]
+    assert prop.alternatives(3) == [[[top0[1], after[1][0]], [top0[0], after[0][1]], [top0[2]]]]
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_recurrent_speculative_sampling_matches_target(bug, monkeypatch):
+    """As test_speculative_sampling_matches_target, with recurrent heads: draft i is drawn from q_i given
+    drafts 0..i-1, and that q is what verify_sample receives."""
+    import eval.decoder as D
+    from test_sampling import e2e_pvalues, tiny, wrong_residual
+
+    if bug:
+        monkeypatch.setattr(D, "residual", wrong_residual)
+    t = tiny(0)
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(t, 2, recurrent=True)
+    with torch.no_grad():
+        for blk in heads.blocks:
+            blk.down.weight.normal_(0, 0.5)
+    pv, stats = e2e_pvalues(t, MedusaProposer(heads, t), dict(temperature=1.0))
+    assert stats["proposed"] > 0 and 0 < stats["alpha"] < 1
+    assert (min(pv) < 1e-6) if bug else (min(pv) > 1e-4), pv
