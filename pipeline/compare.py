@@ -28,10 +28,12 @@ from .shards import write_json_atomic
 from .tracking import NoOpTracker
 
 # name -> recipe overrides (train.*). "lora" is draft_lm with a LoRA adapter; "eagle_fullvocab" is
-# the truncated-vocabulary method's counterpart (same head, all 49k rows).
+# the truncated-vocabulary method's counterpart (same head, all 49k rows); "medusa" recurrent heads
+# and "medusa_indep" Medusa-1's independent ones.
 METHODS = {
     "eagle": {"method": "eagle"},
-    "medusa": {"method": "medusa"},
+    "medusa": {"method": "medusa", "medusa_recurrent": True},
+    "medusa_indep": {"method": "medusa", "medusa_recurrent": False},
     "self_spec": {"method": "self_spec", "num_layers": 6, "adapter_rank": 128, "lr": 1e-2},
     "int8": {"method": "int8"},
     "lora": {"method": "draft_lm", "num_layers": 2, "lora_rank": 16, "lora_alpha": 32, "lr": 1e-3},
