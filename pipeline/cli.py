@@ -226,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
         _recipe_args(sub.add_parser(name, help=h))
     c = sub.add_parser("compare", help="train and judge every draft method x divergence; one table")
     _recipe_args(c)
-    c.add_argument("--methods", help="comma-separated subset of: draft_lm, lora, medusa, eagle, "
-                                     "eagle_fullvocab, self_spec, int8 (default: all)")
+    from .compare import METHODS
+
+    c.add_argument("--methods", help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
     c.add_argument("--divergences", help="divergences tried on the best method (default: fkl,rkl,jsd,tv)")
     c.add_argument("--steps", type=int, help="training steps per variant (default: the recipe's train.steps)")
     c.add_argument("--no-raw", action="store_true", help="skip the raw-text (undistilled) baseline")
