@@ -478,6 +478,37 @@ def build_draft_lm(target, num_layers: int):
 
 # ------------------------------------------------------------------------------------ checkpoints
 
+def train_key(recipe) -> str:
+    """What a checkpoint's weights depend on: the target, dtype, seed, data, generate and train sections,
+    except train.save_every (evaluate, wandb, device and run names do not change the weights). Stored in
+    every checkpoint's draftsmith_draft.json as "train_key": a run resumes only checkpoints of its own."""
+    d = recipe.to_dict()
+    keep = {k: d[k] for k in ("target", "dtype", "seed", "data", "generate")}
+    keep["train"] = {k: v for k, v in d["train"].items() if k != "save_every"}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _set_aside_foreign(train_dir: Path, key: str) -> None:
+    """Checkpoints written under another training recipe (a changed train.* override, or compare
+    --steps on a run dir that holds a shorter run) are not resumed: they move, with their manifest, to
+    train/stale-<their key>/ (nothing is deleted), and training starts from step 0. Checkpoints from
+    before train_key was stored carry none and are resumed as before."""
+    import sys
+
+    ckpts = _checkpoints(train_dir)
+    keys = {json.loads((ck / HEAD_FILE).read_text()).get("train_key") for ck in ckpts}
+    foreign = sorted(k for k in keys if k not in (None, key))
+    if not foreign:
+        return
+    dest = train_dir / f"stale-{foreign[-1]}"
+    dest.mkdir(exist_ok=True)
+    for p in ckpts + [train_dir / "manifest.json"]:
+        if p.exists():
+            shutil.move(str(p), str(dest / p.name))
+    print(f"draftsmith: {train_dir} held checkpoints of another training recipe (train key "
+          f"{', '.join(foreign)} vs {key}); moved them to {dest} and training from step 0", file=sys.stderr)
+
+
 def _checkpoints(train_dir: Path) -> list[Path]:
     """Complete checkpoints (a draft directory and trainer_state.pt), oldest first."""
     return sorted(p for p in train_dir.glob("checkpoint-*")
@@ -639,7 +670,9 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     run_dir = Path(run_dir)
     train_dir = run_dir / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
-    extra = {"target": recipe.target, "method": tc.method, "divergence": tc.divergence, "data": tc.data}
+    key = train_key(recipe)
+    extra = {"target": recipe.target, "method": tc.method, "divergence": tc.divergence, "data": tc.data,
+             "train_key": key}
     if tc.method == "int8":
         return _int8_checkpoint(train_dir, recipe, extra)
     done = read_manifest(train_dir)
@@ -666,6 +699,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
 
+    _set_aside_foreign(train_dir, key)
     ckpts = _checkpoints(train_dir)
     resume = ckpts[-1] if ckpts else None
     module, params, save_draft, dataset, d2t, sampler_draft = _setup(

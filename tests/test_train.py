@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eval.heads import EagleHead
 from pipeline.config import Recipe, TrainConfig
 from pipeline.shards import record_shard, save_shard
-from pipeline.train import TrainError, _collate, _Seqs, cache_features, draft_vocab, run_train
+from pipeline.train import TrainError, _collate, _Seqs, cache_features, draft_vocab, run_train, train_key
 
 V, K = 128, 8
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,6 +99,37 @@ def test_eagle_alignment_learns_next_next_token(tmp_path, target):
     after = agreement(head)
     print(f"next-next agreement before {before:.2f} after {after:.2f}")
     assert after > 0.6 and after > before + 0.2, (before, after)
+
+
+def test_changed_training_recipe_does_not_resume_foreign_checkpoints(tmp_path, gen_dir, target):
+    """A run dir whose checkpoints come from another training recipe (here: interrupted at step 4 with
+    another lr, or finished with fewer steps) trains from step 0 and equals a fresh run; the old
+    checkpoints are moved to train/stale-<key>/, not deleted. A change outside training (evaluate)
+    resumes: the finished checkpoint is not trained again."""
+    fresh, d = _copy_gen(gen_dir, tmp_path / "fresh"), _copy_gen(gen_dir, tmp_path / "d")
+    recipe = _recipe(steps=6, save_every=2, method="medusa", medusa_heads=2, datastore=False)
+    run_train(recipe, fresh, target=target)
+    old = _recipe(steps=4, save_every=2, method="medusa", medusa_heads=2, datastore=False, lr=1e-2)
+    run_train(old, d, target=target)
+    old_key = json.loads((d / "train/checkpoint-000004/draftsmith_draft.json").read_text())["train_key"]
+    run_train(recipe, d, target=target)
+    stale = d / "train" / f"stale-{old_key}"
+    assert sorted(p.name for p in stale.glob("checkpoint-*")) == ["checkpoint-000002", "checkpoint-000004"]
+    assert (stale / "manifest.json").exists()
+    for step in (2, 4, 6):
+        wa = load_file(str(fresh / f"train/checkpoint-{step:06d}/head.safetensors"))
+        wb = load_file(str(d / f"train/checkpoint-{step:06d}/head.safetensors"))
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+    meta = json.loads((d / "train/checkpoint-000006/draftsmith_draft.json").read_text())
+    assert meta["train_key"] == train_key(recipe) != old_key
+    before = (d / "train/checkpoint-000006/head.safetensors").stat().st_mtime_ns
+    other_eval = _recipe(steps=6, save_every=2, method="medusa", medusa_heads=2, datastore=False)
+    other_eval.evaluate.n_prompts = 3
+    assert train_key(other_eval) == train_key(recipe) and other_eval.hash() != recipe.hash()
+    run_train(other_eval, d, target=target)
+    assert (d / "train/checkpoint-000006/head.safetensors").stat().st_mtime_ns == before
+    assert len(list((d / "train").glob("stale-*"))) == 1
 
 
 def test_eagle_resume_equals_uninterrupted(tmp_path, gen_dir, target):
