@@ -191,6 +191,7 @@ class MedusaProposer(Proposer):
     uses_features = True
     max_k = 0
     alt_m = 3  # per-head candidates kept for alternatives()
+    with_alternatives = False  # recurrent heads: compute alternatives()' extra head-1 row in propose()
 
     def __init__(self, heads: MedusaHeads, target):
         p = target.get_output_embeddings().weight
@@ -252,12 +253,17 @@ class MedusaProposer(Proposer):
                 qs.append(q)
             return torch.stack(drafts, 1), torch.stack(qs, 1)
         tops = [self._top(0, s)]  # [B, m] per head
-        self.last_alt1 = None
-        if n > 1:  # head 1 after head 0's 1st and 2nd choices: [B, 2, H]
-            s2 = heads.step(1, s[:, None].expand(-1, 2, -1), self.embed(tops[0][:, :2]).to(self.dtype))
-            t1 = self._top(1, s2)  # [B, 2, m]
+        self.last_alt1, self._s1 = None, s
+        if n > 1:
+            # With a tree to fill (HybridProposer sets with_alternatives), head 1 after head 0's 1st AND
+            # 2nd choices in one call ([B, 2, H]): the heads' weight reads dominate at a few rows, so
+            # the second row is nearly free here, and a call of its own in alternatives() is not.
+            r = 2 if self.with_alternatives else 1
+            s2 = heads.step(1, s[:, None].expand(-1, r, -1), self.embed(tops[0][:, :r]).to(self.dtype))
+            t1 = self._top(1, s2)  # [B, r, m]
             tops.append(t1[:, 0])
-            self.last_alt1 = t1[:, 1, 0]  # [B] head 1's best after head 0's 2nd choice
+            if r == 2:
+                self.last_alt1 = t1[:, 1, 0]  # [B] head 1's best after head 0's 2nd choice
             s = s2[:, 0]
         for i in range(2, n):
             s = heads.step(i, s, self.embed(tops[-1][:, 0]).to(self.dtype))
@@ -271,6 +277,9 @@ class MedusaProposer(Proposer):
         head 1's 2nd after head 0's 1st, head 0's 3rd. Plain heads are independent, so any pairing is
         a valid path; for recurrent heads head 1's 1st after head 0's 2nd choice is its own best
         given that token (last_alt1). The chain (every head's 1st) is propose()'s."""
+        if self.heads.recurrent and self.last_top.shape[1] > 1 and self.last_alt1 is None:  # not batched in propose()
+            e = self.embed(self.last_top[:, 0, 1]).to(self.dtype)  # [B] head 0's 2nd choice
+            self.last_alt1 = self._top(1, self.heads.step(1, self._s1, e))[:, 0]
         top = self.last_top.tolist()  # host sync: the tree is built on the host
         alt1 = self.last_alt1.tolist() if getattr(self, "last_alt1", None) is not None else None
         out = []

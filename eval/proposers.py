@@ -300,6 +300,8 @@ class HybridProposer(Proposer):
                  alt_branches: int = 2):
         self.model = model
         self.alt_branches = alt_branches if hasattr(model, "alternatives") else 0
+        if self.alt_branches:
+            model.with_alternatives = True  # it will be asked for them every tree round
         self.datastore, self.store_branches = datastore, store_branches
         self.ngram = NgramProposer(max_ngram=max_ngram, min_ngram=min_match)
         self.min_match, self.branches, self.max_nodes = min_match, branches, max_nodes

@@ -518,8 +518,11 @@ def test_recurrent_alternatives_follow_head0_runner_up(target):
     top0 = heads.d2t[heads.lm_heads[0](s0).topk(3).indices].tolist()
     after = [heads.d2t[heads.lm_heads[1](heads.step(1, s0, emb(torch.tensor(t)))).topk(2).indices].tolist()
              for t in top0[:2]]
+    want = [[[top0[1], after[1][0]], [top0[0], after[0][1]], [top0[2]]]]
     assert chain == [top0[0], after[0][0]]
-    assert prop.alternatives(3) == [[[top0[1], after[1][0]], [top0[0], after[0][1]], [top0[2]]]]
+    assert prop.alternatives(3) == want  # head 1 after the 2nd choice computed on demand
+    prop.with_alternatives = True  # as a hybrid sets it: both head-1 rows in propose()'s one call
+    assert prop.propose(2)[0][0].tolist() == chain and prop.alternatives(3) == want
 
 
 @pytest.mark.parametrize("bug", [False, True])
