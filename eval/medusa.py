@@ -192,6 +192,7 @@ class MedusaProposer(Proposer):
     max_k = 0
     alt_m = 3  # per-head candidates kept for alternatives()
     with_alternatives = False  # recurrent heads: compute alternatives()' extra head-1 row in propose()
+    last_alt1 = None  # recurrent heads: head 1's best after head 0's 2nd choice, once computed
 
     def __init__(self, heads: MedusaHeads, target):
         p = target.get_output_embeddings().weight
@@ -207,6 +208,10 @@ class MedusaProposer(Proposer):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, n, H] -> [B, n, V] target-vocab logits (ids outside the draft vocab at -inf)."""
         return to_target_vocab(self.heads.logits(h), self.d2t, self.vocab_size)
+
+    def _emb(self, tok: torch.Tensor) -> torch.Tensor:
+        """token ids [...] -> [..., H] the target's input embeddings, in the heads' dtype."""
+        return self.embed(tok).to(self.dtype)
 
     def _top(self, i: int, s: torch.Tensor) -> torch.Tensor:
         """state s [..., H] -> [..., alt_m] head i's best target ids, best first (top-m over the draft
@@ -238,16 +243,17 @@ class MedusaProposer(Proposer):
 
     def _propose_recurrent(self, n: int):
         """Head i reads the state of head i - 1 and the token before its target: the current token for
-        head 0, draft i - 1 after it. Greedy: the chain of top-1s, and head 1 once more after head 0's
-        2nd choice (both rows in one call) for alternatives(). Sampling: each draft drawn from its
+        head 0, draft i - 1 after it. Greedy: the chain of top-1s; head 1 after head 0's 2nd choice, for
+        alternatives(), joins head 1's call when a hybrid will ask for it, else alternatives() computes
+        it on demand. Sampling: each draft drawn from its
         head's q given the drafts drawn before it, an autoregressive draft's q as verify_sample needs."""
-        heads, e = self.heads, self.embed(self.cur_tok).to(self.dtype)  # [B, H]
-        s = heads.step(0, self.cur_feat, e)  # [B, H]
+        heads = self.heads
+        s = heads.step(0, self.cur_feat, self._emb(self.cur_tok))  # [B, H]
         if not self.sampling.greedy:
             drafts, qs = [], []
             for i in range(n):
                 if i:
-                    s = heads.step(i, s, self.embed(drafts[-1]).to(self.dtype))
+                    s = heads.step(i, s, self._emb(drafts[-1]))
                 q = self.sampling.probs(to_target_vocab(heads.lm_heads[i](s), self.d2t, self.vocab_size))  # [B, V]
                 drafts.append(self.sampling.sample(q))
                 qs.append(q)
@@ -259,14 +265,14 @@ class MedusaProposer(Proposer):
             # 2nd choices in one call ([B, 2, H]): the heads' weight reads dominate at a few rows, so
             # the second row is nearly free here, and a call of its own in alternatives() is not.
             r = 2 if self.with_alternatives else 1
-            s2 = heads.step(1, s[:, None].expand(-1, r, -1), self.embed(tops[0][:, :r]).to(self.dtype))
+            s2 = heads.step(1, s[:, None].expand(-1, r, -1), self._emb(tops[0][:, :r]))
             t1 = self._top(1, s2)  # [B, r, m]
             tops.append(t1[:, 0])
             if r == 2:
                 self.last_alt1 = t1[:, 1, 0]  # [B] head 1's best after head 0's 2nd choice
             s = s2[:, 0]
         for i in range(2, n):
-            s = heads.step(i, s, self.embed(tops[-1][:, 0]).to(self.dtype))
+            s = heads.step(i, s, self._emb(tops[-1][:, 0]))
             tops.append(self._top(i, s))
         self.last_top = torch.stack(tops, 1)  # [B, n, m]
         return self.last_top[..., 0], None  # [B, n]
@@ -278,10 +284,10 @@ class MedusaProposer(Proposer):
         a valid path; for recurrent heads head 1's 1st after head 0's 2nd choice is its own best
         given that token (last_alt1). The chain (every head's 1st) is propose()'s."""
         if self.heads.recurrent and self.last_top.shape[1] > 1 and self.last_alt1 is None:  # not batched in propose()
-            e = self.embed(self.last_top[:, 0, 1]).to(self.dtype)  # [B] head 0's 2nd choice
+            e = self._emb(self.last_top[:, 0, 1])  # [B, H] head 0's 2nd choice
             self.last_alt1 = self._top(1, self.heads.step(1, self._s1, e))[:, 0]
         top = self.last_top.tolist()  # host sync: the tree is built on the host
-        alt1 = self.last_alt1.tolist() if getattr(self, "last_alt1", None) is not None else None
+        alt1 = self.last_alt1.tolist() if self.last_alt1 is not None else None
         out = []
         for b, t in enumerate(top):  # t [n][alt_m]
             n = len(t)

@@ -569,11 +569,13 @@ def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest,
         feats = cache_features(target, rows[:n_gen], train_dir / FEATURES_FILE,
                                _features_key(recipe, gen_manifest), batch_size=tc.batch_size) + list(raw_feats)
         dataset = _Seqs(rows, feats)
+        # The target's frozen token embedding, for the heads that read tokens (EAGLE, recurrent Medusa).
+        embed = nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True) \
+            if tc.method == "eagle" or tc.medusa_recurrent else None
         if tc.method == "eagle":
             head = EagleHead.from_target(target, tc.num_layers, draft_ids).float()
             if resume is not None:
                 head.load_state_dict(EagleHead.load(resume).state_dict())
-            embed = nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
             module = EagleTrainer(head, embed, tc)  # Step 3
         else:
             from eval.medusa import MedusaHeads
@@ -583,8 +585,6 @@ def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest,
             head = MedusaHeads.from_target(target, tc.medusa_heads, draft_ids, recurrent=tc.medusa_recurrent).float()
             if resume is not None:
                 head.load_state_dict(MedusaHeads.load(resume).state_dict())
-            embed = nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True) \
-                if tc.medusa_recurrent else None
             module = MedusaTrainer(head, tc, embed)
         def save_head(d, step, m):
             (m.head if tc.method == "eagle" else m.heads).save(d, extra={**extra, "step": step})

@@ -61,14 +61,17 @@ def _tc(divergence="fkl"):
     return SimpleNamespace(divergence=divergence, jsd_beta=0.5)
 
 
-@pytest.fixture(scope="module")
-def trained(target):
+def _embed(target):
+    return torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
+
+
+def _train(target, recurrent: bool):
     """Heads trained on the target's greedy continuations: (heads, metrics before, metrics after, items)."""
     items = _rows(target)
     batch = _collate(items)
     torch.manual_seed(0)
-    heads = MedusaHeads.from_target(target, NH)
-    trainer = MedusaTrainer(heads, _tc())
+    heads = MedusaHeads.from_target(target, NH, recurrent=recurrent)
+    trainer = MedusaTrainer(heads, _tc(), _embed(target) if recurrent else None)
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     first = None
     for _ in range(150):
@@ -80,6 +83,12 @@ def trained(target):
     with torch.no_grad():
         last = trainer(batch)[1]
     return heads.eval(), first, last, items
+
+
+@pytest.fixture(scope="module")
+def trained(target):
+    """Independent heads trained by _train: (heads, metrics before, metrics after, items)."""
+    return _train(target, recurrent=False)
 
 
 # ------------------------------------------------------------------------------------ training
@@ -379,29 +388,10 @@ def test_speculative_sampling_matches_target(bug, monkeypatch):
 
 # ------------------------------------------------------------------------------------ recurrent heads
 
-def _embed(target):
-    return torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
-
-
 @pytest.fixture(scope="module")
 def trained_rec(target):
     """Recurrent heads trained like `trained`: (heads, metrics before, metrics after, items)."""
-    items = _rows(target)
-    batch = _collate(items)
-    torch.manual_seed(0)
-    heads = MedusaHeads.from_target(target, NH, recurrent=True)
-    trainer = MedusaTrainer(heads, _tc(), _embed(target))
-    opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
-    first = None
-    for _ in range(150):
-        loss, metrics = trainer(batch)
-        first = first or metrics
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        last = trainer(batch)[1]
-    return heads.eval(), first, last, items
+    return _train(target, recurrent=True)
 
 
 def _perturbed_rec(target, seed=0, draft_ids=None):
