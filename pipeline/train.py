@@ -500,8 +500,10 @@ def _set_aside_foreign(train_dir: Path, key: str) -> None:
     foreign = sorted(k for k in keys if k not in (None, key))
     if not foreign:
         return
-    dest = train_dir / f"stale-{foreign[-1]}"
-    dest.mkdir(exist_ok=True)
+    dest, n = train_dir / f"stale-{foreign[-1]}", 2
+    while dest.exists():  # set aside before (recipes switched back and forth): never merge into it
+        dest, n = train_dir / f"stale-{foreign[-1]}-{n}", n + 1
+    dest.mkdir()
     for p in ckpts + [train_dir / "manifest.json"]:
         if p.exists():
             shutil.move(str(p), str(dest / p.name))
