@@ -79,19 +79,20 @@ def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
         assert kernels.small_gemm.__wrapped__() is None
 
 
-def _attn_case(B, nh, nkv, T, S, seed):
+def _attn_case(B, nh, nkv, T, S, seed, hd=16):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, nh, T, 16, generator=g)
-    kc, vc = torch.randn(2, B, nkv, S + 7, 16, generator=g)  # longer caches than attended, like the decoder's
+    q = torch.randn(B, nh, T, hd, generator=g)
+    kc, vc = torch.randn(2, B, nkv, S + 7, hd, generator=g)  # longer caches than attended, like the decoder's
     return q, kc.contiguous(), vc.contiguous()
 
 
 @needs_kernel
 @pytest.mark.parametrize("nh,nkv", [(4, 4), (6, 2), (8, 2), (10, 2)])  # groups of 1, 3, 4 and 5 heads
 @pytest.mark.parametrize("T", [1, 5, 9])
-def test_attention_matches_sdpa_under_causal_and_tree_masks(nh, nkv, T):
+@pytest.mark.parametrize("hd", [16, 64, 128])  # the generic loop, and the two compile-time widths
+def test_attention_matches_sdpa_under_causal_and_tree_masks(nh, nkv, T, hd):
     B, S = 2, 40
-    q, kc, vc = _attn_case(B, nh, nkv, T, S, nh * 100 + T)
+    q, kc, vc = _attn_case(B, nh, nkv, T, S, nh * 100 + T, hd)
     pos = torch.tensor([[S - T + i for i in range(T)], [S - T - 3 + i for i in range(T)]])  # ragged rows
     causal = torch.arange(S)[None, None, :] <= pos[:, :, None]  # [B, T, S]
     tree = causal & (torch.rand(B, T, S, generator=torch.Generator().manual_seed(T)) > 0.3)
@@ -104,10 +105,11 @@ def test_attention_matches_sdpa_under_causal_and_tree_masks(nh, nkv, T):
 
 
 @needs_kernel
-def test_attention_row_sees_the_same_numbers_as_a_one_token_step():
+@pytest.mark.parametrize("hd", [16, 64])
+def test_attention_row_sees_the_same_numbers_as_a_one_token_step(hd):
     """A tree node over [committed slots + its ancestors' slots] gets bit for bit what a one-token step
     gets over consecutive slots holding the same keys and values."""
-    q, kc, vc = _attn_case(1, 6, 2, 3, 30, 7)
+    q, kc, vc = _attn_case(1, 6, 2, 3, 30, 7, hd)
     committed, anc = 20, [20, 23, 25]  # node 2's ancestors sit at tree slots 20, 23, 25
     vis = torch.zeros(1, 3, 30, dtype=torch.bool)
     vis[0, 2, :committed] = True
