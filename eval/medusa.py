@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from .heads import read_head, save_head
 from .proposers import Proposer, Sampling, to_target_vocab
+from .target import packed_linear
 
 
 @dataclass
@@ -200,6 +201,18 @@ class MedusaProposer(Proposer):
         self.d2t = self.heads.d2t.to(p.device)  # [Vd] draft row -> target id
         self.vocab_size = target.config.vocab_size
         self.embed = target.get_input_embeddings()  # recurrent heads read token embeddings
+        # The heads' matmuls as packed copies (eval.target.packed_linear): on CPU bf16 this project's
+        # small-row kernel, which streams a weight once at any row count. A round's drafting reads ~31 MB
+        # of head weights at K=2 (two blocks and two 8,192-row LM heads) and is bandwidth-bound like a
+        # target step: 2.1 ms a round through F.linear, measured against 1.0 ms of pure weight reads.
+        # Elsewhere (fp32, CUDA) these are F.linear on the heads' own weights. Copies: rebuild the
+        # proposer if the heads change.
+        h = self.heads
+        with torch.no_grad():
+            self._lm = [packed_linear(l.weight) for l in h.lm_heads]
+            if h.recurrent:
+                self._blocks = [(packed_linear(b.up.weight, b.up.bias), packed_linear(b.down.weight, b.down.bias))
+                                for b in h.blocks]
 
     @property
     def dtype(self):
@@ -207,7 +220,16 @@ class MedusaProposer(Proposer):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, n, H] -> [B, n, V] target-vocab logits (ids outside the draft vocab at -inf)."""
-        return to_target_vocab(self.heads.logits(h), self.d2t, self.vocab_size)
+        return to_target_vocab(self._draft_logits(h), self.d2t, self.vocab_size)
+
+    def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, n, H] (heads 0..n-1) -> [B, n, Vd], as MedusaHeads.logits through the packed copies."""
+        return torch.stack([self._lm[i](h[:, i]) for i in range(h.shape[1])], 1)
+
+    def _step(self, i: int, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """MedusaHeads.step through the packed copies: s, e [..., H] -> [..., H]."""
+        up, down = self._blocks[i]
+        return s + down(F.silu(up(torch.cat([s, e], -1))))
 
     def _emb(self, tok: torch.Tensor) -> torch.Tensor:
         """token ids [...] -> [..., H] the target's input embeddings, in the heads' dtype."""
@@ -216,7 +238,7 @@ class MedusaProposer(Proposer):
     def _top(self, i: int, s: torch.Tensor) -> torch.Tensor:
         """state s [..., H] -> [..., alt_m] head i's best target ids, best first (top-m over the draft
         vocabulary, mapped: no [..., V] tensor)."""
-        return self.d2t[self.heads.lm_heads[i](s).topk(self.alt_m, -1).indices]
+        return self.d2t[self._lm[i](s).topk(self.alt_m, -1).indices]
 
     def begin(self, prompts, first, max_len, sampling: Sampling, features=None):
         if features is None:
@@ -235,7 +257,7 @@ class MedusaProposer(Proposer):
             return self._propose_recurrent(n)
         h = self.heads(self.cur_feat, n)  # [B, n, H]
         if self.sampling.greedy:
-            top = self.d2t[self.heads.logits(h).topk(self.alt_m, -1).indices]  # [B, n, m], best first
+            top = self.d2t[self._draft_logits(h).topk(self.alt_m, -1).indices]  # [B, n, m], best first
             self.last_top = top  # the runners-up: alternatives() turns them into tree branches
             return top[..., 0], None  # [B, n]
         q = self.sampling.probs(self._logits(h))  # [B, n, V]
@@ -247,14 +269,13 @@ class MedusaProposer(Proposer):
         alternatives(), joins head 1's call when a hybrid will ask for it, else alternatives() computes
         it on demand. Sampling: each draft drawn from its
         head's q given the drafts drawn before it, an autoregressive draft's q as verify_sample needs."""
-        heads = self.heads
-        s = heads.step(0, self.cur_feat, self._emb(self.cur_tok))  # [B, H]
+        s = self._step(0, self.cur_feat, self._emb(self.cur_tok))  # [B, H]
         if not self.sampling.greedy:
             drafts, qs = [], []
             for i in range(n):
                 if i:
-                    s = heads.step(i, s, self._emb(drafts[-1]))
-                q = self.sampling.probs(to_target_vocab(heads.lm_heads[i](s), self.d2t, self.vocab_size))  # [B, V]
+                    s = self._step(i, s, self._emb(drafts[-1]))
+                q = self.sampling.probs(to_target_vocab(self._lm[i](s), self.d2t, self.vocab_size))  # [B, V]
                 drafts.append(self.sampling.sample(q))
                 qs.append(q)
             return torch.stack(drafts, 1), torch.stack(qs, 1)
@@ -265,14 +286,14 @@ class MedusaProposer(Proposer):
             # 2nd choices in one call ([B, 2, H]): the heads' weight reads dominate at a few rows, so
             # the second row is nearly free here, and a call of its own in alternatives() is not.
             r = 2 if self.with_alternatives else 1
-            s2 = heads.step(1, s[:, None].expand(-1, r, -1), self._emb(tops[0][:, :r]))
+            s2 = self._step(1, s[:, None].expand(-1, r, -1), self._emb(tops[0][:, :r]))
             t1 = self._top(1, s2)  # [B, r, m]
             tops.append(t1[:, 0])
             if r == 2:
                 self.last_alt1 = t1[:, 1, 0]  # [B] head 1's best after head 0's 2nd choice
             s = s2[:, 0]
         for i in range(2, n):
-            s = heads.step(i, s, self._emb(tops[-1][:, 0]))
+            s = self._step(i, s, self._emb(tops[-1][:, 0]))
             tops.append(self._top(i, s))
         self.last_top = torch.stack(tops, 1)  # [B, n, m]
         return self.last_top[..., 0], None  # [B, n]
@@ -285,7 +306,7 @@ class MedusaProposer(Proposer):
         given that token (last_alt1). The chain (every head's 1st) is propose()'s."""
         if self.heads.recurrent and self.last_top.shape[1] > 1 and self.last_alt1 is None:  # not batched in propose()
             e = self._emb(self.last_top[:, 0, 1])  # [B, H] head 0's 2nd choice
-            self.last_alt1 = self._top(1, self.heads.step(1, self._s1, e))[:, 0]
+            self.last_alt1 = self._top(1, self._step(1, self._s1, e))[:, 0]
         top = self.last_top.tolist()  # host sync: the tree is built on the host
         alt1 = self.last_alt1.tolist() if self.last_alt1 is not None else None
         out = []

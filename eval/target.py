@@ -100,7 +100,7 @@ def _can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x [..., in] -> [..., out]: F.linear, with copies of the weight packed on CPU bf16 (see the note
     above): up to kernels.MAX_ROWS rows go to this project's kernel (eval/kernels.py) where it builds,
     else one or two rows to the native GEMV on the plain weight; more rows to oneDNN's packed copy.
@@ -136,7 +136,7 @@ def _module_linear(mod):
     """A projection module as a callable: packed when it is a plain nn.Linear, else the module itself
     (e.g. eval.drafts' int8 or truncated-vocabulary layers)."""
     if type(mod) is torch.nn.Linear:
-        return _linear(mod.weight, mod.bias)
+        return packed_linear(mod.weight, mod.bias)
     return mod
 
 
@@ -174,7 +174,7 @@ class LeanLlama:
         # A model that already holds fused projections (`self_attn.qkv_proj`, `mlp.gate_up_proj`,
         # e.g. eval.drafts' int8 draft) is used as it is, without a copy.
         # With fuse=True every projection and the LM head is also packed for oneDNN on CPU bf16 (see
-        # `_linear`); fuse=False copies nothing, so it packs nothing either.
+        # `packed_linear`); fuse=False copies nothing, so it packs nothing either.
         self.fused = [None] * len(model.model.layers)  # per layer: (qkv(h), gate_up(h)) callables, or None
         self.out = [(l.self_attn.o_proj, l.mlp.down_proj) for l in model.model.layers]  # per layer: (o(a), down(h))
         self.lm_head = model.lm_head
@@ -190,7 +190,7 @@ class LeanLlama:
                 b_qkv = torch.cat([l.bias for l in qkv]) if att.q_proj.bias is not None else None
                 w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
                 b_gu = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
-                self.fused[i] = (_linear(w_qkv, b_qkv), _linear(w_gu, b_gu))
+                self.fused[i] = (packed_linear(w_qkv, b_qkv), packed_linear(w_gu, b_gu))
             if fuse:
                 self.lm_head = _module_linear(model.lm_head)
         ext = small_gemm() if fuse and self.device.type == "cpu" and self.cache_dtype == torch.float32 else None

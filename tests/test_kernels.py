@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import eval.kernels as kernels
-from eval.target import _linear
+from eval.target import packed_linear
 
 ext = kernels.small_gemm()
 needs_kernel = pytest.mark.skipif(ext is None, reason="no avx512_bf16 or no compiler here: oneDNN is used")
@@ -40,7 +40,7 @@ def _case(rows, n_out, k, bias, seed):
 @pytest.mark.parametrize("n_out,bias", [(96, False), (37, True), (200, False)])  # 37, 200: a partial block of 16
 def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias):
     w, b, x = _case(rows, n_out, 64, bias, rows * 1000 + n_out)
-    got = _linear(w, b)(x)
+    got = packed_linear(w, b)(x)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # exact products, fp32 sums
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, n_out)
     # One bf16 rounding of an fp32 sum: within half a bf16 ulp of the reference plus fp32 reordering.
@@ -51,7 +51,7 @@ def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias):
 @needs_kernel
 def test_a_row_rounds_the_same_whatever_the_other_rows():
     w, _, x = _case(9, 3072 // 16, 576, False, 0)
-    lin = _linear(w)
+    lin = packed_linear(w)
     whole = lin(x)  # [1, 9, N]: a verify forward's rows
     alone = torch.cat([lin(x[:, i:i + 1]) for i in range(9)], 1)  # one-token steps
     assert torch.equal(whole, alone)
@@ -61,7 +61,7 @@ def test_a_row_rounds_the_same_whatever_the_other_rows():
 @needs_kernel
 def test_more_rows_than_the_kernel_takes_go_to_onednn():
     w, _, x = _case(kernels.MAX_ROWS + 4, 96, 64, False, 1)
-    got = _linear(w)(x)
+    got = packed_linear(w)(x)
     assert torch.equal(got, F.linear(x, w))  # oneDNN's packed weight is bit-identical to F.linear
 
 

@@ -533,3 +533,21 @@ def test_recurrent_speculative_sampling_matches_target(bug, monkeypatch):
     pv, stats = e2e_pvalues(t, MedusaProposer(heads, t), dict(temperature=1.0))
     assert stats["proposed"] > 0 and 0 < stats["alpha"] < 1
     assert (min(pv) < 1e-6) if bug else (min(pv) > 1e-4), pv
+
+
+@torch.no_grad()
+def test_proposer_packed_matmuls_match_the_heads_in_bf16(target):
+    """The proposer runs the heads through packed copies (on CPU bf16, the project's small-row kernel):
+    they must compute what MedusaHeads computes, up to bf16 summation order."""
+    t16 = LlamaForCausalLM(target.config).eval()
+    t16.load_state_dict(target.state_dict())
+    t16 = t16.to(torch.bfloat16)
+    heads = _perturbed_rec(target, seed=3)
+    prop = MedusaProposer(heads, t16)
+    h = prop.heads  # bf16 now
+    s, e = torch.randn(2, 3, 32, dtype=torch.bfloat16)
+    for i in range(NH):
+        want = h.step(i, s, e)
+        got = prop._step(i, s, e)
+        assert torch.allclose(got.float(), want.float(), atol=0.05, rtol=0.02), i
+        assert torch.allclose(prop._lm[i](got).float(), h.lm_heads[i](got).float(), atol=0.05, rtol=0.02), i

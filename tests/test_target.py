@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval.target import GEMV_MAX_ROWS, LeanLlama, _can_pack, _linear, cpu_gemv, greedy_argmax
+from eval.target import GEMV_MAX_ROWS, LeanLlama, _can_pack, packed_linear, cpu_gemv, greedy_argmax
 
 CPU = torch.device("cpu")
 
@@ -23,7 +23,7 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows, bias, in_gemv_block, m
     w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
     x = torch.randn(1, rows, 64, generator=g).to(torch.bfloat16)
-    lin = _linear(w, b)
+    lin = packed_linear(w, b)
     assert not hasattr(lin, "func")  # the packed callable, not the plain F.linear partial
     want = F.linear(x, w, b)
     if in_gemv_block:
@@ -37,7 +37,7 @@ def test_packed_linear_is_bit_identical_to_f_linear(rows, bias, in_gemv_block, m
 
 def test_fp32_weights_are_not_packed():
     w = torch.randn(8, 4)
-    assert _linear(w).func is F.linear
+    assert packed_linear(w).func is F.linear
 
 
 def test_cpu_gemv_sets_restores_and_nests():
