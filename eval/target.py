@@ -51,6 +51,12 @@ def _is_llama_like(model) -> bool:
         and hasattr(l0, "input_layernorm") and hasattr(l0, "post_attention_layernorm")
 
 
+def lean_supported(model) -> bool:
+    """Whether `make_runner` gives `model` the lean forward (ragged batches, trees) rather than the
+    batch-1 HF fallback."""
+    return _is_llama_like(model)
+
+
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [x2, x1] on the last dim. HF's rotate_half is [-x2, x1]; the sign lives in `sin`
     (see LeanLlama.__call__), which saves a negation per tensor per layer."""

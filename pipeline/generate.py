@@ -12,10 +12,12 @@ Prompts are sorted by token length (then id) and cut into batches; shard i holds
 so the rows do not depend on the process count. Sampling (temperature > 0) reseeds from
 (recipe.seed, batch index) before each batch, for the same reason.
 
-Log-probs come from one teacher-forced forward over prompt+completion rather than generate's
-`output_logits`: that is the parallel forward the speculative decoder's verify step computes (the
-distribution a draft is judged against), it is untouched by generate's logits processors, and it
-never holds [steps, batch, vocab] logits from the whole decode loop. It costs one extra forward per
+Completions come from this project's decoder (plain decoding on the lean forward) where the target
+is Llama-family, else from HF `generate` (see `make_decoder`). Log-probs come from one teacher-forced
+HF forward over prompt+completion rather than the decode loop's logits: that is the parallel
+forward the speculative decoder's verify step computes (the distribution a draft is judged against),
+it is untouched by generate's logits processors, and it never holds [steps, batch, vocab] logits
+from the whole decode loop. It costs one extra forward per
 batch, small next to max_new_tokens sequential decode steps. In bf16 the stored top-1 can differ
 from a greedy token at near-ties; position i is still the target's distribution for completion_ids[i].
 """
@@ -88,12 +90,25 @@ def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
     return [enc[i:i + batch_size] for i in range(0, len(enc), batch_size)]
 
 
+def make_decoder(model):
+    """This project's decoder (eval/decoder.py, plain decoding) for the generate stage where the target
+    runs on its lean forward (Llama-family), else None: HF `generate` then. Why not HF `generate` for
+    all: on this project's CPU it decoded 215 tok/s at batch 32 (bf16, SmolLM2-135M) against 337-354
+    for the lean forward at batch 16-32, and its bf16 greedy tokens are not the ones the served decoder
+    produces (they differ at near-ties: HF's attention runs in bf16, ours in fp32), while drafts are
+    judged against the served decoder's. The decoder's batches are ragged: each row at its own
+    positions, so a row's tokens do not depend on the batch it is in."""
+    from eval.decoder import SpeculativeDecoder
+    from eval.target import lean_supported
+
+    return SpeculativeDecoder(model, None, k=1) if lean_supported(model) else None
+
+
 @torch.no_grad()
 def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_tokens: int,
-                   temperature: float, top_k: int, seed: int) -> list[dict]:
-    """Generate for one batch (left padded) and return shard rows with the target's top-k log-probs."""
-    from transformers import GenerationConfig
-
+                   temperature: float, top_k: int, seed: int, decoder=None) -> list[dict]:
+    """Generate for one batch and return shard rows with the target's top-k log-probs. `decoder`
+    (make_decoder's) decodes when given, else HF `generate` over the left-padded batch."""
     device = model.device
     P = max(len(ids) for _, ids in batch)
     input_ids = torch.full((len(batch), P), pad_id, dtype=torch.long)
@@ -102,24 +117,16 @@ def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_toke
         input_ids[j, P - len(ids):] = torch.tensor(ids)
         attn[j, P - len(ids):] = 1
     input_ids, attn = input_ids.to(device), attn.to(device)
-    sample = temperature > 0
-    gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample,
-                            temperature=temperature if sample else None, top_k=0 if sample else None,
-                            top_p=1.0 if sample else None, pad_token_id=pad_id,
-                            eos_token_id=sorted(eos_ids) or None)
-    if sample:
-        torch.manual_seed(seed)  # also seeds CUDA; batch-indexed so the process count does not matter
-    out = model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gcfg)
-    gen = out[:, P:]
-    T = gen.shape[1]
-    completions = []
-    for j in range(len(batch)):
-        c = gen[j].tolist()
-        for t, tok in enumerate(c):
-            if tok in eos_ids:
-                c = c[:t + 1]
-                break
-        completions.append(c)
+    if decoder is not None:
+        # Seeded per batch (its own generator), so the process count does not matter.
+        completions = decoder.generate([ids for _, ids in batch], max_new_tokens, temperature=temperature,
+                                       eos_token_id=eos_ids, seed=seed).sequences  # cut after EOS (kept)
+        T = max(len(c) for c in completions)
+        gen = torch.tensor([c + [pad_id] * (T - len(c)) for c in completions], dtype=torch.long, device=device)
+    else:
+        completions, gen = _hf_generate(model, input_ids, attn, pad_id=pad_id, eos_ids=eos_ids,
+                                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        T = gen.shape[1]
     # teacher-forced forward over prompt + completion (minus its last token); logits for the last T columns
     full = torch.cat([input_ids, gen[:, :T - 1]], dim=1) if T > 1 else input_ids
     fmask = torch.cat([attn, torch.ones_like(gen[:, :T - 1])], dim=1) if T > 1 else attn
@@ -134,6 +141,30 @@ def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_toke
                      "topk_ids": idx.to(torch.int32).cpu().tolist(),
                      "topk_logprobs": vals.cpu().tolist()})
     return rows
+
+
+def _hf_generate(model, input_ids, attn, *, pad_id, eos_ids, max_new_tokens, temperature, seed):
+    """HF `generate` over a left-padded batch -> (completions cut after their first EOS, kept; the
+    generated columns [B, T])."""
+    from transformers import GenerationConfig
+
+    sample = temperature > 0
+    gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample,
+                            temperature=temperature if sample else None, top_k=0 if sample else None,
+                            top_p=1.0 if sample else None, pad_token_id=pad_id,
+                            eos_token_id=sorted(eos_ids) or None)
+    if sample:
+        torch.manual_seed(seed)  # also seeds CUDA; batch-indexed so the process count does not matter
+    gen = model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gcfg)[:, input_ids.shape[1]:]
+    completions = []
+    for j in range(gen.shape[0]):
+        c = gen[j].tolist()
+        for t, tok in enumerate(c):
+            if tok in eos_ids:
+                c = c[:t + 1]
+                break
+        completions.append(c)
+    return completions, gen
 
 
 def _features():
@@ -177,8 +208,13 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
     g = recipe.generate
     batches = plan_batches(rows, tokenizer, recipe.data.chat, g.batch_size)
     n_shards = math.ceil(len(batches) / g.batches_per_shard)
+    from eval.target import lean_supported
+
+    # The decoding engine is recorded, not hashed: both give the target's own outputs (they differ
+    # only at bf16 near-ties), so a run resumed across the switch keeps its shards.
     header = {"recipe_hash": recipe.hash(), "generate_hash": generate_hash(recipe), "target": recipe.target,
               "versions": _versions(), "top_k": g.top_k_logprobs, "n_shards_expected": n_shards,
+              "engine": "draftsmith-decoder" if lean_supported(model) else "transformers-generate",
               "complete": False}
 
     old = shards.read_manifest(stage)
@@ -202,12 +238,13 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
     todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done]
     n_todo_batches = sum(len(batches[i * g.batches_per_shard:(i + 1) * g.batches_per_shard]) for i in todo)
     bar = tqdm(total=n_todo_batches, desc="generate", unit="batch", disable=not is_main)
+    decoder = make_decoder(model) if todo else None
     for i in todo:
         shard_rows = []
         for b in range(i * g.batches_per_shard, min((i + 1) * g.batches_per_shard, len(batches))):
             shard_rows += generate_batch(model, batches[b], pad_id=pad_id, eos_ids=eos_ids,
                                          max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                                         top_k=g.top_k_logprobs, seed=batch_seed(recipe.seed, b))
+                                         top_k=g.top_k_logprobs, seed=batch_seed(recipe.seed, b), decoder=decoder)
             bar.update(1)
         ds = Dataset.from_list(shard_rows, features=_features())
         entry = shards.save_shard(stage, i, ds)
