@@ -83,6 +83,14 @@ class KVCache:
         self.k = torch.zeros(batch, n_kv, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """A cache over existing storage k, v [B, n_kv, S_max, hd] (e.g. one layer's slice of a cache
+        stacked over layers)."""
+        c = cls.__new__(cls)
+        c.k, c.v = k, v
+        return c
+
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """pos [B, T]; k, v [B, n_kv, T, hd] -> slots pos of each row (overwrites whatever was there),
         converted to the cache's dtype (eval.target keeps a float32 cache on CPU)."""

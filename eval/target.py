@@ -173,7 +173,8 @@ class LeanLlama:
         # with the context. The projections stay in the model's dtype; q/k/v are rounded to it
         # exactly as before and only widened for the attention. CUDA keeps the model's dtype.
         self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        self.caches: list[KVCache] = []
+        self.caches: list[KVCache] = []  # per layer, slices of K and V (reset())
+        self.K = self.V = None  # [L, B, nkv, S_max, hd]
         # Fused projections (q|k|v and gate|up): one matmul instead of three/two per layer, which
         # matters on CPU at batch 1 where per-call overhead is a large part of a token's time. They
         # are copies taken now: a runner must be rebuilt if the model's weights change afterwards.
@@ -212,19 +213,26 @@ class LeanLlama:
 
     def reset(self, batch: int, max_len: int) -> None:
         # Reuse the allocation when the shape fits; stale slots are never attended (mask: slot <= pos).
-        c = self.caches
-        if c and c[0].k.shape[0] == batch and c[0].k.shape[2] >= max_len:
+        # One tensor per K and V for all layers ([L, B, nkv, S_max, hd]; each layer's cache is a slice),
+        # so move() is two ops, not two per layer: 60 gather/scatter pairs took ~1.2 ms per tree round.
+        K = self.K
+        if K is not None and K.shape[1] == batch and K.shape[3] >= max_len:
             return
-        self.caches = [KVCache(batch, self.n_kv, max_len, self.head_dim, self.cache_dtype, self.device)
-                       for _ in self.model.model.layers]
+        L = len(self.model.model.layers)
+        self.K = torch.zeros(L, batch, self.n_kv, max_len, self.head_dim, dtype=self.cache_dtype, device=self.device)
+        self.V = torch.zeros_like(self.K)
+        self.caches = [KVCache.over(k, v) for k, v in zip(self.K, self.V)]
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads before
         any write): after a tree round, the accepted path's nodes move to consecutive positions."""
-        for c in self.caches:
-            for t in (c.k, c.v):
-                idx_s = src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])  # [B, nkv, P, hd]
-                t.scatter_(2, dst[:, None, :, None].expand_as(idx_s), t.gather(2, idx_s))
+        for t in (self.K, self.V):  # [L, B, nkv, S_max, hd]
+            if t.shape[1] == 1:  # one row: index_select/index_copy_ (0.08 ms for both, 4x cheaper than the gather/scatter)
+                t0 = t[:, 0]  # [L, nkv, S_max, hd]
+                t0.index_copy_(2, dst[0], t0.index_select(2, src[0]))
+                continue
+            idx_s = src[None, :, None, :, None].expand(t.shape[0], -1, t.shape[2], -1, t.shape[4])  # [L, B, nkv, P, hd]
+            t.scatter_(3, dst[None, :, None, :, None].expand_as(idx_s), t.gather(3, idx_s))
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, s_len: int,
                  logit_idx: torch.Tensor | None = None, slots: torch.Tensor | None = None,
