@@ -49,7 +49,8 @@ K_MAX_AUTO = 8
 # "medusa-tree-1": a hybrid over Medusa heads adds the heads' runner-up paths to its tree
 # (HybridProposer.alt_branches), and 13-16-row verifies run the kernel in two passes.
 # "kernels-2": the matmul kernel prefetches its weights, the attention kernel's head width is a
-# compile-time constant, and Medusa heads draft through packed copies: faster rounds, same tokens.
+# compile-time constant, Medusa heads draft through packed copies, and a tree round's K/V move is two
+# ops: faster rounds, same tokens; hybrid trees of up to 10 nodes with 3 runner-up paths.
 SERVING_REV = "kernels-2"
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
 WARMUP_PLAIN = 3  # with k="auto": plain steps first (the first one untimed), to measure what speculation must beat

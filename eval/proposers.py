@@ -287,7 +287,10 @@ class HybridProposer(Proposer):
     `alt_branches`: a model with `alternatives()` (Medusa heads) also adds that many runner-up paths
     right after its chain (Medusa's sparse tree). On 24 HumanEval prompts at K=2 with 8 nodes, 2 of
     them raised tau from 2.81 to 2.98 and speed by ~2% (1.88x vs 1.84x); bigger trees (12 or 16
-    nodes, 3 runner-ups) reached tau 3.2-3.5 but cost more than they gained (1.59-1.70x).
+    nodes, 3 runner-ups) reached tau 3.2-3.5 but cost more than they gained (1.59-1.70x). Since the
+    cheaper verifies of serving revision kernels-2, 3 runner-ups in 10 nodes beat 2 in 8 in each of
+    three paired runs (recurrent heads, 24 prompts: 2.09x vs 2.06x, 1.99x vs 1.94x, 1.85x vs 1.82x;
+    tau +0.16), and 12 nodes still lose (1.94x vs 2.06x), so that is the default.
 
     `datastore` (eval.datastore, the target's own outputs on the training prompts): in tree rounds its
     `store_branches` most frequent continuations of the current suffix join the tree after the
@@ -296,8 +299,8 @@ class HybridProposer(Proposer):
     name = "hybrid"
 
     def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = 8, max_ngram: int = 3,
-                 branches: int = 2, max_nodes: int = 8, datastore=None, store_branches: int = 2,
-                 alt_branches: int = 2):
+                 branches: int = 2, max_nodes: int = 10, datastore=None, store_branches: int = 2,
+                 alt_branches: int = 3):
         self.model = model
         self.alt_branches = alt_branches if hasattr(model, "alternatives") else 0
         if self.alt_branches:
@@ -317,10 +320,10 @@ class HybridProposer(Proposer):
         if isinstance(self.model, DraftLMProposer):
             self.model.fed_drafts = False  # the accepted path may be a lookup's: accept() feeds it all
         # The node budget is for the whole batch's verify forward. At batch 1 with the lean CPU
-        # forward (eval/target.py), a verify of 2-6 tokens costs ~1.45x a one-token step, 9 tokens
-        # ~1.6x and 17 tokens ~2.1x, so 8 nodes measured best (1.56x plain, 8 HumanEval prompts;
-        # 6: 1.55x, 12: 1.52x, 16: 1.51x); at batch 8 the forward is compute-bound and every node
-        # costs. So each row gets max_nodes / B nodes (at least k), spent in priority order.
+        # forward and its kernels (eval/target.py), a verify of 9 tokens costs ~1.4x a one-token step
+        # and 17 ~2.1x: 10 nodes measured best (docstring; 8 before serving revision kernels-2); at
+        # batch 8 the forward is compute-bound and every node costs. So each row gets max_nodes / B
+        # nodes (at least k), spent in priority order.
         B = len(self.ngram.hist)
         budget = max(self.max_nodes // B, min(k, self.max_nodes))
         alts = self.model.alternatives(self.alt_branches) if self.alt_branches else [[]] * B
