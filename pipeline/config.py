@@ -40,6 +40,12 @@ def _positive(name: str, value, zero_ok: bool = False) -> None:
         raise RecipeError(f"{name}={value!r} must be {'>= 0' if zero_ok else '> 0'}")
 
 
+
+def stable_hash(obj) -> str:
+    """16 hex digits of the SHA-256 of `obj` as sorted-key JSON: the key every stage stores to tell
+    whether what it finds on disk was made from the same inputs."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
 @dataclass
 class DataConfig:
     source: str = _f("stdlib", "Training prompt source: 'stdlib' (functions with docstrings from this "
@@ -209,7 +215,7 @@ class Recipe:
         """Stable hash of everything that changes outputs (run_id and runs_dir excluded)."""
         d = self.to_dict()
         d.pop("run_id"), d.pop("runs_dir"), d.pop("wandb")
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return stable_hash(d)
 
 
 def _check_type(name: str, value, tp):

@@ -17,9 +17,9 @@ is Llama-family, else from HF `generate` (see `make_decoder`). Log-probs come fr
 HF forward over prompt+completion rather than the decode loop's logits: that is the parallel
 forward the speculative decoder's verify step computes (the distribution a draft is judged against),
 it is untouched by generate's logits processors, and it never holds [steps, batch, vocab] logits
-from the whole decode loop. It costs one extra forward per
-batch, small next to max_new_tokens sequential decode steps. In bf16 the stored top-1 can differ
-from a greedy token at near-ties; position i is still the target's distribution for completion_ids[i].
+from the whole decode loop. It costs one extra forward per batch, small next to max_new_tokens
+sequential decode steps. In bf16 the stored top-1 can differ from a greedy token at near-ties;
+position i is still the target's distribution for completion_ids[i].
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
-import json
 import logging
 import math
 import sys
@@ -37,6 +35,7 @@ from pathlib import Path
 import torch
 
 from . import shards
+from .config import stable_hash
 from .data import build_prompt_sets, encode_prompt, read_jsonl
 
 log = logging.getLogger("draftsmith.generate")
@@ -55,8 +54,7 @@ def _versions() -> dict:
 def generate_hash(recipe) -> str:
     """Hash of what changes the generated rows (target, dtype, seed, data, generate); a resume must match."""
     d = recipe.to_dict()
-    keep = {k: d[k] for k in ("target", "dtype", "seed", "data", "generate")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+    return stable_hash({k: d[k] for k in ("target", "dtype", "seed", "data", "generate")})
 
 
 def batch_seed(seed: int, batch_index: int) -> int:

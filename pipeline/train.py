@@ -35,7 +35,6 @@ temporary directory and renamed; a rerun resumes from the newest complete one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -51,6 +50,7 @@ import torch.nn.functional as F
 
 from eval.datastore import FILE as DATASTORE_FILE, Datastore
 from eval.heads import HEAD_FILE, EagleHead
+from .config import stable_hash
 from .losses import divergence
 from .shards import ShardError, load_shards, read_manifest, write_json_atomic
 from .tracking import NoOpTracker
@@ -286,7 +286,7 @@ def _features_key(recipe, gen_manifest: dict) -> str:
     shards = {k: v.get("sha256") for k, v in gen_manifest.get("shards", {}).items()}
     d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "shards": shards,
          "data": recipe.train.data}
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    return stable_hash(d)
 
 
 def _padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
@@ -340,7 +340,7 @@ def _raw_teacher_key(recipe) -> str:
     d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "seed": recipe.seed,
          "source": recipe.data.source, "heldout": recipe.data.heldout, "n": recipe.train.raw_windows,
          "k": recipe.generate.top_k_logprobs}
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    return stable_hash(d)
 
 
 @torch.no_grad()
@@ -485,7 +485,7 @@ def train_key(recipe) -> str:
     d = recipe.to_dict()
     keep = {k: d[k] for k in ("target", "dtype", "seed", "data", "generate")}
     keep["train"] = {k: v for k, v in d["train"].items() if k != "save_every"}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+    return stable_hash(keep)
 
 
 def _set_aside_foreign(train_dir: Path, key: str) -> None:
