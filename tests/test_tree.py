@@ -128,10 +128,13 @@ def test_trees_off_without_the_lean_runner_or_when_asked(target, ref):
 class FixedChain(Proposer):
     """A model proposer that always drafts 1, 2, 3, ..."""
 
+    calls = 0
+
     def begin(self, prompts, first, max_len, sampling, features=None):
         self.B = len(prompts)
 
     def propose(self, k):
+        self.calls += 1
         return torch.arange(1, k + 1).expand(self.B, k), None
 
     def accept(self, tokens, start, n_acc, bonus, features=None):
@@ -143,7 +146,7 @@ def test_hybrid_tree_budget_is_shared_by_the_batch():
 
     rep = [7, 8, 9, 10, 11, 12, 13, 7, 8]  # "7 8" repeats: a lookup proposes 9 10 11 12 13 7 8 ...
     for B, want in ((1, 16), (2, 8), (4, 4), (8, 4)):
-        hyb = HybridProposer(FixedChain(), max_nodes=16)
+        hyb = HybridProposer(FixedChain(), max_nodes=16, strong_match=0)  # the model's chain in every round
         hyb.begin([rep] * B, torch.full((B,), 9), 64, Sampling())
         rows = hyb.propose_tree(4)
         assert len(rows) == B
@@ -151,3 +154,28 @@ def test_hybrid_tree_budget_is_shared_by_the_batch():
         assert rows[0][0][:1] == [10]  # the lookup (a 3-token match) comes first
         if B == 1:  # room for the lookup, the model's chain and the second lookup
             assert 1 in rows[0][0] and len(rows[0][0]) > 8
+
+
+def test_hybrid_strong_lookup_rounds_skip_the_model():
+    """A suffix that recurs >= strong_match tokens makes the round lookups alone: the longest match's
+    continuation first, as long as the node budget, and no model call; a weaker match keeps the model."""
+    from eval.proposers import HybridProposer, Sampling
+
+    loop = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51] * 2  # the output repeats a 12-token run
+    other = [5, 40, 41, 60, 61, 62]  # "40 41" also occurs followed by 60: a shorter (2-token) match
+    hyb = HybridProposer(FixedChain(), max_nodes=10, strong_match=3, long_ngram=8)
+    hyb.begin([other + loop[:-1]], torch.tensor([loop[-1]]), 128, Sampling())
+    (toks, parents), = hyb.propose_tree(2)
+    assert hyb.model.calls == 0 and hyb.lookup_rounds == 1
+    assert toks[:10] == loop[:10] and parents[:10] == list(range(10))  # one 10-node chain: the budget
+    # a 2-token match only: the model's chain joins the tree
+    hyb2 = HybridProposer(FixedChain(), max_nodes=10, strong_match=3)
+    hyb2.begin([[7, 8, 9, 1, 7]], torch.tensor([8]), 64, Sampling())
+    (toks2, _), = hyb2.propose_tree(2)
+    assert hyb2.model.calls == 1 and hyb2.lookup_rounds == 0
+    assert toks2[:2] == [9, 1] and 1 in toks2[2:] and 2 in toks2
+    # a batch: the round is lookups alone only when every row matches strongly
+    hyb3 = HybridProposer(FixedChain(), max_nodes=10, strong_match=3)
+    hyb3.begin([other + loop[:-1], [7, 8, 9, 1, 7]], torch.tensor([loop[-1], 8]), 128, Sampling())
+    hyb3.propose_tree(2)
+    assert hyb3.model.calls == 1 and hyb3.lookup_rounds == 0
