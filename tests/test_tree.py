@@ -179,3 +179,31 @@ def test_hybrid_strong_lookup_rounds_skip_the_model():
     hyb3.begin([other + loop[:-1], [7, 8, 9, 1, 7]], torch.tensor([loop[-1], 8]), 128, Sampling())
     hyb3.propose_tree(2)
     assert hyb3.model.calls == 1 and hyb3.lookup_rounds == 0
+
+
+def _brute_candidates(h, k, m, max_n, min_n):
+    """The per-n scans NgramProposer.candidates replaces: n from max_n down, latest occurrence first."""
+    out = []
+    for n in range(min(max_n, len(h) - 1), min_n - 1, -1):
+        for s in range(len(h) - n - 1, -1, -1):
+            if h[s:s + n] == h[-n:]:
+                cont = h[s + n:s + n + k]
+                if all(cont != c for c, _ in out):
+                    out.append((cont, n))
+                    if len(out) >= m:
+                        return out
+    return out
+
+
+def test_ngram_candidates_match_per_n_scans():
+    import random
+
+    from eval.proposers import NgramProposer
+
+    rng, ng = random.Random(0), NgramProposer()
+    for _ in range(3000):
+        h = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]  # a 4-token alphabet: many matches
+        k, m, max_n = rng.randrange(1, 6), rng.randrange(1, 4), rng.randrange(1, 9)
+        min_n = rng.randrange(1, max_n + 1)
+        assert ng.candidates(h, k, m, min_n=min_n, max_n=max_n) == _brute_candidates(h, k, m, max_n, min_n)
+    assert ng.candidates([1, 2, 3, 9, 1, 2, 3], 2, 1) == [([9, 1], 3)]  # default max_ngram 3
