@@ -51,7 +51,9 @@ K_MAX_AUTO = 8
 # "kernels-2": the matmul kernel prefetches its weights, the attention kernel's head width is a
 # compile-time constant, Medusa heads draft through packed copies, and a tree round's K/V move is two
 # ops: faster rounds, same tokens; hybrid trees of up to 10 nodes with 3 runner-up paths.
-SERVING_REV = "kernels-2"
+# "suffix-1": a hybrid round whose suffix recurs >= 3 tokens is lookups alone, without the draft
+# (HybridProposer.strong_match).
+SERVING_REV = "suffix-1"
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
 WARMUP_PLAIN = 3  # with k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 
