@@ -331,7 +331,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--batch-sweep", default=None, help="comma-separated batch sizes, e.g. 1,2,4,8,16")
+    ap.add_argument("--also", action="append", default=[], metavar="DRAFT[@K]",
+                    help="another draft (any --draft form) measured in the same interleaved turns, at its own K "
+                         "(default --k); repeatable, e.g. --also ngram@8 --also hybrid:DIR@2. Paired like this, "
+                         "their ratios hold even while this machine's speed drifts between runs")
     return ap
+
+
+def _parse_also(spec: str, default_k) -> tuple[str, object]:
+    """'DRAFT[@K]' -> (draft, K). A draft path may itself hold '@': only a trailing '@<int|auto>' is K."""
+    src, sep, k = spec.rpartition("@")
+    if sep and (k == "auto" or k.isdigit()):
+        return src, _parse_k(k)
+    return spec, default_k
 
 
 def _parse_k(s: str):
@@ -351,10 +363,11 @@ def _fmt(x, spec=".2f"):
 
 
 def _table(rows: list[dict]) -> str:
-    head = f"{'method':<18}{'tokens/s':>10}{'speedup':>9}{'alpha':>8}{'tau':>7}{'K':>6}{'match':>7}"
+    w = max([18] + [len(r["method"]) + 2 for r in rows])
+    head = f"{'method':<{w}}{'tokens/s':>10}{'speedup':>9}{'alpha':>8}{'tau':>7}{'K':>6}{'match':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['method']:<18}{_fmt(r.get('tokens_per_s'), '.1f'):>10}{_fmt(r.get('speedup')):>9}"
+        lines.append(f"{r['method']:<{w}}{_fmt(r.get('tokens_per_s'), '.1f'):>10}{_fmt(r.get('speedup')):>9}"
                      f"{_fmt(r.get('alpha'), '.3f'):>8}{_fmt(r.get('tau')):>7}{_fmt(r.get('k'), '.3g'):>6}"
                      f"{_fmt(r.get('match_rate'), '.3f'):>7}")
     return "\n".join(lines)
@@ -376,6 +389,12 @@ def run(args) -> dict:
             raise BenchError("--batch-sweep needs positive batch sizes")
     rows = load_prompts(args.prompts, args.n_prompts)
     kind = draft_kind(args.draft)
+    also = {}  # method name -> (source, K), for the extra drafts of --also; checked before any loading
+    for spec in args.also:
+        src, k_also = _parse_also(spec, k)
+        if draft_kind(src) == "draft_lm":
+            raise BenchError(f"--also {spec}: a draft LM is benchmarked with --draft (its tokenizer is checked there)")
+        also[f"{src}@{k_also}"] = (src, k_also)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import transformers
@@ -436,15 +455,19 @@ def run(args) -> dict:
         methods["hf_assisted"] = (lambda b, n: (R.hf_call(b, n, assistant_model=draft_model), None), 1)
     elif kind == "ngram":
         methods["hf_prompt_lookup"] = (lambda b, n: (R.hf_call(b, n, prompt_lookup_num_tokens=R.k_int), None), 1)
+    for name, (src, k_also) in also.items():
+        dec = SpeculativeDecoder(target, NgramProposer() if src == "ngram" else load_proposer(src, target), k=k_also)
+        methods[name] = (lambda b, n, dec=dec: R.dec_call(dec, b, n), B)
     measured = R.measure(methods, prompts)
     for name, m in measured.items():
         out[name] = m["result"]
         seqs[name] = m["sequences"]
-    if "speculative" in measured:
-        st = _merge_stats(measured["speculative"]["stats"])
-        out["speculative"].update({"alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k", k),
-                                   "c": st.get("c"), "predicted_speedup": st.get("predicted_speedup"),
-                                   "accept_per_pos": st.get("accept_per_pos"), "decoder_stats": _jsonable(st)})
+    for name in ["speculative", *also]:
+        st = _merge_stats(measured[name]["stats"])
+        out[name].update({"alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k", k),
+                          "c": st.get("c"), "predicted_speedup": st.get("predicted_speedup"),
+                          "accept_per_pos": st.get("accept_per_pos"), "decoder_stats": _jsonable(st)})
+    out["also"] = list(also)
     if "hf_assisted" in out:
         out["hf_assisted"].update({"k": R.k_int, "schedule": gc.num_assistant_tokens_schedule})
     if "hf_prompt_lookup" in out:
@@ -482,7 +505,7 @@ def run(args) -> dict:
 
     out["table"] = _table([{"method": n, **{kk: out[n].get(kk) for kk in
                                             ("tokens_per_s", "speedup", "alpha", "tau", "k", "match_rate")}}
-                           for n in ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "speculative")
+                           for n in ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "speculative", *also)
                            if n in out])
     return out
 

@@ -187,3 +187,30 @@ def test_served_sources_bench_a_draft_with_its_datastore(tiny, tmp_path):
         assert rc == 0 and res["draft_kind"] == pre and res["greedy_exact"] is True, (pre, res.get("greedy_exact"))
     rc, _ = _run(tiny, tmp_path, "--draft", f"hybrid:{tmp_path / 'nowhere'}", "--n-prompts", "2")
     assert rc == 2
+
+
+def test_also_measures_more_drafts_in_the_same_turns(tiny, tmp_path, capsys):
+    """--also DRAFT[@K] adds drafts to the same interleaved run, each at its own K, with its own figures;
+    a draft LM there, or a missing directory, is a one-line error before any model loads."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.medusa import MedusaHeads
+
+    heads = MedusaHeads.from_target(AutoModelForCausalLM.from_pretrained(tiny["target"]), num_heads=2)
+    heads.save(tmp_path / "medusa")
+    hyb = f"hybrid-nostore:{tmp_path / 'medusa'}"
+    rc, res = _run(tiny, tmp_path, "--draft", "ngram", "--k", "4", "--n-prompts", "2",
+                   "--also", "ngram@6", "--also", f"{hyb}@2", "--also", str(tmp_path / "medusa"))
+    assert rc == 0
+    names = ["ngram@6", f"{hyb}@2", f"{tmp_path / 'medusa'}@4"]  # no @K: --k's
+    assert res["also"] == names
+    for n in names:
+        assert res[n]["tokens_per_s"] > 0 and res[n]["speedup"] > 0 and res[n]["tau"] >= 1
+        assert res["token_match_rate"][n] == 1.0  # float32: every draft reproduces plain greedy
+    assert res["ngram@6"]["k"] == 6 and res[f"{hyb}@2"]["k"] == 2
+    out = capsys.readouterr().out
+    assert all(n in out for n in names)
+    for bad in (tiny["draft"], str(tmp_path / "nowhere")):
+        rc, _ = _run(tiny, tmp_path, "--draft", "ngram", "--also", bad)
+        assert rc == 2
+        assert capsys.readouterr().err.count("\n") == 1
