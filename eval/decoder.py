@@ -53,7 +53,9 @@ K_MAX_AUTO = 8
 # ops: faster rounds, same tokens; hybrid trees of up to 10 nodes with 3 runner-up paths.
 # "suffix-1": a hybrid round whose suffix recurs >= 3 tokens is lookups alone, without the draft
 # (HybridProposer.strong_match).
-SERVING_REV = "suffix-1"
+# "fused-1": the lean forward's residual adds, RMSNorms, RoPE and SiLU * up are CPU kernels
+# (LeanLlama._forward_fused): faster steps; bf16 numbers differ from the ATen ops' in rare last bits.
+SERVING_REV = "fused-1"
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
 WARMUP_PLAIN = 3  # with k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 

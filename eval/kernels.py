@@ -1,5 +1,6 @@
-"""This project's two hand-written CPU kernels (eval/csrc/small_gemm.cpp, CPUs with AVX512-BF16): bf16
-matmuls of 1-16 rows, and fp32 attention whose sums do not depend on the other query rows.
+"""This project's hand-written CPU kernels (eval/csrc/small_gemm.cpp, CPUs with AVX512-BF16): bf16
+matmuls of 1-16 rows, fp32 attention whose sums do not depend on the other query rows, and a Llama
+layer's elementwise steps fused (residual add + RMSNorm, RoPE, SiLU * up), each row on its own.
 
 Why by hand: on this project's CPU (2 cores, avx512_bf16) a verify forward of 2-16 tokens went
 through oneDNN, whose bf16 matmul streamed the weights at 9-24 GB/s (17-15 ms for the target's
@@ -9,7 +10,10 @@ see docs/benchmarks.md) has a small-M bf16 path that streams the weights once at
 This one keeps all rows' accumulators in registers and reads each weight once (measured: 10.1 ms at
 1 row, 12.2 at 9 for the target's 121 matmuls), and sums each output in the same order whatever the
 row count, so a verify forward's matmuls round exactly like a one-token step's. The attention sums
-each row over its own visible cache slots in slot order, for the same reason (eval/target.py).
+each row over its own visible cache slots in slot order, for the same reason (eval/target.py). The
+elementwise kernels exist because at 1-16 rows a layer's ~20 ATen elementwise ops cost more in
+dispatch and temporaries than in arithmetic; no PyTorch op fuses them on CPU without a compiler
+(inductor was slower here, see docs/benchmarks.md).
 
 `small_gemm()` compiles it once per machine (~30 s, cached under `eval.loading.cache_dir()`/ext) with
 torch's own extension builder, and returns None, so callers fall back to oneDNN, where the CPU lacks
@@ -46,8 +50,8 @@ def cpu_has_avx512_bf16() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def small_gemm():
-    """The compiled module (`pack(w)`, `linear(x, packed, bias, n_out)`, `attend(q, k, v, vis, scale)`),
-    or None where it cannot run."""
+    """The compiled module (`pack(w)`, `linear(x, packed, bias, n_out)`, `attend(q, k, v, vis, scale)`,
+    `add_rmsnorm(x, y, w, eps)`, `silu_mul(gate_up)`, `rope(x, n, cos, sin)`), or None where it cannot run."""
     if os.environ.get("DRAFTSMITH_KERNELS", "1") == "0" or not cpu_has_avx512_bf16():
         return None
     from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools

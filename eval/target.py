@@ -210,6 +210,15 @@ class LeanLlama:
             and getattr(self.lm_head, "row_invariant", False)
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv * self.head_dim
+        # The layer's elementwise steps fused (eval/kernels.py: residual add + RMSNorm, RoPE, SiLU * up),
+        # for bf16 with our own fused projections: ~20 ATen ops per layer become 4.
+        norms = [n for l in model.model.layers for n in (l.input_layernorm, l.post_attention_layernorm)] + [model.model.norm]
+        self.ew = ext if ext is not None and self.dtype == torch.bfloat16 and all(f is not None for f in self.fused) \
+            and hasattr(ext, "add_rmsnorm") and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0 \
+            and all(hasattr(n, "variance_epsilon") and n.weight.dtype == torch.bfloat16 for n in norms) else None
+        if self.ew is not None:
+            # per layer: (input norm's weight, eps), (post-attention norm's), then the final norm's
+            self.norm_w = [(n.weight.detach(), float(n.variance_epsilon)) for n in norms]
 
     def reset(self, batch: int, max_len: int) -> None:
         # Reuse the allocation when the shape fits; stale slots are never attended (mask: slot <= pos).
@@ -256,6 +265,8 @@ class LeanLlama:
         if mask is None and (T > 1 or B > 1):
             cols = torch.arange(s_len, device=x.device)
             mask = (cols[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+        if self.ew is not None:
+            return self._forward_fused(x, cos, sin, mask, slots, s_len, logit_idx)
         gqa = self.n_heads != self.n_kv
         # This project's attention kernel (eval/kernels.py) on CPU, where it builds: each row attends
         # over its visible slots in slot order with fixed-order sums, so a verify or tree forward gives
@@ -291,6 +302,41 @@ class LeanLlama:
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
             x = x + down_proj(F.silu(gate) * up)
         feats = m.norm(x)  # [B, T, H]
+        if logit_idx is not None:
+            feats_sel = feats[torch.arange(B, device=x.device), logit_idx][:, None]  # [B, 1, H]
+            return self.lm_head(feats_sel), feats
+        return self.lm_head(feats), feats
+
+
+    def _forward_fused(self, x, cos, sin, mask, slots, s_len, logit_idx):
+        """_forward's layers with the elementwise kernels (self.ew): the same roundings (eval/csrc), so
+        the same numbers up to RMSNorm's summation order and SiLU's exp. x [B, T, H] bf16 (the
+        embeddings, a fresh tensor: it becomes the residual stream, updated in place), cos/sin [B, T, hd]
+        (sin signed)."""
+        ew, nw = self.ew, self.norm_w
+        B, T, _ = x.shape
+        nqk = self.n_heads + self.n_kv
+        cos, sin = cos.contiguous(), sin.contiguous()
+        attend = self.attend if T <= MAX_ROWS else None
+        if attend is not None:
+            vis = (mask[:, 0] if mask is not None else torch.ones(B, T, s_len, dtype=torch.bool)).contiguous()  # [B, T, S]
+        x = x.contiguous()
+        h = ew.add_rmsnorm(x, None, *nw[0])  # [B, T, H]
+        for i, (cache, fused, (o_proj, down_proj)) in enumerate(zip(self.caches, self.fused, self.out)):
+            qkv = fused[0](h)  # [B, T, q + k + v]
+            qk = ew.rope(qkv, nqk, cos, sin).view(B, T, nqk, self.head_dim)  # [B, T, nh + nkv, hd]
+            q = qk[:, :, :self.n_heads].transpose(1, 2)  # [B, nh, T, hd]
+            k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, nkv, T, hd]
+            v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            ck, cv = cache.write(slots, k, v)  # [B, nkv, S_max, hd], in cache_dtype
+            if attend is not None:
+                a = attend(q.to(ck.dtype).contiguous(), ck, cv, vis, self.scale)  # [B, nh, T, hd]
+            else:
+                a = F.scaled_dot_product_attention(q.to(ck.dtype), ck[:, :, :s_len], cv[:, :, :s_len], attn_mask=mask,
+                                                   scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
+            h = ew.add_rmsnorm(x, o_proj(a.to(x.dtype).transpose(1, 2).reshape(B, T, -1)), *nw[2 * i + 1])
+            h = ew.add_rmsnorm(x, down_proj(ew.silu_mul(fused[1](h))), *nw[2 * i + 2])  # the next norm; the last: final
+        feats = h  # [B, T, H]: after the final norm
         if logit_idx is not None:
             feats_sel = feats[torch.arange(B, device=x.device), logit_idx][:, None]  # [B, 1, H]
             return self.lm_head(feats_sel), feats

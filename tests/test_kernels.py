@@ -188,3 +188,60 @@ def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels()
     for k, want in ((1, True), (kernels.MAX_ROWS - 1, True), (kernels.MAX_ROWS, False)):
         stats = SpeculativeDecoder(target, None if k == 1 else Zeros(), k=k).generate(prompts, max_new_tokens=6).stats
         assert stats["row_invariant"] is want, k
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place between two bf16 tensors of the same sign pattern."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 9, 16])
+def test_fused_elementwise_ops_round_like_the_torch_code_they_replace(rows):
+    """add_rmsnorm, silu_mul and rope (eval/target.py's fused layer steps) against the PyTorch ops: the
+    residual add and RoPE bit for bit; RMSNorm and SiLU within one bf16 ulp (RMSNorm's mean is summed
+    in another order, SiLU's exp is our own), and almost always exactly."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).bfloat16()
+    y = torch.randn(rows, 576, generator=g).bfloat16()
+    w = (torch.rand(576, generator=g) + 0.5).bfloat16()
+
+    def rms(t):
+        tf = t.float()
+        return w * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+
+    for add in (True, False):
+        xs = x.clone()
+        h = ext.add_rmsnorm(xs, y if add else None, w, 1e-5)
+        want_x = x + y if add else x
+        assert torch.equal(xs, want_x)  # the residual stream, updated in place
+        d = _ulps(h, rms(want_x))
+        assert d.max() <= 1 and (d > 0).float().mean() < 0.01
+    gu = (torch.randn(rows, 3072, generator=g) * 4).bfloat16()
+    gate, up = gu.chunk(2, -1)
+    d = _ulps(ext.silu_mul(gu), F.silu(gate) * up)
+    assert d.max() <= 1 and (d > 0).float().mean() < 0.01
+    qkv = torch.randn(rows, 12 * 64 + 3 * 64, generator=g).bfloat16()  # q|k (12 heads) then v
+    cos, sin = torch.randn(rows, 64, generator=g).bfloat16(), torch.randn(rows, 64, generator=g).bfloat16()
+    qk = qkv[:, :12 * 64].view(rows, 12, 64)
+    want = qk * cos[:, None] + torch.cat([qk[..., 32:], qk[..., :32]], -1) * sin[:, None]
+    assert torch.equal(ext.rope(qkv, 12, cos, sin).view(rows, 12, 64), want)
+
+
+@needs_kernel
+def test_fused_layer_steps_agree_with_the_unfused_forward():
+    """The lean runner's bf16 forward with the fused elementwise kernels and without them (runner.ew =
+    None): the same model, so logits and features agree to bf16 rounding."""
+    from eval.target import LeanLlama
+
+    r = LeanLlama(_bf16_target())
+    assert r.ew is not None
+    toks = torch.randint(1, 96, (1, 30), generator=torch.Generator().manual_seed(0))
+    out = {}
+    with torch.no_grad():
+        for name, ew in (("fused", r.ew), ("torch", None)):
+            r.ew = ew
+            r.reset(1, 64)
+            out[name] = r(toks, torch.arange(30)[None], 30)
+    for got, want in zip(out["fused"], out["torch"]):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 // W [N, K] bf16 -> [ceil(N/16), K/2, 16, 2] bf16 (N zero-padded to a multiple of 16). K must be even.
@@ -285,8 +286,132 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Elementwise steps of a Llama layer in bf16, fused: at one to sixteen rows they are a few microseconds
+// of arithmetic each, but as ATen ops ~20 dispatches and temporaries per layer (RMSNorm alone is 7:
+// float, pow, mean, add, rsqrt, mul, cast, mul) that cost more than the arithmetic. Each rounds to bf16
+// exactly where the PyTorch code it replaces does (eval/target.py), so results differ from it only by
+// the order of RMSNorm's mean and by exp's last bits in SiLU; every row is computed alone, so a verify
+// forward still rounds like a one-token step.
+
+static inline float bf2f(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16 (NaN kept a NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static inline __m512 bf16x16_load(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline void bf16x16_store(uint16_t* p, __m512 v) {  // vcvtneps2bf16: round to nearest even
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// x [R, H] bf16 (updated in place to x + y, rounded to bf16, when y is given), w [H] bf16 ->
+// h = w * bf16(x * rsqrt(mean(x^2) + eps)), HF's LlamaRMSNorm on the new x. H a multiple of 16.
+torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && w.scalar_type() == at::kBFloat16,
+              "add_rmsnorm: bf16 x (contiguous) and weight");
+  const int64_t H = x.size(-1), R = x.numel() / H;
+  TORCH_CHECK(H % 16 == 0 && w.numel() == H, "add_rmsnorm: hidden size a multiple of 16");
+  const bool add = y.has_value();
+  if (add) TORCH_CHECK(y->scalar_type() == at::kBFloat16 && y->is_contiguous() && y->numel() == x.numel(), "add_rmsnorm: y like x");
+  auto h = torch::empty_like(x);
+  uint16_t* xp = (uint16_t*)x.data_ptr<at::BFloat16>();
+  const uint16_t* yp = add ? (const uint16_t*)y->data_ptr<at::BFloat16>() : nullptr;
+  const uint16_t* wp = (const uint16_t*)w.data_ptr<at::BFloat16>();
+  uint16_t* hp = (uint16_t*)h.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < R; r++) {
+    uint16_t* xr = xp + r * H;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += 16) {
+      __m512 v = bf16x16_load(xr + i);
+      if (add) {
+        bf16x16_store(xr + i, _mm512_add_ps(v, bf16x16_load(yp + r * H + i)));
+        v = bf16x16_load(xr + i);  // the rounded sum: the residual stream is bf16
+      }
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)H + (float)eps);
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < H; i += 16) {
+      const __m512 n = _mm512_mul_ps(bf16x16_load(xr + i), iv);
+      uint16_t tmp[16];
+      bf16x16_store(tmp, n);  // .to(bf16) before the weight, as HF does
+      bf16x16_store(hp + r * H + i, _mm512_mul_ps(bf16x16_load(wp + i), bf16x16_load(tmp)));
+    }
+  }
+  return h;
+}
+
+// gu [R, 2I] bf16 (gate | up, the fused projection's output) -> bf16(bf16(silu(gate)) * up) [R, I].
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.scalar_type() == at::kBFloat16 && gu.is_contiguous(), "silu_mul: bf16 contiguous");
+  const int64_t I2 = gu.size(-1), I = I2 / 2, R = gu.numel() / I2;
+  TORCH_CHECK(I2 % 32 == 0, "silu_mul: intermediate size a multiple of 16");
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gu.options());
+  const uint16_t* gp = (const uint16_t*)gu.data_ptr<at::BFloat16>();
+  uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t r = 0; r < R; r++) {
+    for (int64_t i = 0; i < I; i += 16) {
+      const __m512 g = bf16x16_load(gp + r * I2 + i);
+      // silu(g) = g / (1 + exp(-g)); exp512 takes x <= 0, so: g >= 0: g / (1 + e), g < 0: g e / (1 + e),
+      // with e = exp(-|g|)
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+      const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+      const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
+      uint16_t tmp[16];
+      bf16x16_store(tmp, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+      bf16x16_store(op + r * I + i, _mm512_mul_ps(bf16x16_load(tmp), bf16x16_load(gp + r * I2 + I + i)));
+    }
+  }
+  return out;
+}
+
+// x [R, C] bf16 (contiguous rows; its first n * hd columns are n heads, e.g. q and k at the start of the
+// fused q|k|v projection's output, read in place), cos/sin [R, hd] bf16 with rotate_half's sign folded
+// into sin's first half -> [R, n * hd]: bf16(bf16(x * cos) + bf16(swap_halves(x) * sin)) per head, the
+// roundings of eval/target.py's RoPE.
+torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous()
+              && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16, "rope: bf16 contiguous");
+  const int64_t C = x.size(-1), R = x.numel() / C, hd = cos.size(-1), half = hd / 2;
+  TORCH_CHECK(hd % 2 == 0 && n * hd <= C && cos.numel() == R * hd && sin.numel() == R * hd,
+              "rope: x [rows, >= n * hd], cos/sin [rows, hd]");
+  auto out = torch::empty({R, n * hd}, x.options());
+  const uint16_t* xp = (const uint16_t*)x.data_ptr<at::BFloat16>();
+  const uint16_t* cp = (const uint16_t*)cos.data_ptr<at::BFloat16>();
+  const uint16_t* sp = (const uint16_t*)sin.data_ptr<at::BFloat16>();
+  uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t h = 0; h < n; h++) {
+      const uint16_t* xr = xp + r * C + h * hd;
+      uint16_t* o = op + (r * n + h) * hd;
+      for (int64_t d = 0; d < hd; d++) {
+        const float a = bf2f(f2bf(bf2f(xr[d]) * bf2f(cp[r * hd + d])));
+        const float b = bf2f(f2bf(bf2f(xr[d < half ? d + half : d - half]) * bf2f(sp[r * hd + d])));
+        o[d] = f2bf(a + b);
+      }
+    }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear");
   m.def("linear", &linear, "y = x @ W^T (+ b), M <= 16 rows");
   m.def("attend", &attend, "fp32 attention of each row over its visible cache slots, row-invariant");
+  m.def("add_rmsnorm", &add_rmsnorm, "x += y (bf16, in place) then HF's RMSNorm of x", py::arg("x"), py::arg("y"),
+        py::arg("w"), py::arg("eps"));
+  m.def("silu_mul", &silu_mul, "bf16(silu(gate)) * up from the fused [gate | up]");
+  m.def("rope", &rope, "RoPE on the first n heads of each row, cos and signed sin [rows, hd], bf16 roundings of eval/target.py");
 }
