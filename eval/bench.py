@@ -456,7 +456,7 @@ def run(args) -> dict:
     elif kind == "ngram":
         methods["hf_prompt_lookup"] = (lambda b, n: (R.hf_call(b, n, prompt_lookup_num_tokens=R.k_int), None), 1)
     for name, (src, k_also) in also.items():
-        dec = SpeculativeDecoder(target, NgramProposer() if src == "ngram" else load_proposer(src, target), k=k_also)
+        dec = SpeculativeDecoder(target, load_proposer(src, target), k=k_also)  # "ngram" included
         methods[name] = (lambda b, n, dec=dec: R.dec_call(dec, b, n), B)
     measured = R.measure(methods, prompts)
     for name, m in measured.items():

@@ -265,16 +265,15 @@ class LeanLlama:
         if mask is None and (T > 1 or B > 1):
             cols = torch.arange(s_len, device=x.device)
             mask = (cols[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
-        if self.ew is not None:
-            return self._forward_fused(x, cos, sin, mask, slots, s_len, logit_idx)
-        gqa = self.n_heads != self.n_kv
         # This project's attention kernel (eval/kernels.py) on CPU, where it builds: each row attends
         # over its visible slots in slot order with fixed-order sums, so a verify or tree forward gives
         # every row the numbers of a one-token step at its position (with the row-invariant matmuls:
         # bf16 speculative decoding equals bf16 plain decoding). SDPA elsewhere.
-        attend = self.attend if T <= MAX_ROWS else None
-        if attend is not None:
+        vis = None
+        if self.attend is not None and T <= MAX_ROWS:
             vis = (mask[:, 0] if mask is not None else torch.ones(B, T, s_len, dtype=torch.bool)).contiguous()  # [B, T, S]
+        if self.ew is not None:
+            return self._forward_fused(x, cos, sin, slots, mask, vis, s_len, logit_idx)
         for layer, cache, fused, (o_proj, down_proj) in zip(m.layers, self.caches, self.fused, self.out):
             att, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm(x)
@@ -288,27 +287,36 @@ class LeanLlama:
             q = qk[:, :, :self.n_heads].transpose(1, 2)  # [B, nh, T, hd]
             k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, nkv, T, hd]
             v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-            ck, cv = cache.write(slots, k, v)  # [B, nkv, S_max, hd], in cache_dtype
-            if attend is not None:
-                a = attend(q.to(ck.dtype).contiguous(), ck, cv, vis, self.scale)  # [B, nh, T, hd]
-            else:
-                a = F.scaled_dot_product_attention(q.to(ck.dtype), ck[:, :, :s_len], cv[:, :, :s_len],
-                                                   attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            x = x + o_proj(a.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
+            x = x + o_proj(self._attention(cache, slots, q, k, v, vis, mask, s_len, x.dtype))
             h = layer.post_attention_layernorm(x)
             if fused is not None:
                 gate, up = fused[1](h).chunk(2, -1)
             else:
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
             x = x + down_proj(F.silu(gate) * up)
-        feats = m.norm(x)  # [B, T, H]
+        return self._head(m.norm(x), logit_idx)  # feats [B, T, H]: after the final norm
+
+    def _attention(self, cache, slots, q, k, v, vis, mask, s_len, dtype):
+        """One layer's attention: write k, v [B, nkv, T, hd] at `slots`, attend with q [B, nh, T, hd]
+        (the kernel where `vis` [B, T, S] is given, SDPA under `mask` otherwise) -> [B, T, nh * hd] in
+        `dtype`, the input of o_proj."""
+        B, _, T, _ = q.shape
+        ck, cv = cache.write(slots, k, v)  # [B, nkv, S_max, hd], in cache_dtype
+        if vis is not None:
+            a = self.attend(q.to(ck.dtype).contiguous(), ck, cv, vis, self.scale)  # [B, nh, T, hd]
+        else:
+            a = F.scaled_dot_product_attention(q.to(ck.dtype), ck[:, :, :s_len], cv[:, :, :s_len], attn_mask=mask,
+                                               scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
+        return a.to(dtype).transpose(1, 2).reshape(B, T, -1)
+
+    def _head(self, feats, logit_idx):
+        """feats [B, T, H] -> (logits [B, T, V], or [B, 1, V] at column logit_idx [B] of each row; feats)."""
         if logit_idx is not None:
-            feats_sel = feats[torch.arange(B, device=x.device), logit_idx][:, None]  # [B, 1, H]
+            feats_sel = feats[torch.arange(feats.shape[0], device=feats.device), logit_idx][:, None]  # [B, 1, H]
             return self.lm_head(feats_sel), feats
         return self.lm_head(feats), feats
 
-
-    def _forward_fused(self, x, cos, sin, mask, slots, s_len, logit_idx):
+    def _forward_fused(self, x, cos, sin, slots, mask, vis, s_len, logit_idx):
         """_forward's layers with the elementwise kernels (self.ew): the same roundings (eval/csrc), so
         the same numbers up to RMSNorm's summation order and SiLU's exp. x [B, T, H] bf16 (the
         embeddings, a fresh tensor: it becomes the residual stream, updated in place), cos/sin [B, T, hd]
@@ -317,9 +325,6 @@ class LeanLlama:
         B, T, _ = x.shape
         nqk = self.n_heads + self.n_kv
         cos, sin = cos.contiguous(), sin.contiguous()
-        attend = self.attend if T <= MAX_ROWS else None
-        if attend is not None:
-            vis = (mask[:, 0] if mask is not None else torch.ones(B, T, s_len, dtype=torch.bool)).contiguous()  # [B, T, S]
         x = x.contiguous()
         h = ew.add_rmsnorm(x, None, *nw[0])  # [B, T, H]
         for i, (cache, fused, (o_proj, down_proj)) in enumerate(zip(self.caches, self.fused, self.out)):
@@ -328,19 +333,9 @@ class LeanLlama:
             q = qk[:, :, :self.n_heads].transpose(1, 2)  # [B, nh, T, hd]
             k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, nkv, T, hd]
             v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-            ck, cv = cache.write(slots, k, v)  # [B, nkv, S_max, hd], in cache_dtype
-            if attend is not None:
-                a = attend(q.to(ck.dtype).contiguous(), ck, cv, vis, self.scale)  # [B, nh, T, hd]
-            else:
-                a = F.scaled_dot_product_attention(q.to(ck.dtype), ck[:, :, :s_len], cv[:, :, :s_len], attn_mask=mask,
-                                                   scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
-            h = ew.add_rmsnorm(x, o_proj(a.to(x.dtype).transpose(1, 2).reshape(B, T, -1)), *nw[2 * i + 1])
+            h = ew.add_rmsnorm(x, o_proj(self._attention(cache, slots, q, k, v, vis, mask, s_len, x.dtype)), *nw[2 * i + 1])
             h = ew.add_rmsnorm(x, down_proj(ew.silu_mul(fused[1](h))), *nw[2 * i + 2])  # the next norm; the last: final
-        feats = h  # [B, T, H]: after the final norm
-        if logit_idx is not None:
-            feats_sel = feats[torch.arange(B, device=x.device), logit_idx][:, None]  # [B, 1, H]
-            return self.lm_head(feats_sel), feats
-        return self.lm_head(feats), feats
+        return self._head(h, logit_idx)  # h: after the final norm
 
 
 class HFFallback:
