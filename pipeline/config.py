@@ -40,11 +40,11 @@ def _positive(name: str, value, zero_ok: bool = False) -> None:
         raise RecipeError(f"{name}={value!r} must be {'>= 0' if zero_ok else '> 0'}")
 
 
-
 def stable_hash(obj) -> str:
     """16 hex digits of the SHA-256 of `obj` as sorted-key JSON: the key every stage stores to tell
     whether what it finds on disk was made from the same inputs."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
 
 @dataclass
 class DataConfig:
