@@ -97,7 +97,12 @@ def cpu_gemv(rows: int, device: torch.device):
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> [...] the index of the first maximum, like argmax(-1). On CPU, bf16
     argmax over the 49k vocabulary took 193 us per row-position at 1 position and 927 us at 9, and
-    max(-1) 90 and 426 us (measured here); both return the first maximal index on ties."""
+    max(-1) 90 and 426 us (measured here); both return the first maximal index on ties. CPU bf16
+    logits go to this project's kernel (eval/kernels.py `argmax_rows`), which gives the same indices."""
+    if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.numel():
+        ext = small_gemm()
+        if ext is not None and hasattr(ext, "argmax_rows"):
+            return ext.argmax_rows(logits.contiguous())
     return logits.max(-1).indices
 
 
@@ -327,13 +332,24 @@ class LeanLlama:
         cos, sin = cos.contiguous(), sin.contiguous()
         x = x.contiguous()
         h = ew.add_rmsnorm(x, None, *nw[0])  # [B, T, H]
+        # Up to MAX_ROWS tokens (every decode step and verify), attention straight from the projections:
+        # one kernel call writes k/v into the cache and attends, bf16 in and out (`attend_qkv`), where
+        # the cache write, the casts and the transposes were ~12 ATen ops a layer.
+        direct = vis is not None and hasattr(ew, "attend_qkv")
+        slots = slots.contiguous() if direct else slots
         for i, (cache, fused, (o_proj, down_proj)) in enumerate(zip(self.caches, self.fused, self.out)):
             qkv = fused[0](h)  # [B, T, q + k + v]
-            qk = ew.rope(qkv, nqk, cos, sin).view(B, T, nqk, self.head_dim)  # [B, T, nh + nkv, hd]
-            q = qk[:, :, :self.n_heads].transpose(1, 2)  # [B, nh, T, hd]
-            k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, nkv, T, hd]
-            v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-            h = ew.add_rmsnorm(x, o_proj(self._attention(cache, slots, q, k, v, vis, mask, s_len, x.dtype)), *nw[2 * i + 1])
+            qk = ew.rope(qkv, nqk, cos, sin).view(B, T, nqk * self.head_dim)  # [B, T, (nh + nkv) hd]
+            if direct:
+                a = ew.attend_qkv(qk, qkv, self.q_dim + self.kv_dim, cache.k, cache.v, slots, vis, self.n_heads,
+                                  self.scale)  # [B, T, nh hd]
+            else:
+                qk = qk.view(B, T, nqk, self.head_dim)
+                q = qk[:, :, :self.n_heads].transpose(1, 2)  # [B, nh, T, hd]
+                k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, nkv, T, hd]
+                v = qkv[..., self.q_dim + self.kv_dim:].view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+                a = self._attention(cache, slots, q, k, v, vis, mask, s_len, x.dtype)
+            h = ew.add_rmsnorm(x, o_proj(a), *nw[2 * i + 1])
             h = ew.add_rmsnorm(x, down_proj(ew.silu_mul(fused[1](h))), *nw[2 * i + 2])  # the next norm; the last: final
         return self._head(h, logit_idx)  # h: after the final norm
 

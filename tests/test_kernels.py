@@ -245,3 +245,102 @@ def test_fused_layer_steps_agree_with_the_unfused_forward():
             out[name] = r(toks, torch.arange(30)[None], 30)
     for got, want in zip(out["fused"], out["torch"]):
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 49152), (11, 49152), (2, 3, 1000), (4, 37), (1, 7)])  # 37, 7: a tail past 16
+def test_argmax_rows_gives_torchs_first_maximal_index(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    rows = x.view(-1, shape[-1])
+    rows[0, [3, shape[-1] - 1]] = 40.0  # a tie across lanes (and the tail): the first index wins
+    if rows.shape[0] > 1:
+        rows[1] = float("-inf")  # a row of -inf: index 0, as torch says
+    if rows.shape[0] > 2:
+        rows[2, [5, 21]] = float("nan")  # NaN propagates: its first index
+        rows[2, 0] = 100.0
+    if rows.shape[0] > 3:
+        rows[3, 16:] = rows[3, :16].max() + 1  # a tie inside one lane's later steps
+    got = ext.argmax_rows(x)
+    assert got.dtype == torch.long and got.shape == x.shape[:-1]
+    assert torch.equal(got, x.max(-1).indices)
+    assert torch.equal(got, x.float().argmax(-1)) or rows.isnan().any()
+
+
+def test_greedy_argmax_on_the_decoders_logits_is_torchs_argmax():
+    from eval.target import greedy_argmax
+
+    x = torch.randn(1, 11, 49152, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(greedy_argmax(x), x.argmax(-1))
+    assert torch.equal(greedy_argmax(x[:, 3]), x[:, 3].argmax(-1))  # a non-contiguous slice
+
+
+@needs_kernel
+@pytest.mark.parametrize("nh,nkv,hd", [(9, 3, 64), (4, 4, 16), (8, 2, 128), (10, 2, 32)])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 11), (2, 5), (1, 16)])
+def test_attend_qkv_equals_cache_write_then_attend_bit_for_bit(nh, nkv, hd, B, T):
+    """attend_qkv (k/v written at slots, attention from the bf16 projections, bf16 out) against the ops
+    it replaces in the fused forward: cache writes, q widened, ext.attend, the output rounded and laid out."""
+    g = torch.Generator().manual_seed(nh * 31 + T)
+    S_max, n0 = 48, 30
+    C = (nh + 2 * nkv) * hd
+    qkv = torch.randn(B, T, C, generator=g).bfloat16()
+    qk = torch.randn(B, T, (nh + nkv) * hd, generator=g).bfloat16()  # stands for rope's output
+    kc = torch.randn(B, nkv, S_max, hd, generator=g)
+    vc = torch.randn(B, nkv, S_max, hd, generator=g)
+    slots = torch.stack([torch.randperm(S_max - n0, generator=g)[:T] + n0 for _ in range(B)])  # any slots past n0
+    vis = torch.rand(B, T, n0 + 18, generator=g) > 0.4
+    vis[:, :, 0] = True
+    vis[0, 0] = False  # a row that sees nothing: zeros
+    k_want, v_want = kc.clone(), vc.clone()
+    k = qk[..., nh * hd:].view(B, T, nkv, hd).transpose(1, 2)
+    v = qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd).transpose(1, 2)
+    idx = slots[:, None, :, None].expand(-1, nkv, -1, hd)
+    k_want.scatter_(2, idx, k.float())
+    v_want.scatter_(2, idx, v.float())
+    q = qk[..., :nh * hd].view(B, T, nh, hd).transpose(1, 2).float().contiguous()
+    want = ext.attend(q, k_want, v_want, vis.contiguous(), 0.125).to(torch.bfloat16).transpose(1, 2).reshape(B, T, -1)
+    got = ext.attend_qkv(qk, qkv, (nh + nkv) * hd, kc, vc, slots, vis.contiguous(), nh, 0.125)
+    assert torch.equal(kc, k_want) and torch.equal(vc, v_want)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
+
+
+@needs_kernel
+def test_fused_forward_gives_the_same_numbers_with_and_without_attend_qkv():
+    """The fused forward's decode steps and tree verifies through attend_qkv and through the ops it
+    replaces: logits, features and the cache bit for bit."""
+    from eval.target import LeanLlama
+
+    r = LeanLlama(_bf16_target())
+    toks = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    out = {}
+
+    class NoDirect:  # the kernels without attend_qkv: the forward takes the composed path
+        def __init__(self, e):
+            self.e = e
+
+        def __getattr__(self, n):
+            if n == "attend_qkv":
+                raise AttributeError(n)
+            return getattr(self.e, n)
+
+    ew = r.ew
+    with torch.no_grad():
+        for name, e in (("direct", ew), ("composed", NoDirect(ew))):
+            r.ew = e
+            r.reset(1, 64)
+            res = [r(toks[:, :24], torch.arange(24)[None], 24)]  # prefill: SDPA either way
+            for t in range(24, 30):  # one-token steps
+                res.append(r(toks[:, t:t + 1], torch.tensor([[t]]), t + 1))
+            pos = torch.tensor([[30, 31, 31, 32, 33]])  # a tree: two nodes share position 31
+            slots = torch.arange(30, 35)[None]
+            mask = torch.zeros(1, 1, 5, 35, dtype=torch.bool)
+            mask[..., :30] = True
+            for j, anc in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4]]):
+                mask[0, 0, j, [30 + a for a in anc]] = True
+            res.append(r(toks[:, 30:35], pos, 35, slots=slots, mask=mask))
+            out[name] = (res, r.K.clone(), r.V.clone())
+    for a, b in zip(out["direct"][0], out["composed"][0]):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(out["direct"][1], out["composed"][1]) and torch.equal(out["direct"][2], out["composed"][2])

@@ -314,6 +314,97 @@ static inline void bf16x16_store(uint16_t* p, __m512 v) {  // vcvtneps2bf16: rou
   _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// One layer's attention straight from the projections, for the fused forward (eval/target.py):
+//   qk [B, T, >= (nh + nkv) * hd] bf16 (q and k heads after RoPE), qkv [B, T, C] bf16 (v at columns
+//   v_off .. v_off + nkv * hd), the layer's fp32 caches kc/vc [B, nkv, S_max, hd], slots [B, T] int64,
+//   vis [B, T, S] bool -> [B, T, nh * hd] bf16, the input of o_proj.
+// It writes k and v at `slots` (widened to fp32, exactly), then runs `attend`'s per-head loop with q
+// widened from bf16 and the output rounded to bf16 (round to nearest even, as .to(bf16)): the same
+// numbers as cache.write + attend + the casts and transposes around them, which were ~12 ATen ops a
+// layer whose copies grew with the rows (~0.9 ms of a 11-row verify forward here, measured).
+torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, torch::Tensor kc, torch::Tensor vc,
+                         torch::Tensor slots, torch::Tensor vis, int64_t nh, double scale) {
+  TORCH_CHECK(qk.dim() == 3 && qk.scalar_type() == at::kBFloat16 && qk.is_contiguous() &&
+              qkv.dim() == 3 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "attend_qkv: bf16 qk, qkv [B, T, C]");
+  TORCH_CHECK(kc.dim() == 4 && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+              vc.is_contiguous() && kc.sizes() == vc.sizes(), "attend_qkv: fp32 caches [B, nkv, S_max, hd]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && vis.scalar_type() == at::kBool &&
+              vis.is_contiguous() && vis.dim() == 3, "attend_qkv: slots [B, T] int64, vis [B, T, S] bool");
+  const int64_t B = qk.size(0), T = qk.size(1), nkv = kc.size(1), Smax = kc.size(2), hd = kc.size(3);
+  const int64_t S = vis.size(2), Cq = qk.size(2), C = qkv.size(2);
+  TORCH_CHECK(kc.size(0) == B && qkv.size(0) == B && qkv.size(1) == T && slots.numel() == B * T &&
+              vis.size(0) == B && vis.size(1) == T && S <= Smax && Cq >= (nh + nkv) * hd && v_off + nkv * hd <= C &&
+              hd % 16 == 0 && hd <= 256 && nh % nkv == 0, "attend_qkv: shapes");
+  const uint16_t* qkp = (const uint16_t*)qk.data_ptr<at::BFloat16>();
+  const uint16_t* qkvp = (const uint16_t*)qkv.data_ptr<at::BFloat16>();
+  float* kp = kc.data_ptr<float>();
+  float* vcp = vc.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++)  // the cache write: k after RoPE, v as projected
+    for (int64_t t = 0; t < T; t++) {
+      const int64_t slot = sp[b * T + t];
+      TORCH_CHECK(slot >= 0 && slot < Smax, "attend_qkv: slot out of the cache");
+      for (int64_t g = 0; g < nkv; g++) {
+        float* kd = kp + ((b * nkv + g) * Smax + slot) * hd;
+        float* vd = vcp + ((b * nkv + g) * Smax + slot) * hd;
+        const uint16_t* ks = qkp + (b * T + t) * Cq + (nh + g) * hd;
+        const uint16_t* vs = qkvp + (b * T + t) * C + v_off + g * hd;
+        for (int64_t c = 0; c < hd; c += 16) {
+          _mm512_storeu_ps(kd + c, bf16x16_load(ks + c));
+          _mm512_storeu_ps(vd + c, bf16x16_load(vs + c));
+        }
+      }
+    }
+  auto out = torch::empty({B, T, nh * hd}, qk.options());
+  std::vector<int32_t> idx(B * T * S);
+  std::vector<int64_t> cnt(B * T);
+  const bool* vp = vis.data_ptr<bool>();
+  for (int64_t bt = 0; bt < B * T; bt++) {
+    int64_t c = 0;
+    for (int64_t s = 0; s < S; s++) if (vp[bt * S + s]) idx[bt * S + c++] = (int32_t)s;
+    cnt[bt] = c;
+  }
+  uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
+  const int64_t nc = hd / 16, group = nh / nkv;
+  const __m128 scv = _mm_set1_ps((float)scale);
+  at::parallel_for(0, B * nkv * T, 2, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sbuf(4 * (S + 16));
+    std::vector<float> qbuf(4 * hd), obuf(4 * hd);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t t = i % T, g = (i / T) % nkv, b = i / (T * nkv);
+      const int64_t bt = b * T + t, n = cnt[bt];
+      const int32_t* ix = idx.data() + bt * S;
+      const float* kh = kp + (b * nkv + g) * Smax * hd;
+      const float* vh = vcp + (b * nkv + g) * Smax * hd;
+      for (int64_t r0 = 0; r0 < group; r0 += 4) {
+        const int64_t nr = group - r0 < 4 ? group - r0 : 4;
+        const int64_t head0 = g * group + r0;
+        uint16_t* orow16 = op + bt * nh * hd + head0 * hd;
+        if (n == 0) {
+          std::memset(orow16, 0, nr * hd * sizeof(uint16_t));
+          continue;
+        }
+        float* sb[4] = {sbuf.data(), sbuf.data() + (S + 16), sbuf.data() + 2 * (S + 16), sbuf.data() + 3 * (S + 16)};
+        const float* qrow[4];
+        float* orow[4];
+        for (int64_t r = 0; r < 4; r++) {
+          const int64_t rr = r < nr ? r : 0;
+          const uint16_t* qs = qkp + bt * Cq + (head0 + rr) * hd;
+          for (int64_t c = 0; c < hd; c += 16) _mm512_storeu_ps(qbuf.data() + r * hd + c, bf16x16_load(qs + c));
+          qrow[r] = qbuf.data() + r * hd;
+          orow[r] = obuf.data() + rr * hd;
+        }
+        if (nc == 4) attend_heads_nr<4>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
+        else if (nc == 8) attend_heads_nr<8>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
+        else attend_heads_nr<0>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
+        for (int64_t r = 0; r < nr; r++)
+          for (int64_t c = 0; c < hd; c += 16) bf16x16_store(orow16 + r * hd + c, _mm512_loadu_ps(obuf.data() + r * hd + c));
+      }
+    }
+  });
+  return out;
+}
+
 // x [R, H] bf16 (updated in place to x + y, rounded to bf16, when y is given), w [H] bf16 ->
 // h = w * bf16(x * rsqrt(mean(x^2) + eps)), HF's LlamaRMSNorm on the new x. H a multiple of 16.
 torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch::Tensor w, double eps) {
@@ -406,6 +497,61 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
   return out;
 }
 
+
+// x [R, V] bf16 (contiguous rows) -> [R] int64, each row's index of its first maximum: the answer of
+// torch's max(-1).indices, NaN included (a row holding a NaN answers its first NaN, as torch's max
+// propagates it). Why by hand: the verify reads the argmax of every node's 49,152 logits, and ATen's
+// bf16 max(-1) took ~90 us a row here (~0.45 ms for a 10-node tree, ~2% of a round), for 98 KB a row.
+// Each of the 16 lanes keeps its own maximum and the index where it first appeared (strictly greater
+// replaces), then the lanes reduce to the largest value at the smallest index.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
+              "argmax_rows: bf16 contiguous, non-empty last dim");
+  const int64_t V = x.size(-1), R = x.numel() / V;
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  auto out = torch::empty(sizes, x.options().dtype(at::kLong));
+  const uint16_t* xp = (const uint16_t*)x.data_ptr<at::BFloat16>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      const uint16_t* xr = xp + r * V;
+      const int64_t Vv = V / 16 * 16;
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      __m512i bidx = _mm512_set1_epi32(-1);
+      __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i step = _mm512_set1_epi32(16);
+      __mmask16 nan = 0;
+      for (int64_t i = 0; i < Vv; i += 16) {
+        const __m512 v = bf16x16_load(xr + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) | (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ)
+                             & _mm512_cmpeq_epi32_mask(bidx, _mm512_set1_epi32(-1)));  // -inf at a lane's start
+        best = _mm512_mask_mov_ps(best, gt, v);
+        bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+        idx = _mm512_add_epi32(idx, step);
+      }
+      float bv = -INFINITY;
+      int64_t bi = -1;
+      if (!nan) {
+        alignas(64) float vals[16];
+        alignas(64) int32_t ids[16];
+        _mm512_store_ps(vals, best);
+        _mm512_store_si512((__m512i*)ids, bidx);
+        for (int l = 0; l < 16; l++)
+          if (ids[l] >= 0 && (bi < 0 || vals[l] > bv || (vals[l] == bv && ids[l] < bi))) { bv = vals[l]; bi = ids[l]; }
+      }
+      for (int64_t i = nan ? 0 : Vv; i < V; i++) {  // the tail, or every column of a row with a NaN
+        const float v = bf2f(xr[i]);
+        if (std::isnan(v)) { bi = i; break; }
+        if (bi < 0 || v > bv) { bv = v; bi = i; }
+      }
+      op[r] = bi;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear");
   m.def("linear", &linear, "y = x @ W^T (+ b), M <= 16 rows");
@@ -413,5 +559,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rmsnorm", &add_rmsnorm, "x += y (bf16, in place) then HF's RMSNorm of x", py::arg("x"), py::arg("y"),
         py::arg("w"), py::arg("eps"));
   m.def("silu_mul", &silu_mul, "bf16(silu(gate)) * up from the fused [gate | up]");
+  m.def("attend_qkv", &attend_qkv, "write k, v at slots, then attend from the bf16 projections -> bf16 [B, T, nh * hd]");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 rows), as torch's max(-1).indices");
   m.def("rope", &rope, "RoPE on the first n heads of each row, cos and signed sin [rows, hd], bf16 roundings of eval/target.py");
 }
