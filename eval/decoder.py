@@ -295,8 +295,7 @@ class SpeculativeDecoder:
         logits, feats = self.runner(inp, n[:, None] + tree.depth, s_len, slots=slots,
                                     mask=tree.mask(n, s_len))  # [B, N+1, V], [B, N+1, H]
         st.max_verify = max(st.max_verify, N1)
-        best, n_acc, bonus = tree.verify_greedy(logits)
-        dec = torch.stack([best, n_acc, bonus], 1).tolist()  # host sync: the accept decision
+        dec = tree.accept_greedy(greedy_argmax(logits).tolist())  # host sync: the argmax at every node
         D = max(a for _, a, _ in dec)
         paths = [tree.path(b, bst) for b, (bst, _, _) in enumerate(dec)]
         paths = [p + [p[-1]] * (D + 1 - len(p)) for p in paths]  # pad: junk beyond each row's path
@@ -308,6 +307,7 @@ class SpeculativeDecoder:
         st.verify_s += time.perf_counter() - t
         host = [[a, bn] + row[1:] for (_, a, bn), row in zip(dec, inp.tolist())]
         pos = n[:, None] + torch.arange(D + 1, device=dev)  # [B, D+1]
+        n_acc, bonus = torch.tensor([[a, bn] for _, a, bn in dec], device=dev).unbind(1)  # [B] each
         return inp, pos, feats, n_acc, bonus, host, tree.max_depth
 
     _plain = False  # set by _choose_k: this round is a plain (speculation off) round

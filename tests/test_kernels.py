@@ -344,3 +344,16 @@ def test_fused_forward_gives_the_same_numbers_with_and_without_attend_qkv():
     for a, b in zip(out["direct"][0], out["composed"][0]):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert torch.equal(out["direct"][1], out["composed"][1]) and torch.equal(out["direct"][2], out["composed"][2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("hd", [32, 64, 128, 48, 8])  # 48, 8: halves that are not whole 16-lane vectors (scalar loop)
+def test_rope_vector_and_scalar_paths_round_like_torch(hd):
+    g = torch.Generator().manual_seed(hd)
+    rows, n = 11, 5
+    qkv = (torch.randn(rows, (n + 2) * hd, generator=g) * 3).bfloat16()
+    cos, sin = torch.randn(rows, hd, generator=g).bfloat16(), torch.randn(rows, hd, generator=g).bfloat16()
+    qk = qkv[:, :n * hd].view(rows, n, hd)
+    h = hd // 2
+    want = qk * cos[:, None] + torch.cat([qk[..., h:], qk[..., :h]], -1) * sin[:, None]
+    assert torch.equal(ext.rope(qkv, n, cos, sin).view(rows, n, hd), want)

@@ -37,7 +37,7 @@ def test_tree_tensors_mask_and_paths():
     assert t.path(0, 4) == [0, 1, 4] and t.path(0, 3) == [0, 1, 2, 3] and t.path(1, 0) == [0]
 
 
-def test_verify_greedy_matches_brute_force():
+def test_accept_greedy_matches_brute_force():
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
         B, Vs = 3, 4  # few ids: branches often agree with the argmax
@@ -48,8 +48,8 @@ def test_verify_greedy_matches_brute_force():
             rows.append(build_trie(cands, 8))
         t = Tree.from_lists(rows, "cpu")
         logits = torch.randn(B, t.depth.shape[1], Vs, generator=g)
-        best, n_acc, bonus = t.verify_greedy(logits)
         arg = logits.argmax(-1)
+        dec = t.accept_greedy(arg.tolist())
         for b, (toks, par) in enumerate(rows):
             # brute force: walk down from the root, following the child equal to the argmax
             node, depth = 0, 0
@@ -58,7 +58,7 @@ def test_verify_greedy_matches_brute_force():
                 if not kids:
                     break
                 node, depth = kids[0], depth + 1
-            assert (int(best[b]), int(n_acc[b]), int(bonus[b])) == (node, depth, int(arg[b, node]))
+            assert dec[b] == (node, depth, int(arg[b, node]))
 
 
 class OracleTree(Proposer):

@@ -313,6 +313,9 @@ static inline __m512 bf16x16_load(const uint16_t* p) {
 static inline void bf16x16_store(uint16_t* p, __m512 v) {  // vcvtneps2bf16: round to nearest even
   _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
 }
+static inline __m512 bf16_round(__m512 v) {  // v rounded to bf16 (nearest even) and widened back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
 
 // One layer's attention straight from the projections, for the fused forward (eval/target.py):
 //   qk [B, T, >= (nh + nkv) * hd] bf16 (q and k heads after RoPE), qkv [B, T, C] bf16 (v at columns
@@ -484,6 +487,20 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
   const uint16_t* cp = (const uint16_t*)cos.data_ptr<at::BFloat16>();
   const uint16_t* sp = (const uint16_t*)sin.data_ptr<at::BFloat16>();
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
+  if (half % 16 == 0) {  // 16 lanes at a time (the head's halves are whole vectors): ~4x the scalar loop at 11 rows
+    for (int64_t r = 0; r < R; r++)
+      for (int64_t h = 0; h < n; h++) {
+        const uint16_t* xr = xp + r * C + h * hd;
+        uint16_t* o = op + (r * n + h) * hd;
+        for (int64_t d = 0; d < hd; d += 16) {
+          const __m512 a = bf16_round(_mm512_mul_ps(bf16x16_load(xr + d), bf16x16_load(cp + r * hd + d)));
+          const __m512 b = bf16_round(_mm512_mul_ps(bf16x16_load(xr + (d < half ? d + half : d - half)),
+                                                    bf16x16_load(sp + r * hd + d)));
+          bf16x16_store(o + d, _mm512_add_ps(a, b));
+        }
+      }
+    return out;
+  }
   for (int64_t r = 0; r < R; r++)
     for (int64_t h = 0; h < n; h++) {
       const uint16_t* xr = xp + r * C + h * hd;
