@@ -55,7 +55,9 @@ K_MAX_AUTO = 8
 # (HybridProposer.strong_match).
 # "fused-1": the lean forward's residual adds, RMSNorms, RoPE and SiLU * up are CPU kernels
 # (LeanLlama._forward_fused): faster steps; bf16 numbers differ from the ATen ops' in rare last bits.
-SERVING_REV = "fused-1"
+# "fused-2": attention straight from the projections (one kernel call writes k/v and attends), the argmax
+# and the tree's accept rule without ATen's small ops, RoPE vectorised: faster steps and rounds, same tokens.
+SERVING_REV = "fused-2"
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
 WARMUP_PLAIN = 3  # with k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 
