@@ -274,10 +274,8 @@ class LeanLlama:
         # over its visible slots in slot order with fixed-order sums, so a verify or tree forward gives
         # every row the numbers of a one-token step at its position (with the row-invariant matmuls:
         # bf16 speculative decoding equals bf16 plain decoding). SDPA elsewhere.
-        # A prefill (more rows than the matmul kernel takes) attends through the kernel too: SDPA's CPU flash
-        # attention took 0.50 ms a layer at 150 prompt tokens against the kernel's 0.22 (measured here).
         vis = None
-        if self.attend is not None:
+        if self.attend is not None and T <= MAX_ROWS:
             vis = (mask[:, 0] if mask is not None else torch.ones(B, T, s_len, dtype=torch.bool)).contiguous()  # [B, T, S]
         if self.ew is not None:
             return self._forward_fused(x, cos, sin, slots, mask, vis, s_len, logit_idx)
@@ -334,9 +332,9 @@ class LeanLlama:
         cos, sin = cos.contiguous(), sin.contiguous()
         x = x.contiguous()
         h = ew.add_rmsnorm(x, None, *nw[0])  # [B, T, H]
-        # Attention straight from the projections wherever the kernel attends (`vis` given): one kernel call
-        # writes k/v into the cache and attends, bf16 in and out (`attend_qkv`), where the cache write, the
-        # casts and the transposes were ~12 ATen ops a layer.
+        # Up to MAX_ROWS tokens (every decode step and verify), attention straight from the projections:
+        # one kernel call writes k/v into the cache and attends, bf16 in and out (`attend_qkv`), where
+        # the cache write, the casts and the transposes were ~12 ATen ops a layer.
         direct = vis is not None and hasattr(ew, "attend_qkv")
         slots = slots.contiguous() if direct else slots
         for i, (cache, fused, (o_proj, down_proj)) in enumerate(zip(self.caches, self.fused, self.out)):
