@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from .heads import read_head, save_head
 from .proposers import Proposer, Sampling, to_target_vocab
-from .target import packed_linear
+from .target import int8_linear, packed_linear
 
 
 @dataclass
@@ -195,7 +195,7 @@ class MedusaProposer(Proposer):
     with_alternatives = False  # recurrent heads: compute alternatives()' extra head-1 row in propose()
     last_alt1 = None  # recurrent heads: head 1's best after head 0's 2nd choice, once computed
 
-    def __init__(self, heads: MedusaHeads, target):
+    def __init__(self, heads: MedusaHeads, target, int8: bool = True):
         p = target.get_output_embeddings().weight
         self.heads = heads.to(device=p.device, dtype=p.dtype).eval()
         self.d2t = self.heads.d2t.to(p.device)  # [Vd] draft row -> target id
@@ -207,12 +207,17 @@ class MedusaProposer(Proposer):
         # target step: 2.1 ms a round through F.linear, ~1.0 ms through the kernel (measured here).
         # Elsewhere (fp32, CUDA) these are F.linear on the heads' own weights. Copies: rebuild the
         # proposer if the heads change.
+        # int8=True (the default): weight-only int8 copies instead (eval.target.int8_linear), half the
+        # bytes again where the kernel builds: paired on 24 HumanEval prompts, the hybrid 2.28x against
+        # 2.22x with bf16 heads, the same tau (docs/benchmarks.md). Proposals only: the output is the
+        # target's either way.
+        self.int8 = int8
         h = self.heads
+        lin = int8_linear if int8 else packed_linear
         with torch.no_grad():
-            self._lm = [packed_linear(l.weight) for l in h.lm_heads]
+            self._lm = [lin(l.weight) for l in h.lm_heads]
             if h.recurrent:
-                self._blocks = [(packed_linear(b.up.weight, b.up.bias), packed_linear(b.down.weight, b.down.bias))
-                                for b in h.blocks]
+                self._blocks = [(lin(b.up.weight, b.up.bias), lin(b.down.weight, b.down.bias)) for b in h.blocks]
 
     @property
     def dtype(self):

@@ -141,6 +141,30 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
 
 
 _NONE = torch.empty(0)
+I8_MAX_ROWS = 4  # linear_i8's row limit: a draft's proposals run at 1-2 rows a call at batch 1
+
+
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [..., in] -> [..., out] through a weight-only int8 copy of `weight` (per output row scale,
+    eval/csrc `linear_i8`): half the bytes of bf16 for a draft's bandwidth-bound matmuls at a few rows.
+    Only for proposals (the copy rounds the weights); more rows than I8_MAX_ROWS, or where the kernel
+    does not build, go to `packed_linear` on the bf16 weight."""
+    ext = small_gemm()
+    exact = packed_linear(weight, bias)
+    if ext is None or not hasattr(ext, "linear_i8") or not _can_pack(weight) or weight.shape[1] % 2:
+        return exact
+    q, scale = ext.pack_i8(weight)
+    n_out, qbias = weight.shape[0], _NONE
+    if bias is not None:
+        qbias = torch.zeros(q.shape[0] * 16)
+        qbias[:n_out] = bias.float()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > I8_MAX_ROWS:
+            return exact(x)
+        return ext.linear_i8(x.reshape(rows, -1).contiguous(), q, scale, qbias, n_out).view(*x.shape[:-1], n_out)
+    return f
 
 
 def _module_linear(mod):

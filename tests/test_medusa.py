@@ -536,18 +536,22 @@ def test_recurrent_speculative_sampling_matches_target(bug, monkeypatch):
 
 
 @torch.no_grad()
-def test_proposer_packed_matmuls_match_the_heads_in_bf16(target):
+@pytest.mark.parametrize("int8", [False, True])
+def test_proposer_packed_matmuls_match_the_heads_in_bf16(target, int8):
     """The proposer runs the heads through packed copies (on CPU bf16, the project's small-row kernel):
-    they must compute what MedusaHeads computes, up to bf16 summation order."""
+    they must compute what MedusaHeads computes, up to bf16 summation order; with int8=True (the
+    default) through weight-only int8 copies, up to their rounding (a step of max |w_row| / 127)."""
     t16 = LlamaForCausalLM(target.config).eval()
     t16.load_state_dict(target.state_dict())
     t16 = t16.to(torch.bfloat16)
     heads = _perturbed_rec(target, seed=3)
-    prop = MedusaProposer(heads, t16)
+    prop = MedusaProposer(heads, t16, int8=int8)
     h = prop.heads  # bf16 now
     s, e = torch.randn(2, 3, 32, dtype=torch.bfloat16)
+    tol = dict(atol=0.15, rtol=0.05) if int8 else dict(atol=0.05, rtol=0.02)
     for i in range(NH):
         want = h.step(i, s, e)
         got = prop._step(i, s, e)
-        assert torch.allclose(got.float(), want.float(), atol=0.05, rtol=0.02), i
-        assert torch.allclose(prop._lm[i](got).float(), h.lm_heads[i](got).float(), atol=0.05, rtol=0.02), i
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        torch.testing.assert_close(prop._lm[i](got).float(), h.lm_heads[i](got).float(), **tol)
+    assert MedusaProposer(heads, t16).int8 and not MedusaProposer(heads, t16, int8=False).int8

@@ -126,6 +126,92 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, 
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Weight-only int8 for the draft's matmuls (Medusa heads, eval/medusa.py): at one or two rows a draft's
+// matmuls are a stream of its weights (~31 MB of bf16 per round for the recipe's heads, ~1 ms here), so
+// half the bytes is about half the time. Each output row n keeps a scale s_n = max |w_n| / 127 and
+// q = round(w / s_n) in [-127, 127]; int8 values are exact in bf16, so a weight pair is widened to bf16
+// in registers and `vdpbf16ps` accumulates exactly as in `linear`, and y = s_n * acc (+ b) is rounded
+// to bf16. Only proposals use it: verification, and so the output, never sees these weights.
+
+// W [N, K] (bf16 or fp32) -> (q [ceil(N/16), K/2, 16, 2] int8, scale [ceil(N/16) * 16] fp32).
+std::vector<torch::Tensor> pack_i8(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(1) % 2 == 0, "pack_i8: a 2-d weight with an even in_features");
+  const int64_t N = w.size(0), K = w.size(1), Nb = (N + 15) / 16, Kp = K / 2;
+  auto wf = torch::zeros({Nb * 16, K}, w.options().dtype(at::kFloat));
+  wf.narrow(0, 0, N).copy_(w);
+  auto scale = (std::get<0>(wf.abs().max(1)) / 127.0).clamp_min(1e-30);  // [Nb * 16]
+  auto q = (wf / scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);
+  return {q.view({Nb, 16, Kp, 2}).permute({0, 2, 1, 3}).contiguous(), scale.contiguous()};
+}
+
+static inline __m512bh i8x32_to_bf16(const int8_t* p) {  // 32 int8 (16 outputs x 2 k) -> 32 bf16, same order
+  const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w16)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w16, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 127
+}
+
+template <int M, int NB>
+static void run_blocks_i8(const int32_t* x, int64_t Kp, const int8_t* p, const float* scale, const float* bias,
+                          int64_t b0, int64_t b1, uint16_t* y, int64_t N) {
+  for (int64_t b = b0; b < b1; b += NB) {
+    __m512 acc[M][NB];
+    for (int m = 0; m < M; m++) for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
+    const int8_t* w[NB];
+    for (int j = 0; j < NB; j++) w[j] = p + (b + j) * Kp * 32;
+    for (int64_t kp = 0; kp < Kp; kp++) {
+      __m512bh wv[NB];
+      for (int j = 0; j < NB; j++) wv[j] = i8x32_to_bf16(w[j] + kp * 32);
+      for (int m = 0; m < M; m++) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[m * Kp + kp]);
+        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv[j], xb);
+      }
+    }
+    for (int j = 0; j < NB; j++) {
+      const int64_t n0 = (b + j) * 16;
+      const int64_t left = N - n0;
+      const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+      const __m512 sc = _mm512_loadu_ps(scale + n0);
+      const __m512 bi = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+      for (int m = 0; m < M; m++)
+        _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m][j], sc, bi)));
+    }
+  }
+}
+
+template <int M>
+static void run_rows_i8(const int32_t* x, int64_t Kp, const int8_t* p, const float* scale, const float* bias,
+                        int64_t Nb, uint16_t* y, int64_t N) {
+  constexpr int NB = 4;
+  const int64_t groups = Nb / NB;
+  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
+    run_blocks_i8<M, NB>(x, Kp, p, scale, bias, g0 * NB, g1 * NB, y, N);
+  });
+  if (groups * NB < Nb) run_blocks_i8<M, 1>(x, Kp, p, scale, bias, groups * NB, Nb, y, N);
+}
+
+// x [M, K] bf16 contiguous (1 <= M <= 4), (q, scale) from `pack_i8`, bias fp32 [Nb*16] or empty -> y [M, N] bf16.
+torch::Tensor linear_i8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear_i8: x [M, K] bf16");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && scale.scalar_type() == at::kFloat, "linear_i8: pack_i8's tensors");
+  const int64_t M = x.size(0), K = x.size(1), Nb = q.size(0), Kp = q.size(1);
+  TORCH_CHECK(K == 2 * Kp && M >= 1 && M <= 4 && N <= Nb * 16, "linear_i8: K must match the packed weight, 1 <= M <= 4");
+  auto y = torch::empty({M, N}, x.options());
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x.data_ptr<at::BFloat16>());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  switch (M) {
+    case 1: run_rows_i8<1>(xp, Kp, qp, sp, bp, Nb, yp, N); break;
+    case 2: run_rows_i8<2>(xp, Kp, qp, sp, bp, Nb, yp, N); break;
+    case 3: run_rows_i8<3>(xp, Kp, qp, sp, bp, Nb, yp, N); break;
+    default: run_rows_i8<4>(xp, Kp, qp, sp, bp, Nb, yp, N); break;
+  }
+  return y;
+}
+
 // exp(x) for x <= 0 on 16 lanes: 2^n * p(r) with r = x - n ln2 (ln2 in two parts) and Cephes' expf
 // polynomial, within ~2 ulp of expf. Hand-written because libm has no vector exp callable here.
 static inline __m512 exp512(__m512 x) {
@@ -576,6 +662,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rmsnorm", &add_rmsnorm, "x += y (bf16, in place) then HF's RMSNorm of x", py::arg("x"), py::arg("y"),
         py::arg("w"), py::arg("eps"));
   m.def("silu_mul", &silu_mul, "bf16(silu(gate)) * up from the fused [gate | up]");
+  m.def("pack_i8", &pack_i8, "W [N, K] -> (int8 weights packed for linear_i8, per-output scales)");
+  m.def("linear_i8", &linear_i8, "y = x @ (s * q)^T (+ b) for 1 <= M <= 4 rows, int8 weights");
   m.def("attend_qkv", &attend_qkv, "write k, v at slots, then attend from the bf16 projections -> bf16 [B, T, nh * hd]");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 rows), as torch's max(-1).indices");
   m.def("rope", &rope, "RoPE on the first n heads of each row, cos and signed sin [rows, hd], bf16 roundings of eval/target.py");
