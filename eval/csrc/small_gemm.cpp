@@ -308,6 +308,55 @@ static void attend_heads_nr(int64_t nr, const float* const* qrow, float* const* 
   }
 }
 
+// The visible slots of each (b, t) row of vis [B, T, S] in slot order: idx[bt * S + i] for i < cnt[bt].
+static void visible_slots(const torch::Tensor& vis, std::vector<int32_t>& idx, std::vector<int64_t>& cnt) {
+  const int64_t BT = vis.size(0) * vis.size(1), S = vis.size(2);
+  idx.resize(BT * S);
+  cnt.resize(BT);
+  const bool* vp = vis.data_ptr<bool>();
+  for (int64_t bt = 0; bt < BT; bt++) {
+    int64_t c = 0;
+    for (int64_t s = 0; s < S; s++) if (vp[bt * S + s]) idx[bt * S + c++] = (int32_t)s;
+    cnt[bt] = c;
+  }
+}
+
+// One task per (b, kv head, t): the query heads sharing a kv head (4 at a time) read each key and value
+// once, and their 4 dot products are reduced together in one fixed tree (`sum4`). `rows(bt, head0, nr,
+// qbuf, obuf, qrow, orow)` points the task's 4 query and output rows somewhere (qbuf, obuf: hd floats
+// per row, for a caller that widens q or narrows the output); `finish(bt, head0, nr, n, orow)` runs
+// after the heads (n visible slots; n == 0: nothing was computed, the rows must read zeros).
+template <class Rows, class Finish>
+static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t S, int64_t Smax,
+                         const float* kp, const float* vcp, const std::vector<int32_t>& idx,
+                         const std::vector<int64_t>& cnt, double scale, Rows rows, Finish finish) {
+  const int64_t nc = hd / 16, group = nh / nkv;
+  const __m128 scv = _mm_set1_ps((float)scale);
+  at::parallel_for(0, B * nkv * T, 2, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sbuf(4 * (S + 16)), qbuf(4 * hd), obuf(4 * hd);
+    float* sb[4] = {sbuf.data(), sbuf.data() + (S + 16), sbuf.data() + 2 * (S + 16), sbuf.data() + 3 * (S + 16)};
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t t = i % T, g = (i / T) % nkv, b = i / (T * nkv);
+      const int64_t bt = b * T + t, n = cnt[bt];
+      const int32_t* ix = idx.data() + bt * S;
+      const float* kh = kp + (b * nkv + g) * Smax * hd;
+      const float* vh = vcp + (b * nkv + g) * Smax * hd;
+      for (int64_t r0 = 0; r0 < group; r0 += 4) {
+        const int64_t nr = group - r0 < 4 ? group - r0 : 4, head0 = g * group + r0;
+        const float* qrow[4];
+        float* orow[4];
+        rows(bt, head0, nr, qbuf.data(), obuf.data(), qrow, orow);
+        if (n > 0) {
+          if (nc == 4) attend_heads_nr<4>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
+          else if (nc == 8) attend_heads_nr<8>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
+          else attend_heads_nr<0>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
+        }
+        finish(bt, head0, nr, n, orow);
+      }
+    }
+  });
+}
+
 // Attention of each query row over the cache slots it may see, in fp32:
 //   q [B, nh, T, hd], k/v cache [B, nkv, S_max, hd] (contiguous), vis [B, T, S] bool -> [B, nh, T, hd].
 // The visible slots of a row are gathered first, in slot order, and every sum (q.k over hd, the
@@ -324,51 +373,23 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   TORCH_CHECK(hd % 16 == 0 && hd <= 256 && nh % nkv == 0 && S <= Smax && vis.size(0) == B && vis.size(1) == T,
               "attend: head_dim a multiple of 16 (<= 256), heads a multiple of kv heads, S <= cache length");
   auto out = torch::empty_like(q);
-  // Compact lists of visible slots per (b, t), shared by all heads.
-  std::vector<int32_t> idx(B * T * S);
-  std::vector<int64_t> cnt(B * T);
-  const bool* vp = vis.data_ptr<bool>();
-  for (int64_t bt = 0; bt < B * T; bt++) {
-    int64_t c = 0;
-    for (int64_t s = 0; s < S; s++) if (vp[bt * S + s]) idx[bt * S + c++] = (int32_t)s;
-    cnt[bt] = c;
-  }
+  std::vector<int32_t> idx;
+  std::vector<int64_t> cnt;
+  visible_slots(vis, idx, cnt);
   const float* qp = q.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vcp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t nc = hd / 16, group = nh / nkv;
-  const __m128 scv = _mm_set1_ps((float)scale);
-  // One task per (b, kv head, t): the query heads sharing a kv head (4 at a time) read each key and
-  // value once, and their 4 dot products are reduced together in one fixed tree (`sum4`).
-  at::parallel_for(0, B * nkv * T, 2, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sbuf(4 * (S + 16));
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t t = i % T, g = (i / T) % nkv, b = i / (T * nkv);
-      const int64_t bt = b * T + t, n = cnt[bt];
-      const int32_t* ix = idx.data() + bt * S;
-      const float* kh = kp + (b * nkv + g) * Smax * hd;
-      const float* vh = vcp + (b * nkv + g) * Smax * hd;
-      for (int64_t r0 = 0; r0 < group; r0 += 4) {
-        const int64_t nr = group - r0 < 4 ? group - r0 : 4;
-        auto row = [&](int64_t r) { return ((b * nh + g * group + r0 + r) * T + t) * hd; };  // q/out offset
-        if (n == 0) {
-          for (int64_t r = 0; r < nr; r++) for (int64_t d = 0; d < hd; d++) op[row(r) + d] = 0.f;
-          continue;
-        }
-        float* sb[4] = {sbuf.data(), sbuf.data() + (S + 16), sbuf.data() + 2 * (S + 16), sbuf.data() + 3 * (S + 16)};
-        const float* qrow[4];
-        float* orow[4];
-        for (int64_t r = 0; r < 4; r++) {
-          qrow[r] = qp + row(r < nr ? r : 0);
-          orow[r] = op + row(r < nr ? r : 0);
-        }
-        if (nc == 4) attend_heads_nr<4>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
-        else if (nc == 8) attend_heads_nr<8>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
-        else attend_heads_nr<0>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
-      }
+  auto rows = [&](int64_t bt, int64_t head0, int64_t nr, float*, float*, const float** qrow, float** orow) {
+    const int64_t b = bt / T, t = bt % T;
+    for (int64_t r = 0; r < 4; r++) {  // q and out rows in place ([B, nh, T, hd]); a padded 4th reads row 0
+      const int64_t off = ((b * nh + head0 + (r < nr ? r : 0)) * T + t) * hd;
+      qrow[r] = qp + off;
+      orow[r] = op + off;
     }
-  });
+  };
+  auto finish = [&](int64_t, int64_t, int64_t nr, int64_t n, float* const* orow) {
+    if (n == 0) for (int64_t r = 0; r < nr; r++) std::memset(orow[r], 0, hd * sizeof(float));
+  };
+  attend_tasks(B, T, nh, nkv, hd, S, Smax, kc.data_ptr<float>(), vc.data_ptr<float>(), idx, cnt, scale, rows, finish);
   return out;
 }
 
@@ -445,52 +466,26 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
       }
     }
   auto out = torch::empty({B, T, nh * hd}, qk.options());
-  std::vector<int32_t> idx(B * T * S);
-  std::vector<int64_t> cnt(B * T);
-  const bool* vp = vis.data_ptr<bool>();
-  for (int64_t bt = 0; bt < B * T; bt++) {
-    int64_t c = 0;
-    for (int64_t s = 0; s < S; s++) if (vp[bt * S + s]) idx[bt * S + c++] = (int32_t)s;
-    cnt[bt] = c;
-  }
+  std::vector<int32_t> idx;
+  std::vector<int64_t> cnt;
+  visible_slots(vis, idx, cnt);
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
-  const int64_t nc = hd / 16, group = nh / nkv;
-  const __m128 scv = _mm_set1_ps((float)scale);
-  at::parallel_for(0, B * nkv * T, 2, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sbuf(4 * (S + 16));
-    std::vector<float> qbuf(4 * hd), obuf(4 * hd);
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t t = i % T, g = (i / T) % nkv, b = i / (T * nkv);
-      const int64_t bt = b * T + t, n = cnt[bt];
-      const int32_t* ix = idx.data() + bt * S;
-      const float* kh = kp + (b * nkv + g) * Smax * hd;
-      const float* vh = vcp + (b * nkv + g) * Smax * hd;
-      for (int64_t r0 = 0; r0 < group; r0 += 4) {
-        const int64_t nr = group - r0 < 4 ? group - r0 : 4;
-        const int64_t head0 = g * group + r0;
-        uint16_t* orow16 = op + bt * nh * hd + head0 * hd;
-        if (n == 0) {
-          std::memset(orow16, 0, nr * hd * sizeof(uint16_t));
-          continue;
-        }
-        float* sb[4] = {sbuf.data(), sbuf.data() + (S + 16), sbuf.data() + 2 * (S + 16), sbuf.data() + 3 * (S + 16)};
-        const float* qrow[4];
-        float* orow[4];
-        for (int64_t r = 0; r < 4; r++) {
-          const int64_t rr = r < nr ? r : 0;
-          const uint16_t* qs = qkp + bt * Cq + (head0 + rr) * hd;
-          for (int64_t c = 0; c < hd; c += 16) _mm512_storeu_ps(qbuf.data() + r * hd + c, bf16x16_load(qs + c));
-          qrow[r] = qbuf.data() + r * hd;
-          orow[r] = obuf.data() + rr * hd;
-        }
-        if (nc == 4) attend_heads_nr<4>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
-        else if (nc == 8) attend_heads_nr<8>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
-        else attend_heads_nr<0>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
-        for (int64_t r = 0; r < nr; r++)
-          for (int64_t c = 0; c < hd; c += 16) bf16x16_store(orow16 + r * hd + c, _mm512_loadu_ps(obuf.data() + r * hd + c));
-      }
+  auto rows = [&](int64_t bt, int64_t head0, int64_t nr, float* qbuf, float* obuf, const float** qrow, float** orow) {
+    for (int64_t r = 0; r < 4; r++) {  // q widened from bf16 into qbuf; the output into obuf
+      const int64_t rr = r < nr ? r : 0;
+      const uint16_t* qs = qkp + bt * Cq + (head0 + rr) * hd;
+      for (int64_t c = 0; c < hd; c += 16) _mm512_storeu_ps(qbuf + r * hd + c, bf16x16_load(qs + c));
+      qrow[r] = qbuf + r * hd;
+      orow[r] = obuf + rr * hd;
     }
-  });
+  };
+  auto finish = [&](int64_t bt, int64_t head0, int64_t nr, int64_t n, float* const* orow) {
+    uint16_t* o = op + bt * nh * hd + head0 * hd;  // [B, T, nh * hd]: o_proj's layout
+    for (int64_t r = 0; r < nr; r++)
+      for (int64_t c = 0; c < hd; c += 16)
+        bf16x16_store(o + r * hd + c, n == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(orow[r] + c));
+  };
+  attend_tasks(B, T, nh, nkv, hd, S, Smax, kp, vcp, idx, cnt, scale, rows, finish);
   return out;
 }
 
