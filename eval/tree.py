@@ -8,8 +8,8 @@ one-token step, 9 tokens ~1.6x and 17 ~2.1x (docs/benchmarks.md), so a second ca
 n-gram match next to the trained draft's chain) costs little only while the tree stays small.
 
 Layout of one round, per row b (node 0 is the current token, at position n_b):
-    tokens  [B, N]       nodes 1..N (padding nodes: parent -1, never accepted)
-    parents [B, N]       parent node index in 0..N-1 (0 = the current token)
+    tokens  [B, N]       nodes 1..N (padding nodes past a row's own: token 0, never accepted)
+    parents (host lists) parent node index in 0..N-1 (0 = the current token)
     depth   [B, N+1]     node depth; node j sits at position n_b + depth[b, j]
     anc     [B, N+1, N+1] anc[b, j, i]: node i is node j or one of its ancestors
 Every node gets its own cache slot n_b + j; after the round the accepted path's K/V move to the
@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 
 
 def build_trie(candidates: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
@@ -50,8 +49,7 @@ def build_trie(candidates: list[list[int]], max_nodes: int) -> tuple[list[int], 
 
 @dataclass
 class Tree:
-    tokens: torch.Tensor  # [B, N] long
-    parents: torch.Tensor  # [B, N] long, -1 for padding nodes
+    tokens: torch.Tensor  # [B, N] long (padding nodes: 0)
     depth: torch.Tensor  # [B, N+1] long
     anc: torch.Tensor  # [B, N+1, N+1] bool
     parents_host: list[list[int]]  # per row, its own nodes' parents (no padding)
@@ -64,7 +62,7 @@ class Tree:
         # Built as host lists and turned into tensors once: per-node tensor ops cost more than the
         # whole tree is worth at these sizes (8-24 nodes, a few microseconds per op).
         N = max((len(t) for t, _ in rows), default=0)
-        toks, pars, depths, ancs = [], [], [], []
+        toks, depths, ancs = [], [], []
         for t, p in rows:
             depth = [0] * (N + 1)
             anc = [[i == j for i in range(N + 1)] for j in range(N + 1)]  # every node sees itself
@@ -74,13 +72,12 @@ class Tree:
             for j in range(len(p) + 1, N + 1):
                 depth[j] = 1  # padding nodes: a position past the current token, never accepted
             toks.append(t + [0] * (N - len(t)))
-            pars.append(p + [-1] * (N - len(p)))
             depths.append(depth)
             ancs.append(anc)
         md = max((max(d) for d in depths), default=0) if N else 0
         as_t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-        return cls(as_t(toks, torch.long).view(len(rows), N), as_t(pars, torch.long).view(len(rows), N),
-                   as_t(depths, torch.long), as_t(ancs, torch.bool), [p for _, p in rows], [t for t, _ in rows], md)
+        return cls(as_t(toks, torch.long).view(len(rows), N), as_t(depths, torch.long), as_t(ancs, torch.bool),
+                   [p for _, p in rows], [t for t, _ in rows], md)
 
     def mask(self, n: torch.Tensor, s_len: int) -> torch.Tensor:
         """n [B] the current token's position -> attention mask [B, 1, N+1, s_len]: node j of row b

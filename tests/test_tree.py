@@ -26,7 +26,7 @@ def test_build_trie_shares_prefixes_and_keeps_the_budget():
 def test_tree_tensors_mask_and_paths():
     rows = [build_trie([[5, 6, 7], [5, 8]], 10), build_trie([[3]], 10)]  # row 1 is padded to N = 4
     t = Tree.from_lists(rows, "cpu")
-    assert t.tokens.shape == (2, 4) and t.parents[1].tolist() == [0, -1, -1, -1]
+    assert t.tokens.shape == (2, 4) and t.tokens[1].tolist() == [3, 0, 0, 0] and t.parents_host[1] == [0]
     assert t.depth[0].tolist() == [0, 1, 2, 3, 2] and t.max_depth == 3
     n = torch.tensor([3, 1])
     m = t.mask(n, 8)[:, 0]  # [B, N+1, S]
