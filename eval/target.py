@@ -137,6 +137,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
     f.row_invariant = ext is not None  # up to MAX_ROWS rows: a row's sums do not depend on the others
+    f.kernel = (kpacked, kbias, n_out) if ext is not None else None  # for ext.layer (LeanLlama._forward_fused)
     return f
 
 
@@ -248,6 +249,13 @@ class LeanLlama:
         if self.ew is not None:
             # per layer: (input norm's weight, eps), (post-attention norm's), then the final norm's
             self.norm_w = [(n.weight.detach(), float(n.variance_epsilon)) for n in norms]
+        # ext.layer's arguments per layer ([packed, bias] x 4, out widths), where every projection is the kernel's
+        self.layers = None
+        kernels = [[getattr(f, "kernel", None) for f in (fused[0], out[0], fused[1], out[1])]  # qkv, o, gate|up, down
+                   for fused, out in zip(self.fused, self.out)] \
+            if self.ew is not None and hasattr(self.ew, "layer") else []
+        if kernels and all(k is not None for ks in kernels for k in ks):
+            self.layers = [([t for kp, kb, _ in ks for t in (kp, kb)], [n for _, _, n in ks]) for ks in kernels]
 
     def reset(self, batch: int, max_len: int) -> None:
         # Reuse the allocation when the shape fits; stale slots are never attended (mask: slot <= pos).
@@ -361,6 +369,13 @@ class LeanLlama:
         # the cache write, the casts and the transposes were ~12 ATen ops a layer.
         direct = vis is not None and hasattr(ew, "attend_qkv")
         slots = slots.contiguous() if direct else slots
+        if direct and self.layers is not None and B * T <= MAX_ROWS:
+            # Each layer in one call (ext.layer: the same kernels in the same order), where the loop below
+            # spends ~1 ms a forward in Python between them.
+            for i, (cache, (w, n_out)) in enumerate(zip(self.caches, self.layers)):
+                h = ew.layer(x, h, w, n_out, cos, sin, cache.k, cache.v, slots, vis, self.n_heads, self.scale,
+                             *nw[2 * i + 1], *nw[2 * i + 2])
+            return self._head(h, logit_idx)
         for i, (cache, fused, (o_proj, down_proj)) in enumerate(zip(self.caches, self.fused, self.out)):
             qkv = fused[0](h)  # [B, T, q + k + v]
             qk = ew.rope(qkv, nqk, cos, sin).view(B, T, nqk * self.head_dim)  # [B, T, (nh + nkv) hd]

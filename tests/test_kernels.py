@@ -378,3 +378,35 @@ def test_int8_linear_is_the_dequantized_matmul_and_falls_back_past_four_rows(n_o
         torch.testing.assert_close(f(x).float(), want, rtol=2 ** -7, atol=1e-4)  # one bf16 rounding
     x = torch.randn(I8_MAX_ROWS + 1, k, generator=g).bfloat16()  # past the limit: the exact bf16 weights
     assert torch.equal(f(x), packed_linear(w, b)(x))
+
+
+@needs_kernel
+def test_fused_forward_gives_the_same_numbers_with_and_without_the_layer_call():
+    """ext.layer (a whole layer in one call) against the per-kernel loop, on decode steps, a tree verify
+    and a ragged batch of two: logits, features and the cache bit for bit. A prefill (more rows than the
+    matmul kernel takes) keeps the loop."""
+    from eval.target import LeanLlama
+
+    r = LeanLlama(_bf16_target())
+    assert r.layers is not None
+    layers = r.layers
+    toks = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    out = {}
+    with torch.no_grad():
+        for name, ls in (("layer", layers), ("loop", None)):
+            r.layers = ls
+            r.reset(2, 64)
+            res = [r(toks[:, :24], torch.arange(24)[None].expand(2, -1), 24)]
+            for t in range(24, 28):  # one-token steps, batch of two
+                res.append(r(toks[:, t:t + 1], torch.tensor([[t], [t]]), t + 1))
+            pos = torch.tensor([[28, 29, 29, 30], [28, 29, 30, 31]])  # row 0 a tree, row 1 a chain
+            mask = torch.zeros(2, 1, 4, 32, dtype=torch.bool)
+            mask[..., :28] = True
+            for j, anc in enumerate([[0], [0, 1], [0, 2], [0, 1, 3]]):
+                mask[0, 0, j, [28 + a for a in anc]] = True
+                mask[1, 0, j, 28:29 + j] = True
+            res.append(r(toks[:, 28:32], pos, 32, slots=torch.arange(28, 32)[None].expand(2, -1), mask=mask))
+            out[name] = (res, r.K.clone(), r.V.clone())
+    for a, b in zip(out["layer"][0], out["loop"][0]):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(out["layer"][1], out["loop"][1]) and torch.equal(out["layer"][2], out["loop"][2])

@@ -650,6 +650,27 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// One layer of the fused bf16 forward (eval/target.py `LeanLlama._forward_fused`) in one call: the same
+// kernels in the same order, so the same numbers; what it saves is Python, ~10 calls and views a layer
+// (~1 ms a forward here). x [B, T, H] the residual stream (updated in place), h [B, T, H] the input
+// norm's output; w: (packed, bias) of q|k|v, o, gate|up and down from `pack` (bias fp32 or empty);
+// cos/sin [B, T, hd]; the layer's caches, slots and vis as attend_qkv takes them; n1/n2: the
+// post-attention norm and the next norm (the next layer's input norm, or the final one) -> their output.
+// B * T <= 16 rows (the matmul kernel's limit).
+torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> w, std::vector<int64_t> n_out,
+                    torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
+                    torch::Tensor vis, int64_t nh, double scale, torch::Tensor n1, double eps1, torch::Tensor n2,
+                    double eps2) {
+  TORCH_CHECK(w.size() == 8 && n_out.size() == 4 && x.dim() == 3 && h.sizes() == x.sizes(), "layer: 4 (packed, bias) pairs");
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), R = B * T, nkv = kc.size(1), hd = kc.size(3);
+  const auto qkv = linear(h.view({R, H}), w[0], w[1], n_out[0]);  // [R, q + k + v]
+  const auto qk = rope(qkv, nh + nkv, cos, sin);  // [R, (nh + nkv) hd]
+  const auto a = attend_qkv(qk.view({B, T, -1}), qkv.view({B, T, -1}), (nh + nkv) * hd, kc, vc, slots, vis, nh, scale);
+  const auto h1 = add_rmsnorm(x, linear(a.view({R, nh * hd}), w[2], w[3], n_out[1]).view_as(x), n1, eps1);
+  const auto mlp = linear(silu_mul(linear(h1.view({R, H}), w[4], w[5], n_out[2])), w[6], w[7], n_out[3]);
+  return add_rmsnorm(x, mlp.view_as(x), n2, eps2);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear");
   m.def("linear", &linear, "y = x @ W^T (+ b), M <= 16 rows");
@@ -659,6 +680,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "bf16(silu(gate)) * up from the fused [gate | up]");
   m.def("pack_i8", &pack_i8, "W [N, K] -> (int8 weights packed for linear_i8, per-output scales)");
   m.def("linear_i8", &linear_i8, "y = x @ (s * q)^T (+ b) for 1 <= M <= 4 rows, int8 weights");
+  m.def("layer", &layer, "one Llama layer of the fused bf16 forward, <= 16 rows (packed weights)");
   m.def("attend_qkv", &attend_qkv, "write k, v at slots, then attend from the bf16 projections -> bf16 [B, T, nh * hd]");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 rows), as torch's max(-1).indices");
   m.def("rope", &rope, "RoPE on the first n heads of each row, cos and signed sin [rows, hd], bf16 roundings of eval/target.py");
