@@ -56,9 +56,10 @@ K_MAX_AUTO = 8
 # "fused-1": the lean forward's residual adds, RMSNorms, RoPE and SiLU * up are CPU kernels
 # (LeanLlama._forward_fused): faster steps; bf16 numbers differ from the ATen ops' in rare last bits.
 # "fused-2": attention straight from the projections (one kernel call writes k/v and attends), the argmax
-# and the tree's accept rule without ATen's small ops, RoPE vectorised, a layer in one kernel call, Medusa
-# heads drafting through int8 copies: faster steps and rounds, the same output tokens.
-SERVING_REV = "fused-2"
+# and the tree's accept rule without ATen's small ops, RoPE vectorised, Medusa heads drafting through int8
+# copies: faster steps and rounds, the same output tokens. "fused-3": and each layer of a forward of <= 16
+# rows as one kernel call (ext.layer).
+SERVING_REV = "fused-3"
 PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
 WARMUP_PLAIN = 3  # with k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 
