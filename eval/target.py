@@ -152,13 +152,10 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     does not build, go to `packed_linear` on the bf16 weight."""
     ext = small_gemm()
     exact = packed_linear(weight, bias)
-    if ext is None or not hasattr(ext, "linear_i8") or not _can_pack(weight) or weight.shape[1] % 2:
+    if getattr(exact, "kernel", None) is None or not hasattr(ext, "linear_i8"):
         return exact
     q, scale = ext.pack_i8(weight)
-    n_out, qbias = weight.shape[0], _NONE
-    if bias is not None:
-        qbias = torch.zeros(q.shape[0] * 16)
-        qbias[:n_out] = bias.float()
+    _, qbias, n_out = exact.kernel  # the bias padded to whole blocks of 16, as the bf16 kernel reads it
 
     def f(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -10,17 +10,22 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+// [16 Nb, K] -> [Nb, K/2, 16, 2]: 32 consecutive weights hold 16 outputs x 2 k (one 64-byte line in bf16).
+static torch::Tensor to_blocks(const torch::Tensor& w) {
+  return w.view({w.size(0) / 16, 16, w.size(1) / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
 
 // W [N, K] bf16 -> [ceil(N/16), K/2, 16, 2] bf16 (N zero-padded to a multiple of 16). K must be even.
 torch::Tensor pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack: a 2-d bf16 weight");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(K % 2 == 0, "pack: in_features must be even");
-  const int64_t Nb = (N + 15) / 16, Kp = K / 2;
-  auto wp = torch::zeros({Nb * 16, K}, w.options());
+  auto wp = torch::zeros({(N + 15) / 16 * 16, K}, w.options());
   wp.narrow(0, 0, N).copy_(w);
-  return wp.view({Nb, 16, Kp, 2}).permute({0, 2, 1, 3}).contiguous();
+  return to_blocks(wp);
 }
 
 // Software prefetch distance for the packed weights, in 64-byte lines (one line = one kp step of a
@@ -42,23 +47,37 @@ torch::Tensor pack(torch::Tensor w) {
 #define SPLIT_ABOVE 12
 #endif
 
+// 32 int8 weights (16 outputs x 2 k) -> 32 bf16 in the same order, exactly (|q| <= 127): `linear_i8`'s weights.
+static inline __m512bh i8x32_to_bf16(const int8_t* p) {
+  const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w16)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w16, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
 // Blocks [b0, b1) of 16 outputs, NB blocks at a time, all M rows: M*NB accumulators stay in registers.
-template <int M, int NB>
-static void run_blocks(const int32_t* x, int64_t Kp, const uint16_t* p, const float* bias,
-                       int64_t b0, int64_t b1, uint16_t* y, int64_t N) {
+// W = uint16_t: bf16 weights from `pack`, the bias (fp32) starts the sums. W = int8_t: int8 weights from
+// `pack_i8`, widened to bf16 in registers, and y = scale * sum + bias at the end (`linear_i8`).
+template <int M, int NB, class W = uint16_t>
+static void run_blocks(const int32_t* x, int64_t Kp, const W* p, const float* bias,
+                       int64_t b0, int64_t b1, uint16_t* y, int64_t N, const float* scale = nullptr) {
+  constexpr bool I8 = std::is_same_v<W, int8_t>;
   for (int64_t b = b0; b < b1; b += NB) {
     __m512 acc[M][NB];
     for (int j = 0; j < NB; j++) {
-      __m512 init = bias ? _mm512_loadu_ps(bias + (b + j) * 16) : _mm512_setzero_ps();
+      __m512 init = bias && !I8 ? _mm512_loadu_ps(bias + (b + j) * 16) : _mm512_setzero_ps();
       for (int m = 0; m < M; m++) acc[m][j] = init;
     }
-    const __m512i* w[NB];
-    for (int j = 0; j < NB; j++) w[j] = reinterpret_cast<const __m512i*>(p + (b + j) * Kp * 32);
+    const W* w[NB];
+    for (int j = 0; j < NB; j++) w[j] = p + (b + j) * Kp * 32;
     for (int64_t kp = 0; kp < Kp; kp++) {
       __m512bh wv[NB];
-      for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + kp);
-      if constexpr (M >= PREFETCH_MIN_ROWS)
-        for (int j = 0; j < NB; j++) _mm_prefetch((const char*)(w[j] + kp + PREFETCH_LINES), _MM_HINT_T0);
+      for (int j = 0; j < NB; j++) {
+        if constexpr (I8) wv[j] = i8x32_to_bf16(w[j] + kp * 32);
+        else wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + kp * 32);
+      }
+      if constexpr (!I8 && M >= PREFETCH_MIN_ROWS)
+        for (int j = 0; j < NB; j++) _mm_prefetch((const char*)(w[j] + (kp + PREFETCH_LINES) * 32), _MM_HINT_T0);
       for (int m = 0; m < M; m++) {
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[m * Kp + kp]);  // x[m, 2kp:2kp+2] in every lane
         for (int j = 0; j < NB; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv[j], xb);
@@ -69,7 +88,10 @@ static void run_blocks(const int32_t* x, int64_t Kp, const uint16_t* p, const fl
       const int64_t left = N - n0;
       const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
       for (int m = 0; m < M; m++) {
-        const __m256i r = (__m256i)_mm512_cvtneps_pbh(acc[m][j]);  // round to nearest even, as torch does
+        __m512 v = acc[m][j];
+        if constexpr (I8)
+          v = _mm512_fmadd_ps(v, _mm512_loadu_ps(scale + n0), bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps());
+        const __m256i r = (__m256i)_mm512_cvtneps_pbh(v);  // round to nearest even, as torch does
         _mm256_mask_storeu_epi16(y + m * N + n0, mask, r);
       }
     }
@@ -90,9 +112,9 @@ static void run_blocks_split(const int32_t* x, int64_t Kp, const uint16_t* p, co
   }
 }
 
-template <int M>
-static void run_rows(const int32_t* x, int64_t Kp, const uint16_t* p, const float* bias, int64_t Nb,
-                     uint16_t* y, int64_t N) {
+template <int M, class W = uint16_t>
+static void run_rows(const int32_t* x, int64_t Kp, const W* p, const float* bias, int64_t Nb,
+                     uint16_t* y, int64_t N, const float* scale = nullptr) {
   // Enough blocks per accumulator set to reuse each broadcast, few enough to stay in 32 registers.
   constexpr int NB = M <= 4 ? 4 : 2;
   constexpr bool SPLIT = M > SPLIT_ABOVE;
@@ -101,10 +123,10 @@ static void run_rows(const int32_t* x, int64_t Kp, const uint16_t* p, const floa
     if constexpr (SPLIT) {
       run_blocks_split<(M + 1) / 2, M / 2, NB>(x, Kp, p, bias, g0 * NB, g1 * NB, y, N);
     } else {
-      run_blocks<M, NB>(x, Kp, p, bias, g0 * NB, g1 * NB, y, N);
+      run_blocks<M, NB, W>(x, Kp, p, bias, g0 * NB, g1 * NB, y, N, scale);
     }
   });
-  if (groups * NB < Nb) run_blocks<M, 1>(x, Kp, p, bias, groups * NB, Nb, y, N);
+  if (groups * NB < Nb) run_blocks<M, 1, W>(x, Kp, p, bias, groups * NB, Nb, y, N, scale);
 }
 
 // x [M, K] bf16 contiguous, packed from `pack`, bias fp32 [Nb*16] or empty -> y [M, N] bf16.
@@ -137,58 +159,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, 
 // W [N, K] (bf16 or fp32) -> (q [ceil(N/16), K/2, 16, 2] int8, scale [ceil(N/16) * 16] fp32).
 std::vector<torch::Tensor> pack_i8(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.size(1) % 2 == 0, "pack_i8: a 2-d weight with an even in_features");
-  const int64_t N = w.size(0), K = w.size(1), Nb = (N + 15) / 16, Kp = K / 2;
-  auto wf = torch::zeros({Nb * 16, K}, w.options().dtype(at::kFloat));
+  const int64_t N = w.size(0), K = w.size(1);
+  auto wf = torch::zeros({(N + 15) / 16 * 16, K}, w.options().dtype(at::kFloat));
   wf.narrow(0, 0, N).copy_(w);
   auto scale = (std::get<0>(wf.abs().max(1)) / 127.0).clamp_min(1e-30);  // [Nb * 16]
   auto q = (wf / scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);
-  return {q.view({Nb, 16, Kp, 2}).permute({0, 2, 1, 3}).contiguous(), scale.contiguous()};
-}
-
-static inline __m512bh i8x32_to_bf16(const int8_t* p) {  // 32 int8 (16 outputs x 2 k) -> 32 bf16, same order
-  const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w16)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w16, 1)));
-  return _mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 127
-}
-
-template <int M, int NB>
-static void run_blocks_i8(const int32_t* x, int64_t Kp, const int8_t* p, const float* scale, const float* bias,
-                          int64_t b0, int64_t b1, uint16_t* y, int64_t N) {
-  for (int64_t b = b0; b < b1; b += NB) {
-    __m512 acc[M][NB];
-    for (int m = 0; m < M; m++) for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
-    const int8_t* w[NB];
-    for (int j = 0; j < NB; j++) w[j] = p + (b + j) * Kp * 32;
-    for (int64_t kp = 0; kp < Kp; kp++) {
-      __m512bh wv[NB];
-      for (int j = 0; j < NB; j++) wv[j] = i8x32_to_bf16(w[j] + kp * 32);
-      for (int m = 0; m < M; m++) {
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[m * Kp + kp]);
-        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv[j], xb);
-      }
-    }
-    for (int j = 0; j < NB; j++) {
-      const int64_t n0 = (b + j) * 16;
-      const int64_t left = N - n0;
-      const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-      const __m512 sc = _mm512_loadu_ps(scale + n0);
-      const __m512 bi = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-      for (int m = 0; m < M; m++)
-        _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m][j], sc, bi)));
-    }
-  }
-}
-
-template <int M>
-static void run_rows_i8(const int32_t* x, int64_t Kp, const int8_t* p, const float* scale, const float* bias,
-                        int64_t Nb, uint16_t* y, int64_t N) {
-  constexpr int NB = 4;
-  const int64_t groups = Nb / NB;
-  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
-    run_blocks_i8<M, NB>(x, Kp, p, scale, bias, g0 * NB, g1 * NB, y, N);
-  });
-  if (groups * NB < Nb) run_blocks_i8<M, 1>(x, Kp, p, scale, bias, groups * NB, Nb, y, N);
+  return {to_blocks(q), scale.contiguous()};
 }
 
 // x [M, K] bf16 contiguous (1 <= M <= 4), (q, scale) from `pack_i8`, bias fp32 [Nb*16] or empty -> y [M, N] bf16.
@@ -204,10 +180,10 @@ torch::Tensor linear_i8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, t
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   switch (M) {
-    case 1: run_rows_i8<1>(xp, Kp, qp, sp, bp, Nb, yp, N); break;
-    case 2: run_rows_i8<2>(xp, Kp, qp, sp, bp, Nb, yp, N); break;
-    case 3: run_rows_i8<3>(xp, Kp, qp, sp, bp, Nb, yp, N); break;
-    default: run_rows_i8<4>(xp, Kp, qp, sp, bp, Nb, yp, N); break;
+    case 1: run_rows<1>(xp, Kp, qp, bp, Nb, yp, N, sp); break;
+    case 2: run_rows<2>(xp, Kp, qp, bp, Nb, yp, N, sp); break;
+    case 3: run_rows<3>(xp, Kp, qp, bp, Nb, yp, N, sp); break;
+    default: run_rows<4>(xp, Kp, qp, bp, Nb, yp, N, sp); break;
   }
   return y;
 }
@@ -595,7 +571,6 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
   return out;
 }
 
-
 // x [R, V] bf16 (contiguous rows) -> [R] int64, each row's index of its first maximum: the answer of
 // torch's max(-1).indices, NaN included (a row holding a NaN answers its first NaN, as torch's max
 // propagates it). Why by hand: the verify reads the argmax of every node's 49,152 logits, and ATen's
@@ -615,29 +590,31 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     for (int64_t r = r0; r < r1; r++) {
       const uint16_t* xr = xp + r * V;
       const int64_t Vv = V / 16 * 16;
-      __m512 best = _mm512_set1_ps(-INFINITY);
-      __m512i bidx = _mm512_set1_epi32(-1);
-      __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512i step = _mm512_set1_epi32(16);
       __mmask16 nan = 0;
-      for (int64_t i = 0; i < Vv; i += 16) {
-        const __m512 v = bf16x16_load(xr + i);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) | (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ)
-                             & _mm512_cmpeq_epi32_mask(bidx, _mm512_set1_epi32(-1)));  // -inf at a lane's start
-        best = _mm512_mask_mov_ps(best, gt, v);
-        bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
-        idx = _mm512_add_epi32(idx, step);
-      }
       float bv = -INFINITY;
       int64_t bi = -1;
-      if (!nan) {
-        alignas(64) float vals[16];
-        alignas(64) int32_t ids[16];
-        _mm512_store_ps(vals, best);
-        _mm512_store_si512((__m512i*)ids, bidx);
-        for (int l = 0; l < 16; l++)
-          if (ids[l] >= 0 && (bi < 0 || vals[l] > bv || (vals[l] == bv && ids[l] < bi))) { bv = vals[l]; bi = ids[l]; }
+      if (Vv > 0) {  // each lane starts at its first column
+        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512 best = bf16x16_load(xr);
+        __m512i bidx = idx;
+        const __m512i step = _mm512_set1_epi32(16);
+        nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+        for (int64_t i = 16; i < Vv; i += 16) {
+          const __m512 v = bf16x16_load(xr + i);
+          idx = _mm512_add_epi32(idx, step);
+          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+          best = _mm512_mask_mov_ps(best, gt, v);
+          bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+        }
+        if (!nan) {
+          alignas(64) float vals[16];
+          alignas(64) int32_t ids[16];
+          _mm512_store_ps(vals, best);
+          _mm512_store_si512((__m512i*)ids, bidx);
+          for (int l = 0; l < 16; l++)
+            if (bi < 0 || vals[l] > bv || (vals[l] == bv && ids[l] < bi)) { bv = vals[l]; bi = ids[l]; }
+        }
       }
       for (int64_t i = nan ? 0 : Vv; i < V; i++) {  // the tail, or every column of a row with a NaN
         const float v = bf2f(xr[i]);
