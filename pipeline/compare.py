@@ -85,8 +85,11 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
     _link(run_dir / "generate", vdir / "generate")
     _link(run_dir / "prompts", vdir / "prompts")
     feats = run_dir / "compare" / f"features-{recipe.train.data}.safetensors"
-    if feats.exists() and not (vdir / "train" / FEATURES_FILE).exists():  # the same target features
-        os.link(feats, vdir / "train" / FEATURES_FILE)
+    # The same target features for every variant: the compare's own, else the distill's train stage's
+    # (its key is checked on load, and a mismatch is recomputed into the variant's own file).
+    src = feats if feats.exists() else run_dir / "train" / FEATURES_FILE
+    if src.exists() and not (vdir / "train" / FEATURES_FILE).exists():
+        os.link(src, vdir / "train" / FEATURES_FILE)
     raw = run_dir / "compare" / RAW_TEACHER_FILE  # the scored raw-text mix: the same for every variant
     if recipe.train.raw_windows and raw.exists() and not (vdir / "train" / RAW_TEACHER_FILE).exists():
         os.link(raw, vdir / "train" / RAW_TEACHER_FILE)  # (its key is checked on load)

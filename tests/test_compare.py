@@ -63,3 +63,37 @@ def test_compare_rejects_unknown_method(tiny_target, tmp_path):  # noqa: F811
     args = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
             f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "--methods", "eagle,warp"]
     assert main(args) == 2
+
+
+def test_compare_reuses_the_distills_target_features(tiny_target, tmp_path):  # noqa: F811
+    """A compare on a distilled run links the train stage's feature cache instead of recomputing it,
+    and recomputes (into the variant's own file, the run's untouched) when its key does not match."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    args = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "--methods", "medusa",
+            "--divergences", "fkl", "--no-raw", "--steps", "1"]
+    assert main(args) == 0
+    run = (tmp_path / "code" / "latest").resolve()
+    # Stand in for a distill's train stage: its features where `distill` leaves them, no compare yet.
+    (run / "train").mkdir()
+    (run / "compare" / "features-generated.safetensors").rename(run / "train" / "features.safetensors")
+    shutil.rmtree(run / "compare")
+    distilled = run / "train" / "features.safetensors"
+    ino, mtime = distilled.stat().st_ino, distilled.stat().st_mtime_ns
+    assert main(args) == 0
+    variant = run / "compare" / "medusa-fkl" / "train" / "features.safetensors"
+    assert variant.stat().st_ino == ino and distilled.stat().st_mtime_ns == mtime  # linked, not recomputed
+
+    # A stale cache (another key): the variant recomputes its own, the distill's file is left as it was.
+    with safe_open(str(distilled), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(distilled), metadata={"key": "stale"})
+    shutil.rmtree(run / "compare")
+    assert main(args) == 0
+    assert variant.stat().st_ino != distilled.stat().st_ino
+    with safe_open(str(distilled), "pt") as f:
+        assert f.metadata()["key"] == "stale"
