@@ -3,6 +3,7 @@
     draftsmith distill --recipe recipes/code.yaml [section.key=value ...]
     draftsmith generate|train|evaluate --recipe recipes/code.yaml [--run-id ID] [section.key=value ...]
     draftsmith compare --recipe recipes/code.yaml [--methods eagle,medusa,...] [--steps N] [--docs F]
+                       [--lift-steps N] [--lift-prompts P]
     draftsmith bench --draft runs/code/latest/best --prompts prompts.jsonl [...]
     draftsmith prompts --out data/code/humaneval_prompts.jsonl
     draftsmith recipe-help
@@ -146,9 +147,12 @@ def stage_evaluate(recipe, run_dir, target=None, tok=None):
 
 def compare_choices(args) -> tuple[list[str], list[str]]:
     """--methods / --divergences, checked (a one-line error before any model loads or run opens)."""
-    from .compare import DIVERGENCES, check_choices
+    from .compare import DIVERGENCES, CompareError, check_choices
 
     divergences = args.divergences.split(",") if args.divergences else list(DIVERGENCES)
+    for flag, v in (("--steps", args.steps), ("--lift-steps", args.lift_steps), ("--lift-prompts", args.lift_prompts)):
+        if v is not None and v < 1:
+            raise CompareError(f"{flag} must be a positive integer (got {v})")
     return check_choices(args.methods.split(",") if args.methods else None, divergences), divergences
 
 
@@ -165,7 +169,8 @@ def stage_compare(recipe, run_dir, args, methods, divergences, target=None, tok=
     try:
         out = run_compare(recipe, run_dir, target, tok,
                           methods=methods, divergences=divergences,
-                          steps=args.steps, raw_baseline=not args.no_raw, tracker=tracker)
+                          steps=args.steps, raw_baseline=not args.no_raw, tracker=tracker,
+                          lift_steps=args.lift_steps, lift_prompts=args.lift_prompts)
     finally:
         tracker.finish()
     command = "draftsmith " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["compare"] else "draftsmith compare"
@@ -232,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--divergences", help="divergences tried on the best method (default: fkl,rkl,jsd,tv)")
     c.add_argument("--steps", type=int, help="training steps per variant (default: the recipe's train.steps)")
     c.add_argument("--no-raw", action="store_true", help="skip the raw-text (undistilled) baseline")
+    c.add_argument("--lift-steps", type=int, help="training steps of both arms of the distillation lift "
+                   "(generated vs raw text; default: --steps)")
+    c.add_argument("--lift-prompts", type=int, help="held-out prompts the lift's two arms are judged on "
+                   "(default: evaluate.n_prompts)")
     c.add_argument("--docs", help="also write the table to this Markdown file (e.g. docs/compare.md)")
     sub.add_parser("bench", help="compare our decoder with HF generate / assisted / prompt lookup", add_help=False)
     pr = sub.add_parser("prompts", help="write held-out prompts as JSONL (for bench)")

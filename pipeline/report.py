@@ -60,7 +60,10 @@ def compare_section(run_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     out = json.loads(p.read_text())
+    lift = out.get("lift") or {}
     rows = out["methods"] + out["divergences"][1:] + ([out["raw_baseline"]] if out.get("raw_baseline") else [])
+    if lift.get("distilled") and lift["distilled"]["name"] not in {r["name"] for r in rows}:
+        rows.insert(len(rows) - 1, lift["distilled"])  # the lift's own distilled arm, next to its raw one
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(range(len(rows)), [r["speedup"] for r in rows],
            color=["C1" if r["name"] in ("ngram", "ngram+datastore", "int8-fkl") else "C0" for r in rows])
@@ -75,6 +78,10 @@ def compare_section(run_dir: Path) -> list[str]:
     lines = ["", "## Draft methods compared (`draftsmith compare`)", "",
              "| variant | α | τ | speedup |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['name']} | {f(r['alpha'], 3)} | {f(r['tau'])} | {f(r['speedup'])}× |" for r in rows]
+    if out.get("distillation_tau_lift") is not None:
+        lines += ["", f"Distillation lifts τ by {out['distillation_tau_lift'] * 100:.0f}% over the same method trained on "
+                  f"raw domain text ({lift.get('steps', out.get('steps'))} steps each, "
+                  f"{lift.get('n_prompts', out.get('n_prompts'))} held-out prompts)."]
     lines += ["", "Baselines without training: `ngram` (prompt lookup), `ngram+datastore` (prompt lookup and "
               "the datastore of the target's outputs, no draft) and `int8-fkl` (an int8 copy of the "
               "target as the draft). Full table: [compare/compare.md](compare/compare.md).", "",

@@ -42,6 +42,7 @@ def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
     best = out["best_method"]
     assert [r["name"] for r in out["divergences"]] == [f"{best}-fkl", f"{best}-tv"]
     assert out["raw_baseline"]["data"] == "raw" and out["distillation_tau_lift"] is not None
+    assert out["lift"]["distilled"]["name"] == f"{best}-fkl" and out["lift"]["steps"] == 2  # the table's own row
     assert [r["k"] for r in out["k_sweep"]] == [2, 3, 4, 6, 8]
     md = docs.read_text()
     assert md == (run / "compare" / "compare.md").read_text()
@@ -97,3 +98,33 @@ def test_compare_reuses_the_distills_target_features(tiny_target, tmp_path):  # 
     assert variant.stat().st_ino != distilled.stat().st_ino
     with safe_open(str(distilled), "pt") as f:
         assert f.metadata()["key"] == "stale"
+
+
+def test_compare_measures_the_lift_at_its_own_steps_and_prompts(tiny_target, tmp_path):  # noqa: F811
+    """--lift-steps / --lift-prompts: both arms of the distillation lift (generated vs raw text) are
+    variants of their own at those steps, judged on that many prompts, and the lift is their τ ratio;
+    the table's own variants keep --steps. A rerun reads every arm back."""
+    base = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "--methods", "medusa",
+            "--divergences", "fkl"]
+    assert main(base + ["--lift-steps", "0"]) == 2  # a one-line error before anything loads
+    assert not (tmp_path / "code").exists()
+    args = base + ["--steps", "1", "--lift-steps", "3", "--lift-prompts", "3"]
+    assert main(args) == 0
+    run = (tmp_path / "code" / "latest").resolve()
+    out = json.loads((run / "compare" / "compare.json").read_text())
+    dist, raw = out["lift"]["distilled"], out["raw_baseline"]
+    assert (dist["name"], raw["name"]) == ("medusa-fkl-s3-p3", "medusa-fkl-raw-s3-p3")
+    assert (dist["data"], raw["data"]) == ("generated", "raw") and dist["steps"] == raw["steps"] == 3
+    assert out["methods"][0]["steps"] == 1  # the table's variant keeps --steps
+    for name in (dist["name"], raw["name"]):
+        assert json.loads((run / "compare" / name / "metrics.json").read_text())["n_prompts"] == 3
+    assert out["lift"]["steps"] == 3 and out["lift"]["n_prompts"] == 3
+    assert out["distillation_tau_lift"] == pytest.approx(dist["tau"] / raw["tau"] - 1)
+    md = (run / "compare" / "compare.md").read_text()
+    section = md.split("## Distillation vs raw domain text")[1].split("## K sweep")[0]
+    assert "3 steps" in section and "3 held-out prompts" in section
+    assert "| medusa-fkl-s3-p3 |" in section and "| medusa-fkl-raw-s3-p3 |" in section
+    stamp = {p: p.stat().st_mtime for p in run.glob("compare/*/train/manifest.json")}
+    assert main(args) == 0
+    assert {p: p.stat().st_mtime for p in run.glob("compare/*/train/manifest.json")} == stamp
