@@ -34,7 +34,7 @@ def test_decoder_imports_with_upper_layers_blocked():
         "import sys\n"
         "for m in ('pipeline', 'datasets', 'trl', 'wandb'):\n"
         "    sys.modules[m] = None  # any import of these raises ImportError\n"
-        "import eval.decoder, eval.proposers, eval.exactness, eval.target, eval.heads\n"
+        "import eval.decoder, eval.proposers, eval.exactness, eval.target, eval.heads, eval.replay\n"
         "from eval.decoder import SpeculativeDecoder, GenerationResult\n"
         "from eval.proposers import load_proposer, NgramProposer, DraftLMProposer, EagleProposer, Proposer\n"
         "from eval.exactness import compare_greedy\n"

@@ -1,0 +1,84 @@
+"""The offline replay (eval/replay.py) against the decoder itself (fp32, tiny models): for chains and
+token trees, with EOS and max_new_tokens stopping, the replayed rounds are the decoder's, round for
+round, so τ figures and tree-policy rankings made with it are the decoder's too."""
+
+import pytest
+import torch
+
+from eval.decoder import SpeculativeDecoder
+from eval.medusa import MedusaHeads, MedusaProposer
+from eval.proposers import DraftLMProposer, HybridProposer, NgramProposer
+from eval.replay import Reference, reference, replay, verify_ms
+from test_decoder import PROMPTS, V, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+N_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny(0)
+
+
+def _heads(target):
+    torch.manual_seed(3)
+    heads = MedusaHeads.from_target(target, num_heads=3, draft_ids=torch.arange(V), recurrent=True)
+    with torch.no_grad():
+        for p in heads.blocks.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # not the identity: the heads propose something of their own
+    return heads.eval()
+
+
+def _near_copy():
+    """The target with its weights perturbed: a draft LM that agrees with it often, not always."""
+    torch.manual_seed(4)
+    d = tiny(0)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return d
+
+
+PROPOSERS = {
+    "ngram chain": (lambda t: NgramProposer(), 3),
+    "draft LM chain": (lambda t: DraftLMProposer(_near_copy(), V), 3),
+    "medusa + ngram tree": (lambda t: HybridProposer(MedusaProposer(_heads(t), t)), 2),
+    "medusa + ngram tree, 6 nodes, K=3": (lambda t: HybridProposer(MedusaProposer(_heads(t), t), max_nodes=6), 3),
+}
+
+
+@pytest.mark.parametrize("name", list(PROPOSERS))
+def test_replay_gives_the_decoders_rounds(target, name):
+    make, k = PROPOSERS[name]
+    ref = reference(target, PROMPTS, N_NEW)
+    plain = SpeculativeDecoder(target, None, k=1)
+    eos = ref.seqs[0][7]  # a token the first output reaches: EOS stops it early
+    accepted_any = False
+    for i, p in enumerate(PROMPTS):
+        assert plain.generate([p], N_NEW + 17).sequences[0] == ref.seqs[i]  # the reference is plain greedy
+        res = SpeculativeDecoder(target, make(target), k=k).generate([p], N_NEW, eos_token_id=eos)
+        one = Reference([p], [ref.seqs[i]], [ref.feats[i]])
+        rep = replay(make(target), one, k, N_NEW, eos={eos})
+        assert rep["rounds"] == res.stats["rounds"], (name, i)
+        assert rep["tau"] == pytest.approx(res.stats["tau"]), (name, i)
+        hist = res.stats["accept_len_hist"]  # [rounds accepting a drafts for a = 0..k_cap]
+        assert {a: c for a, c in enumerate(hist) if c} == rep["hist"], (name, i)
+        accepted_any |= any(a > 0 for a in rep["hist"])
+    assert accepted_any, f"{name}: no draft accepted anywhere, so the test would not tell"
+
+
+def test_replay_estimates_speed_from_verify_costs(target):
+    ref = reference(target, PROMPTS[:2], N_NEW)
+    costs = verify_ms(target, rows=range(1, 5), context=16, reps=2)
+    assert sorted(costs) == [1, 2, 3, 4] and all(v > 0 for v in costs.values())
+    flat = {T: 10.0 for T in range(1, 17)}  # verifies as cheap as a plain step: speedup = τ
+    rep = replay(NgramProposer(), ref, 3, N_NEW, verify_ms=flat)
+    assert rep["est_speedup"] == pytest.approx(rep["tau"]) and rep["est_ms_per_round"] == pytest.approx(10.0)
+    rep2 = replay(NgramProposer(), ref, 3, N_NEW, verify_ms=flat, draft_ms=5.0, host_ms=5.0)
+    assert rep2["est_speedup"] == pytest.approx(rep["tau"] / 2)  # every round costs twice a plain step
+
+
+def test_replay_needs_a_long_enough_reference(target):
+    ref = Reference([[1, 2, 1, 2]], [[1]], [torch.zeros(4, 48)])  # one greedy token: no bonus after it
+    with pytest.raises(ValueError, match="larger `extra`"):
+        replay(NgramProposer(), ref, 3, N_NEW)
