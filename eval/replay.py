@@ -20,7 +20,7 @@ decoder's exactly; elsewhere features differ in the last bits and a near-tie in 
 may go the other way.
 
     python -m eval.replay --draft hybrid-nostore:runs/code/latest/best --prompts humaneval.jsonl \
-        --n-prompts 40 --k 2 --set max_nodes=8 --costs
+        --n-prompts 40 --k 2 --costs --try max_nodes=8 --try k=3,max_nodes=12
 """
 
 from __future__ import annotations
@@ -171,11 +171,12 @@ def verify_ms(target, rows=range(1, 17), context: int = 230, reps: int = 7) -> d
 
 
 def _parse_set(items: list[str]) -> dict[str, int]:
+    """["max_nodes=8", "alt_branches=2,k=3"] -> {"max_nodes": 8, "alt_branches": 2, "k": 3}."""
     out = {}
-    for it in items:
+    for it in (x for item in items for x in item.split(",") if x):
         key, sep, val = it.partition("=")
         if not sep or not val.lstrip("-").isdigit():
-            raise SystemExit(f"replay: --set wants KEY=INT (a HybridProposer attribute), got {it!r}")
+            raise ValueError(f"--set/--try want KEY=INT (a proposer attribute, or k), got {it!r}")
         out[key] = int(val)
     return out
 
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                     help="a proposer attribute for this replay, e.g. max_nodes=8 or alt_branches=2 (repeatable)")
+    ap.add_argument("--try", dest="tries", action="append", default=[], metavar="KEY=INT[,KEY=INT...]",
+                    help="one more configuration replayed on the same reference (on top of --set; k=N sets K); "
+                         "repeatable, each a row of the output")
     ap.add_argument("--costs", action="store_true", help="measure verify times here and estimate the speedup")
     args = ap.parse_args(argv)
     try:
@@ -204,11 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         tok = AutoTokenizer.from_pretrained(path)
         target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         prompts = encode_prompts(load_prompts(args.prompts, args.n_prompts), tok)
-        proposer = load_proposer(args.draft, target)
-        for key, val in _parse_set(args.set).items():
-            if not hasattr(proposer, key):
-                raise BenchError(f"--set {key}: {type(proposer).__name__} has no attribute {key!r}")
-            setattr(proposer, key, val)
+        configs = [_parse_set(args.set)] + [_parse_set(args.set + [t]) for t in args.tries]
+
+        def make(cfg: dict):
+            proposer = load_proposer(args.draft, target)
+            for key, val in cfg.items():
+                if key != "k" and not hasattr(proposer, key):
+                    raise BenchError(f"--set/--try {key}: {type(proposer).__name__} has no attribute {key!r}")
+                if key != "k":
+                    setattr(proposer, key, val)
+            return proposer, cfg.get("k", args.k)
+        made = [make(cfg) for cfg in configs]  # every bad key reported before the reference is decoded
     except (BenchError, LoadError, ValueError, OSError) as e:
         print(f"replay: {e}", file=sys.stderr)
         return 2
@@ -216,13 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference(target, prompts, args.max_new_tokens)
     print(f"reference: {len(prompts)} prompts decoded in {time.time() - t:.0f}s", file=sys.stderr)
     costs = verify_ms(target) if args.costs else None
-    res = replay(proposer, ref, args.k, args.max_new_tokens, eos=_eos_set(tok, target), verify_ms=costs,
-                 draft_ms=1.2 if args.costs else 0.0, host_ms=1.0 if args.costs else 0.0)
-    line = f"{args.draft} K={args.k} {' '.join(args.set)}: tau {res['tau']:.3f}, {res['rows']:.1f} rows a verify"
     if costs:
-        line += f", est. {res['est_speedup']:.2f}x ({res['est_ms_per_round']:.2f} ms a round; verify ms " + \
-            ", ".join(f"{T}:{v:.1f}" for T, v in costs.items()) + ")"
-    print(line)
+        print("verify ms by rows: " + ", ".join(f"{T}:{v:.2f}" for T, v in costs.items()))
+    # the estimate's other costs: a round's drafting when the model runs, and the host's work (the
+    # heads and the tree measured at ~1.1 and ~1 ms a round here: docs/benchmarks.md)
+    for cfg, (proposer, k) in zip(configs, made):
+        res = replay(proposer, ref, k, args.max_new_tokens, eos=_eos_set(tok, target), verify_ms=costs,
+                     draft_ms=1.2 if costs else 0.0, host_ms=1.0 if costs else 0.0)
+        label = ",".join(f"{key}={v}" for key, v in cfg.items() if key != "k") or "as loaded"
+        line = f"K={k} {label}: tau {res['tau']:.3f}, {res['rows']:.1f} rows a verify"
+        if costs:
+            line += f", est. {res['est_speedup']:.3f}x ({res['est_ms_per_round']:.2f} ms a round)"
+        print(line, flush=True)
     return 0
 
 

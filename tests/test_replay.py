@@ -82,3 +82,24 @@ def test_replay_needs_a_long_enough_reference(target):
     ref = Reference([[1, 2, 1, 2]], [[1]], [torch.zeros(4, 48)])  # one greedy token: no bonus after it
     with pytest.raises(ValueError, match="larger `extra`"):
         replay(NgramProposer(), ref, 3, N_NEW)
+
+
+def test_replay_command_line(tmp_path, capsys):
+    """`python -m eval.replay`: one row per configuration on one reference; a bad key is a one-line
+    error (exit 2) before anything is decoded."""
+    import test_bench
+    from eval import replay as rp
+
+    tok = test_bench._tokenizer()
+    target = test_bench._model(tmp_path / "target", tok)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3 w1 w2 w3 w1"}\n{"prompt": "w4 w5 w4 w5"}\n')
+    base = ["--target", str(target), "--prompts", str(prompts), "--dtype", "float32", "--max-new-tokens", "8",
+            "--draft", "ngram", "--k", "3"]
+    assert rp.main(base + ["--try", "max_ngram=1", "--try", "k=1,max_ngram=2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "tau" in line]
+    assert [r.split(":")[0] for r in rows] == ["K=3 as loaded", "K=3 max_ngram=1", "K=1 max_ngram=2"]
+    assert rp.main(base + ["--try", "nodes=4"]) == 2
+    assert "has no attribute 'nodes'" in capsys.readouterr().err
+    assert rp.main(base + ["--set", "max_ngram"]) == 2
+    assert "KEY=INT" in capsys.readouterr().err
