@@ -201,18 +201,17 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
     raw = dist = None
     lift_steps, lift_prompts = lift_steps or steps or recipe.train.steps, lift_prompts or recipe.evaluate.n_prompts
     if raw_baseline and METHODS[best_m]["method"] != "int8":
-        arms = {"generated": {}, "raw": {"raw_windows": 0}}
         own = lift_steps == (steps or recipe.train.steps) and lift_prompts == recipe.evaluate.n_prompts
         tag = "" if own else f"-s{lift_steps}-p{lift_prompts}"
-        for data, extra in arms.items():
-            if own and data == "generated":
-                dist = best  # the table's own row
-                continue
+
+        def arm(data: str, extra: dict) -> dict:
             rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": default_div, "data": data, **extra},
                                  lift_steps, lift_prompts)
             name = f"{best_m}-{default_div}{'-raw' if data == 'raw' else ''}{tag}"
-            row = run_variant(name, rv, run_dir, target, tokenizer)
-            dist, raw = (row, raw) if data == "generated" else (dist, row)
+            return run_variant(name, rv, run_dir, target, tokenizer)
+
+        dist = best if own else arm("generated", {})  # own: the table's row is the distilled arm
+        raw = arm("raw", {"raw_windows": 0})
     # K sweep (measured) on the best served proposer
     served = max([r for r in rows if r["name"] not in ("ngram", "ngram+datastore")], key=lambda r: r["speedup"])
     src = served["dir"]  # a variant's best/ dir, or "hybrid:<dir>" for the served combinations
