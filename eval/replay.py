@@ -74,15 +74,14 @@ def reference(target, prompts: list[list[int]], max_new_tokens: int, extra: int 
     return Reference(prompts, seqs, feats)
 
 
-def _accepted(seq: list[int], j: int, tokens: list[int], parents: list[int]) -> tuple[int, list[int]]:
+def _accepted(seq: list[int], j: int, tokens: list[int], parents: list[int]) -> int:
     """The trie (tokens, parents; node 0 = the current token, seq[j]) against the greedy sequence ->
-    (accepted depth, node indices of the accepted path from the root)."""
+    how many of its nodes, root excluded, the longest path matching seq[j + 1:] holds."""
     kids = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens), start=1)}
-    node, path = 0, [0]
-    while j + len(path) < len(seq) and (node, seq[j + len(path)]) in kids:
-        node = kids[(node, seq[j + len(path)])]
-        path.append(node)
-    return len(path) - 1, path
+    node, a = 0, 0
+    while j + a + 1 < len(seq) and (node, seq[j + a + 1]) in kids:
+        node, a = kids[(node, seq[j + a + 1])], a + 1
+    return a
 
 
 @torch.inference_mode()  # as the decoder's stream(): proposers write their caches in place
@@ -90,11 +89,11 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
            verify_ms: dict[int, float] | None = None, draft_ms: float = 0.0, host_ms: float = 0.0) -> dict:
     """Run `proposer` through the decoder's greedy rounds on `ref` -> {"tau", "rounds", "tokens",
     "rows" (mean tokens per verify forward), "hist" (accepted drafts per round that proposed any, the
-    decoder's accept_len_hist)} and, given verify_ms
-    (rows -> ms of one verify forward), "est_ms_per_round" and "est_speedup": plain decoding at
-    verify_ms[1] a token against each round's verify_ms[rows] + host_ms, + draft_ms when the model
-    ran (a hybrid's lookup-only rounds do not run it). Trees where the proposer has `propose_tree`,
-    else chains of k."""
+    decoder's accept_len_hist)}; given verify_ms (rows -> ms of one verify forward) also
+    "est_ms_per_round" and "est_speedup": plain decoding at verify_ms[1] a token against each round's
+    verify_ms[rows] (the largest row count measured, for more rows) + host_ms, + draft_ms when the
+    model ran (a hybrid's lookup-only rounds do not run it). Trees where the proposer has
+    `propose_tree`, else chains of k."""
     eos = set(eos)
     tree = hasattr(proposer, "propose_tree")
     rounds = tokens = rows = 0
@@ -111,12 +110,12 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
             lookups_before = getattr(proposer, "lookup_rounds", 0)
             if tree:
                 toks, pars = proposer.propose_tree(k)[0]
-                a, path = _accepted(full, j, toks, pars)
+                a = _accepted(full, j, toks, pars)
                 n_rows = len(toks) + 1
                 inp = [full[j + i] for i in range(a + 1)]  # the accepted path: the current token + a drafts
             else:
                 drafts = proposer.propose(k)[0][0].tolist()
-                a, _ = _accepted(full, j, drafts, list(range(len(drafts))))
+                a = _accepted(full, j, drafts, list(range(len(drafts))))  # a chain: node i's parent is i - 1
                 n_rows = len(drafts) + 1
                 inp = [full[j]] + drafts  # as the decoder's chain round passes it: every draft, a of them accepted
             if j + a + 1 >= len(full):
