@@ -56,8 +56,15 @@ def convert_embedded(force: bool = False) -> Path:
 
     src = _embedded_gguf_dir()
     tok = AutoTokenizer.from_pretrained(src, gguf_file=EMBEDDED_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=EMBEDDED_GGUF, dtype=torch.bfloat16)
-    # The weights are dequantized at load; drop the GGUF quantizer so save_pretrained writes a plain checkpoint.
+    # Recent transformers keep GGUF weights packed unless told to unpack them (and warn that packed
+    # weights want float32); we want a plain dense bf16 checkpoint, so ask for the unpacking outright.
+    try:
+        from transformers import GgufConfig
+        unpack = {"quantization_config": GgufConfig(gguf_file=EMBEDDED_GGUF, dequantize=True)}
+    except ImportError:  # older 5.x: GGUF weights are always dequantized at load
+        unpack = {}
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=EMBEDDED_GGUF, dtype=torch.bfloat16, **unpack)
+    # Drop the GGUF quantizer so save_pretrained writes a plain checkpoint.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
