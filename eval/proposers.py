@@ -532,7 +532,17 @@ def _served(how: str, src, target, dtype) -> HybridProposer:
         return HybridProposer(load_proposer(str(src), target, dtype))
     meta = json.loads((d / HEAD_FILE).read_text())
     dtype = dtype or target.get_output_embeddings().weight.dtype
-    return HybridProposer(_model_proposer(d, meta, target, dtype), datastore=store)
+    proposer = HybridProposer(_model_proposer(d, meta, target, dtype), datastore=store)
+    # "serve": what evaluate fitted for serving this draft on its machine (the tree's node budget)
+    for key, val in (meta.get("serve") or {}).items():
+        if key not in SERVE_KEYS or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{d / HEAD_FILE}: serve.{key}={val!r} is not a hybrid setting this decoder knows "
+                             f"({', '.join(SERVE_KEYS)}, a positive int); remove it or re-run evaluate")
+        setattr(proposer, key, val)
+    return proposer
+
+
+SERVE_KEYS = ("max_nodes",)  # the HybridProposer settings a draft's "serve" may fix
 
 
 def _int8_proposer(target) -> "DraftLMProposer":

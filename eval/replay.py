@@ -86,15 +86,19 @@ def _accepted(seq: list[int], j: int, tokens: list[int], parents: list[int]) -> 
 
 @torch.inference_mode()  # as the decoder's stream(): proposers write their caches in place
 def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=(),
-           verify_ms: dict[int, float] | None = None, draft_ms: float = 0.0, host_ms: float = 0.0) -> dict:
+           verify_ms: dict[int, float] | None = None, draft_ms: float | None = 0.0, host_ms: float = 0.0) -> dict:
     """Run `proposer` through the decoder's greedy rounds on `ref` -> {"tau", "rounds", "tokens",
     "rows" (mean tokens per verify forward), "hist" (accepted drafts per round that proposed any, the
     decoder's accept_len_hist)}; given verify_ms (rows -> ms of one verify forward) also
     "est_ms_per_round" and "est_speedup": plain decoding at verify_ms[1] a token against each round's
     verify_ms[rows] (the largest row count measured, for more rows) + host_ms, + draft_ms when the
-    model ran (a hybrid's lookup-only rounds do not run it). Trees where the proposer has
-    `propose_tree`, else chains of k."""
-    eos = set(eos)
+    model ran (a hybrid's lookup-only rounds do not run it), or with draft_ms=None the proposer's own
+    time in the round (propose and accept, measured here: "proposer_ms" is its mean). Trees where the
+    proposer has `propose_tree`, else chains of k."""
+    eos = {eos} if isinstance(eos, int) else set(eos or ())  # one id, as the decoder takes it, or several
+    timed = verify_ms is not None and draft_ms is None
+    cuda = bool(ref.feats) and ref.feats[0].is_cuda
+    proposer_s = 0.0
     tree = hasattr(proposer, "propose_tree")
     rounds = tokens = rows = 0
     hist: dict[int, int] = {}
@@ -108,13 +112,16 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
         done = len(out) >= max_new_tokens or seq[0] in eos
         while not done:
             lookups_before = getattr(proposer, "lookup_rounds", 0)
+            t0 = time.perf_counter()
             if tree:
                 toks, pars = proposer.propose_tree(k)[0]
+                t_prop = time.perf_counter()
                 a = _accepted(full, j, toks, pars)
                 n_rows = len(toks) + 1
                 inp = [full[j + i] for i in range(a + 1)]  # the accepted path: the current token + a drafts
             else:
-                drafts = proposer.propose(k)[0][0].tolist()
+                drafts = proposer.propose(k)[0][0].tolist()  # host sync, as the decoder's round
+                t_prop = time.perf_counter()
                 a = _accepted(full, j, drafts, list(range(len(drafts))))  # a chain: node i's parent is i - 1
                 n_rows = len(drafts) + 1
                 inp = [full[j]] + drafts  # as the decoder's chain round passes it: every draft, a of them accepted
@@ -123,14 +130,21 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
                                  "build it with a larger `extra`")
             bonus = full[j + a + 1]
             f = feats[j:j + len(inp)]  # [len(inp), H]: the reference's (only accepted positions are read)
+            t1 = time.perf_counter()
             proposer.accept(torch.tensor([inp]), torch.tensor([j]), torch.tensor([a]), torch.tensor([bonus]),
                             f[None] if proposer.uses_features else None)
+            if cuda:
+                torch.cuda.synchronize()  # host sync: the proposer's queued work belongs to this round's time
+            # the proposer's time: propose and accept (the acceptance walk between them is the decoder's)
+            round_s = (t_prop - t0) + (time.perf_counter() - t1) if timed else 0.0
+            proposer_s += round_s
             rounds, tokens, rows = rounds + 1, tokens + a + 1, rows + n_rows
             if n_rows > 1:  # a round that proposed nothing is a plain step, outside the histogram (as the decoder's)
                 hist[a] = hist.get(a, 0) + 1
             if verify_ms:
                 ran_model = getattr(proposer, "lookup_rounds", 0) == lookups_before
-                est += verify_ms[min(n_rows, max(verify_ms))] + host_ms + (draft_ms if ran_model else 0.0)
+                drafting = round_s * 1e3 if timed else (draft_ms if ran_model else 0.0)
+                est += verify_ms[min(n_rows, max(verify_ms))] + host_ms + drafting
             new = full[j + 1:j + a + 2][:max_new_tokens - len(out)]
             cut = next((i for i, t in enumerate(new) if t in eos), None)
             out += new if cut is None else new[:cut + 1]
@@ -141,6 +155,8 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
     if verify_ms and rounds:
         res["est_ms_per_round"] = est / rounds
         res["est_speedup"] = tokens * verify_ms[1] / est
+        if timed:
+            res["proposer_ms"] = proposer_s * 1e3 / rounds
     return res
 
 
@@ -167,6 +183,45 @@ def verify_ms(target, rows=range(1, 17), context: int = 230, reps: int = 7) -> d
             greedy_argmax(logits).tolist()  # host sync, as a round's accept does
             times[T].append((time.perf_counter() - t0) * 1e3)
     return {T: statistics.median(v[1:] if len(v) > 1 else v) for T, v in times.items()}
+
+
+# The decoder's own work in a round besides the target's forward and the proposer (the acceptance
+# walk, the tree mask, the loop): ~0.9 ms measured at serving revision fused-3 (docs/benchmarks.md,
+# "Where a round goes now").
+HOST_MS = 1.0
+
+
+def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_new_tokens: int, eos=(),
+               budgets=(4, 6, 8, 10, 12), costs: dict[int, float] | None = None) -> dict:
+    """The tree's node budget (`max_nodes`) that this machine serves fastest, for each tree proposer.
+
+    What a node costs depends on the machine: a 9-row verify cost 1.4x a one-token step on one of our
+    2-core VMs and 1.6x on another, where 4-6 nodes measured 8% faster than the 10 tuned on the first
+    (docs/benchmarks.md). Sequoia (Chen et al., 2024) sizes its trees from the hardware's measured
+    forward times for the same reason. Each budget is replayed (greedy acceptance is exact, so no
+    timing noise enters τ) and costed with verify times measured here and the proposer's own time
+    measured in the replay; the best estimated speedup wins.
+
+    proposers: {name: a zero-argument function building a fresh proposer with `max_nodes`}; costs:
+    rows -> verify ms (measured here when None) ->
+    {"verify_ms": {rows: ms}, "fits": {name: {"max_nodes": best, "budgets": {n: {"tau", "rows",
+    "est_speedup", "proposer_ms"}}}}}."""
+    budgets = sorted(set(int(b) for b in budgets))
+    if not budgets or budgets[0] < 1:
+        raise ValueError(f"tree budgets must be positive node counts, got {budgets}")
+    ref = reference(target, prompts, max_new_tokens, extra=max(17, budgets[-1] + 2))
+    if costs is None:
+        costs = verify_ms(target, rows=range(1, budgets[-1] + 2))  # a round verifies its nodes and the current token
+    fits = {}
+    for name, make in proposers.items():
+        by = {}
+        for n in budgets:
+            proposer = make()
+            proposer.max_nodes = n
+            r = replay(proposer, ref, k, max_new_tokens, eos, verify_ms=costs, draft_ms=None, host_ms=HOST_MS)
+            by[n] = {key: r[key] for key in ("tau", "rows", "est_speedup", "proposer_ms")}
+        fits[name] = {"max_nodes": max(budgets, key=lambda n: by[n]["est_speedup"]), "budgets": by}
+    return {"verify_ms": costs, "fits": fits}
 
 
 def _parse_set(items: list[str]) -> dict[str, int]:
@@ -227,15 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     costs = verify_ms(target) if args.costs else None
     if costs:
         print("verify ms by rows: " + ", ".join(f"{T}:{v:.2f}" for T, v in costs.items()))
-    # the estimate's other costs: a round's drafting when the model runs, and the host's work (the
-    # heads and the tree measured at ~1.1 and ~1 ms a round here: docs/benchmarks.md)
+    # the estimate's other costs: the proposer's time in each round (measured in the replay) and the
+    # decoder's own work (HOST_MS)
     for cfg, (proposer, k) in zip(configs, made):
         res = replay(proposer, ref, k, args.max_new_tokens, eos=_eos_set(tok, target), verify_ms=costs,
-                     draft_ms=1.2 if costs else 0.0, host_ms=1.0 if costs else 0.0)
+                     draft_ms=None, host_ms=HOST_MS if costs else 0.0)
         label = ",".join(f"{key}={v}" for key, v in cfg.items() if key != "k") or "as loaded"
         line = f"K={k} {label}: tau {res['tau']:.3f}, {res['rows']:.1f} rows a verify"
         if costs:
-            line += f", est. {res['est_speedup']:.3f}x ({res['est_ms_per_round']:.2f} ms a round)"
+            line += (f", est. {res['est_speedup']:.3f}x ({res['est_ms_per_round']:.2f} ms a round, "
+                     f"{res['proposer_ms']:.2f} of it the proposer's)")
         print(line, flush=True)
     return 0
 

@@ -168,6 +168,11 @@ class EvaluateConfig:
     baselines: bool = _f(True, "Also evaluate the n-gram (prompt lookup) proposer as a baseline.")
     hybrid: bool = _f(True, "Also evaluate the best checkpoint served as a hybrid (n-gram lookups where "
                             "they match, the draft elsewhere); promoted if it is faster.")
+    tree_budgets: list[int] = _f([4, 6, 8, 10, 12], "Node budgets (max_nodes) tried for the hybrid's token "
+                                 "trees: each is replayed on validation prompts and costed with verify "
+                                 "times measured on this machine, and the best is served and promoted. "
+                                 "One value fixes the budget without a fit.")
+    fit_prompts: int = _f(16, "Validation prompts (never held-out ones) replayed to fit the tree budget.")
 
     def __post_init__(self):
         for k in ("max_new_tokens", "k", "ngram_k"):
@@ -175,6 +180,10 @@ class EvaluateConfig:
         _positive("evaluate.n_prompts", self.n_prompts, zero_ok=True)
         _positive("evaluate.fp32_prompts", self.fp32_prompts, zero_ok=True)
         _positive("evaluate.near_tie_tol", self.near_tie_tol)
+        _positive("evaluate.fit_prompts", self.fit_prompts)
+        if not self.tree_budgets or any(n < 1 or n > 32 for n in self.tree_budgets):
+            raise RecipeError(f"evaluate.tree_budgets={self.tree_budgets!r} must list node counts from 1 to 32, "
+                              f"e.g. [4, 6, 8, 10, 12]")
 
 
 @dataclass
@@ -225,6 +234,10 @@ def _check_type(name: str, value, tp):
         return None if value is None else _check_type(name, value, args[0])
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(f"recipe key '{name}' must be a list, got {type(value).__name__} {value!r}")
+        return [_check_type(f"{name}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value)]
     if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
         raise RecipeError(f"recipe key '{name}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
     return value

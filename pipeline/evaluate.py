@@ -4,9 +4,12 @@ Step 3a: each checkpoint on the held-out prompts, greedy, batch 1: α, τ, accep
 position, tokens/s of speculative and of plain decoding in the same decoder (taking turns prompt by
 prompt), speedup, the draft/target cost ratio c and the speedup predicted from α and c.
 Step 3b: the best checkpoint served as a hybrid with n-gram lookups (with and without its datastore),
-and the n-gram baseline at its own K.
+its token trees' node budget first fitted to this machine (replayed on validation prompts, costed with
+verify times measured here: eval.replay.fit_budget, after Sequoia's hardware-aware trees), and the
+n-gram baseline at its own K.
 Step 3c: the candidate with the best measured speedup, not the lowest loss, is promoted to best/;
-its greedy output is checked equal to plain greedy output exactly in fp32 on a subset of prompts.
+its greedy output is checked equal to plain greedy output exactly in fp32 on a subset of prompts. A
+promoted hybrid keeps its fitted budget in best/draftsmith_draft.json ("serve"), so it serves as measured.
 Every candidate's greedy output is compared with plain greedy output on every prompt in the
 recipe's dtype (bf16: match rate, and every divergence must be a near-tie of the target's top two
 logits; fp32: exact).
@@ -25,6 +28,7 @@ from eval.datastore import FILE as DATASTORE_FILE
 from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy, exactness_rule
 from eval.proposers import SERVED_AS, load_proposer
+from eval.replay import fit_budget
 
 from .data import encode_prompt, read_jsonl
 from .models import check_tokenizers
@@ -43,6 +47,26 @@ def heldout_ids(recipe, run_dir: Path, tokenizer) -> list[list[int]]:
     rows = read_jsonl(path)
     n = recipe.evaluate.n_prompts or len(rows)
     return [encode_prompt(r, tokenizer, recipe.data.chat) for r in rows[:n]]
+
+
+def fit_prompt_ids(recipe, run_dir: Path, tokenizer) -> tuple[str, list[list[int]]]:
+    """The prompts the tree budget is fitted on: the validation split, never the held-out prompts the
+    speedup is reported on; the first training prompts when the recipe holds no validation split."""
+    for split in ("val", "train"):
+        path = Path(run_dir) / "prompts" / f"{split}.jsonl"
+        rows = read_jsonl(path)[:recipe.evaluate.fit_prompts] if path.exists() else []
+        if rows:
+            return split, [encode_prompt(r, tokenizer, recipe.data.chat) for r in rows]
+    raise EvaluateError(f"{run_dir}/prompts has no val.jsonl or train.jsonl to fit the tree budget on; "
+                        f"run the generate stage first, or set evaluate.tree_budgets to one value")
+
+
+def proposer_for(src: str, target, max_nodes: int | None = None):
+    """load_proposer(src), its tree's node budget set when given (a hybrid's fitted budget)."""
+    proposer = load_proposer(src, target)
+    if max_nodes is not None:
+        proposer.max_nodes = max_nodes
+    return proposer
 
 
 def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos, desc: str):
@@ -111,10 +135,10 @@ def aggregate(per: list[dict]) -> dict:
     return out
 
 
-def _fp32_check(target, proposer_src, prompts, k, max_new_tokens, eos) -> bool:
+def _fp32_check(target, proposer_src, prompts, k, max_new_tokens, eos, max_nodes=None) -> bool:
     """Greedy speculative == plain greedy, token for token, with the target (and draft) in fp32."""
     t32 = copy.deepcopy(target).float()
-    plain, _, spec, _ = decode_pairs(t32, load_proposer(proposer_src, t32), prompts, k, max_new_tokens, eos,
+    plain, _, spec, _ = decode_pairs(t32, proposer_for(proposer_src, t32, max_nodes), prompts, k, max_new_tokens, eos,
                                      "fp32 check")
     del t32
     return plain == spec
@@ -151,19 +175,19 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     key = {"evaluate": recipe.to_dict()["evaluate"], "dtype": recipe.dtype, "n": len(prompts),
            "serving": SERVING_REV}  # a decoder change measures again
 
-    def cache_key(src) -> dict:
-        return key | {"files": source_fingerprint(src)} if src is not None else key
+    def cache_key(src, extra=None) -> dict:
+        return (key | {"files": source_fingerprint(src)} if src is not None else key) | (extra or {})
 
-    def read_cached(name: str, src=None) -> dict | None:
+    def read_cached(name: str, src=None, extra=None) -> dict | None:
         path = out_dir / f"{name}.json"
         if path.exists():
             prev = json.loads(path.read_text())
-            if prev.get("key") == cache_key(src):
+            if prev.get("key") == cache_key(src, extra):
                 return prev
         return None
 
-    def store(name: str, result: dict, src=None) -> dict:
-        result["key"] = cache_key(src)
+    def store(name: str, result: dict, src=None, extra=None) -> dict:
+        result["key"] = cache_key(src, extra)
         write_json_atomic(out_dir / f"{name}.json", result)
         return result
 
@@ -205,23 +229,37 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     # the timing noise (checkpoints 300/600/900 alone measured 1.19x/1.18x/1.18x on 16 prompts while
     # their tau rose 1.46/1.51/1.52). Promotion below is still by measured speedup.
     best_ck = max(results, key=lambda r: (r["stats"].get("tau", 1.0), r["speedup"]))
-    jobs = []  # (name, source, K, the files its cached figures depend on: None for the n-gram baseline)
+    # (name, source, K, the files its cached figures depend on: None for the n-gram baseline, max_nodes)
+    jobs = []
+    fit = None
     if cfg.hybrid:
         forms = [("+ngram", "hybrid:")]
         if (Path(best_ck["source"]) / DATASTORE_FILE).exists():
             forms.append(("+ngram-nostore", "hybrid-nostore:"))
-        for suffix, prefix in forms:
-            src = f"{prefix}{best_ck['source']}"
-            jobs.append((f"{best_ck['name']}{suffix}", src, cfg.k, src))
+        srcs = [f"{prefix}{best_ck['source']}" for _, prefix in forms]
+        budgets = {src: cfg.tree_budgets[0] for src in srcs}
+        if len(cfg.tree_budgets) > 1:
+            # What a tree node costs is this machine's (a 9-row verify cost 1.4x a one-token step on
+            # one VM and 1.6x on another, whose best budget was 4-6 nodes instead of 10): fitted here.
+            def do_fit():
+                split, fit_ids = fit_prompt_ids(recipe, run_dir, tokenizer)
+                out = fit_budget(target, {src: lambda src=src: load_proposer(src, target) for src in srcs},
+                                 fit_ids, cfg.k, cfg.max_new_tokens, eos, cfg.tree_budgets)
+                return out | {"prompts": split, "n_prompts": len(fit_ids)}
+            fit = cached(f"{best_ck['name']}.tree-budget", do_fit, best_ck["source"])
+            budgets = {src: fit["fits"][src]["max_nodes"] for src in srcs}
+        for (suffix, _), src in zip(forms, srcs):
+            jobs.append((f"{best_ck['name']}{suffix}", src, cfg.k, src, budgets[src]))
     if cfg.baselines:
-        jobs.append(("ngram", "ngram", cfg.ngram_k, None))
-    done = {name: read_cached(name, files) for name, _, _, files in jobs}
+        jobs.append(("ngram", "ngram", cfg.ngram_k, None, None))
+    done = {name: read_cached(name, files, {"max_nodes": n} if n else None) for name, _, _, files, n in jobs}
     todo = [j for j in jobs if done[j[0]] is None]
     if todo:
-        plain_seqs, plain, outs = decode_together(target, {n: (load_proposer(src, target), k) for n, src, k, _ in todo},
+        plain_seqs, plain, outs = decode_together(target, {name: (proposer_for(src, target, n), k) for name, src, k, _, n in todo},
                                                   prompts, cfg.max_new_tokens, eos, "+".join(j[0] for j in todo))
-        for name, src, _, files in todo:
-            done[name] = store(name, judged(name, src, plain_seqs, plain, *outs[name]), files)
+        for name, src, _, files, n in todo:
+            res = judged(name, src, plain_seqs, plain, *outs[name]) | {"max_nodes": n}
+            done[name] = store(name, res, files, {"max_nodes": n} if n else None)
     results += [done[name] for name, *_ in jobs if name != "ngram"]
     baseline = done.get("ngram")
 
@@ -239,7 +277,9 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     hybrid = served is not None
     src_dir = Path(rest if hybrid else best["source"])
     n32 = min(cfg.fp32_prompts, len(prompts))
-    fp32_exact = _fp32_check(target, best["source"], prompts[:n32], cfg.k, cfg.max_new_tokens, eos) if n32 else None
+    max_nodes = best.get("max_nodes") if hybrid else None
+    fp32_exact = (_fp32_check(target, best["source"], prompts[:n32], cfg.k, cfg.max_new_tokens, eos, max_nodes)
+                  if n32 else None)
     for r in results + ([baseline] if baseline else []):
         r["exactness_rule"] = exactness_rule(recipe.dtype, r["stats"].get("row_invariant", False))
         ok = r["exact_match"] if r["exactness_rule"] == "exact" else r["all_near_ties"]
@@ -252,6 +292,9 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     shutil.copytree(src_dir, tmp, ignore=shutil.ignore_patterns(*skip))
     meta = json.loads((tmp / "draftsmith_draft.json").read_text())
     meta["proposer"] = "hybrid" if hybrid else "draft"
+    meta.pop("serve", None)
+    if max_nodes is not None:
+        meta["serve"] = {"max_nodes": max_nodes}  # eval.proposers applies it when it loads best/
     (tmp / "draftsmith_draft.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(best_dir, ignore_errors=True)
     tmp.rename(best_dir)
@@ -268,7 +311,10 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
         # own paired ratio (its plain runs interleaved with its speculative runs).
         "tokens_per_s_plain": plain_tps, "tokens_per_s_spec": s["tokens_per_s"],
         "speedup": best["speedup"], "c": s.get("c"), "alpha_hat": s.get("alpha_hat"), "predicted_speedup": s.get("predicted_speedup"),
-        "tree_rounds": s.get("tree_rounds", 0),
+        "tree_rounds": s.get("tree_rounds", 0), "max_nodes": max_nodes,
+        "tree_budget_fit": None if fit is None or not hybrid else {
+            "prompts": fit["prompts"], "n_prompts": fit["n_prompts"], "verify_ms": fit["verify_ms"],
+            "budgets": fit["fits"][best["source"]]["budgets"]},
         "greedy_exact": best["greedy_exact"], "exactness_rule": best["exactness_rule"], "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
         "fp32_exact": fp32_exact, "fp32_prompts": n32, "n_divergences": len(best["divergences"]),
         "max_divergence_margin": max((d["margin"] for d in best["divergences"]), default=None),

@@ -121,6 +121,13 @@ def write_report(run_dir: Path) -> Path:
                      f"{f(m['bf16_match_rate'], 4)} ({m['n_divergences']} divergences, max margin "
                      f"{f(m.get('max_divergence_margin'), 3)}) |")
     lines.append(f"| fp32 exact on a subset | {m.get('fp32_exact')} |")
+    fit = m.get("tree_budget_fit")
+    if m.get("max_nodes") is not None:
+        how = "fixed by the recipe" if not fit else (
+            f"fitted on this machine: replayed on {fit['n_prompts']} {fit['prompts']} prompts with its measured "
+            "verify times, estimated speedup (prefill left out) per budget "
+            + ", ".join(f"{n}: {f(b['est_speedup'])}×" for n, b in sorted(fit["budgets"].items(), key=lambda x: int(x[0]))))
+        lines += ["", f"Token trees of at most **{m['max_nodes']} nodes** a round ({how})."]
     if m.get("ngram_baseline"):
         b = m["ngram_baseline"]
         lines += ["", f"Baseline without training (n-gram prompt lookup, K={m.get('ngram_k', m['k'])}): "

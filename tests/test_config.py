@@ -1,5 +1,6 @@
 """Recipes: every shipped recipe validates; unknown keys and wrong types are named; overrides work."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ def test_overrides_are_typed():
     r = load_recipe(domain="code", overrides=["train.steps=7", "dtype=float32", "evaluate.near_tie_tol=1"])
     assert r.train.steps == 7 and r.dtype == "float32"
     assert isinstance(r.evaluate.near_tie_tol, float)
+    assert load_recipe(domain="code", overrides=["evaluate.tree_budgets=[6, 8]"]).evaluate.tree_budgets == [6, 8]
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -35,9 +37,13 @@ def test_overrides_are_typed():
     (["train.method=magic"], "train.method"),
     (["generate.batch_size=0"], "generate.batch_size"),
     (["data.chat=3"], "data.chat"),
+    (["evaluate.tree_budgets=8"], "evaluate.tree_budgets"),
+    (["evaluate.tree_budgets=[4, x]"], "evaluate.tree_budgets[1]"),
+    (["evaluate.tree_budgets=[]"], "evaluate.tree_budgets"),
+    (["evaluate.tree_budgets=[0, 6]"], "evaluate.tree_budgets"),
 ])
 def test_bad_keys_and_types_are_named(override, needle):
-    with pytest.raises(RecipeError, match=needle.replace(".", r"\.")):
+    with pytest.raises(RecipeError, match=re.escape(needle)):
         load_recipe(domain="code", overrides=override)
 
 

@@ -16,7 +16,7 @@ TINY_BUDGET = [
     "data.max_prompts=24", "data.max_prompt_tokens=96",
     "generate.max_new_tokens=12", "generate.batch_size=4", "generate.batches_per_shard=2",
     "train.steps=4", "train.save_every=2", "train.batch_size=4", "train.seq_len=64", "train.draft_vocab_size=512",
-    "evaluate.n_prompts=2", "evaluate.max_new_tokens=12", "evaluate.fp32_prompts=1",
+    "evaluate.n_prompts=2", "evaluate.max_new_tokens=12", "evaluate.fp32_prompts=1", "evaluate.fit_prompts=2",
 ]
 
 
@@ -76,6 +76,22 @@ def test_distill_tiny_target_end_to_end(tiny_target, tmp_path, monkeypatch):
     assert (latest / "best" / "datastore.npy").exists() == (not nostore)
     assert m["draft_method"].endswith("+ngram+datastore") == (getattr(prop, "datastore", None) is not None)
     assert m["ngram_k"] == 8  # the n-gram baseline at its own K, not the draft's
+    # The hybrid's tree budget was fitted on this machine among the recipe's budgets, and a promoted
+    # hybrid serves from best/ with the fitted one.
+    fits = list((latest / "eval").glob("*.tree-budget.json"))
+    assert len(fits) == 1
+    fit = json.loads(fits[0].read_text())
+    n_val = len((latest / "prompts" / "val.jsonl").read_text().splitlines())
+    assert (fit["prompts"], fit["n_prompts"]) == (("val", min(2, n_val)) if n_val else ("train", 2))
+    for f in fit["fits"].values():
+        assert sorted(int(n) for n in f["budgets"]) == [4, 6, 8, 10, 12]
+        assert str(f["max_nodes"]) == max(f["budgets"], key=lambda n: f["budgets"][n]["est_speedup"])
+    if "+ngram" in m["checkpoint"]:
+        promoted = [f for f in fit["fits"].values() if f["budgets"] == m["tree_budget_fit"]["budgets"]]
+        assert m["max_nodes"] == prop.max_nodes == promoted[0]["max_nodes"]
+        assert f"at most **{m['max_nodes']} nodes**" in (latest / "report.md").read_text()
+    else:  # a bare checkpoint won: it serves no trees
+        assert m["max_nodes"] is None and m["tree_budget_fit"] is None
 
     # Running the same command again on a finished run starts a new run (the old one is kept).
     first = latest.resolve().name

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eval.decoder import SpeculativeDecoder
 from eval.heads import HEAD_FILE, EagleHead
 from eval.medusa import MedusaHeads, MedusaProposer
-from eval.proposers import HybridProposer, Sampling
+from eval.proposers import HybridProposer, NoDraft, Sampling
 from pipeline.medusa_train import MedusaTrainer
 from pipeline.train import _collate
 
@@ -555,3 +555,20 @@ def test_proposer_packed_matmuls_match_the_heads_in_bf16(target, int8):
         torch.testing.assert_close(got.float(), want.float(), **tol)
         torch.testing.assert_close(prop._lm[i](got).float(), h.lm_heads[i](got).float(), **tol)
     assert MedusaProposer(heads, t16).int8 and not MedusaProposer(heads, t16, int8=False).int8
+
+
+def test_a_promoted_hybrid_serves_with_its_fitted_tree_budget(target, tmp_path):
+    """best/draftsmith_draft.json's "serve" (evaluate's fitted node budget) is applied on load, so the
+    promoted draft serves as it was measured; a setting the decoder does not know is refused."""
+    from eval.proposers import load_proposer
+
+    V = target.config.vocab_size
+    heads = MedusaHeads.from_target(target, num_heads=2, draft_ids=torch.arange(V))
+    heads.save(tmp_path / "best", {"proposer": "hybrid", "serve": {"max_nodes": 6}})
+    assert load_proposer(str(tmp_path / "best"), target).max_nodes == 6
+    assert load_proposer(f"hybrid-nostore:{tmp_path / 'best'}", target).max_nodes == 6
+    heads.save(tmp_path / "plain", {"proposer": "hybrid"})
+    assert load_proposer(str(tmp_path / "plain"), target).max_nodes == HybridProposer(NoDraft()).max_nodes
+    heads.save(tmp_path / "bad", {"proposer": "hybrid", "serve": {"max_nodez": 6}})
+    with pytest.raises(ValueError, match="serve.max_nodez"):
+        load_proposer(str(tmp_path / "bad"), target)

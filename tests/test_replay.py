@@ -8,7 +8,7 @@ import torch
 from eval.decoder import SpeculativeDecoder
 from eval.medusa import MedusaHeads, MedusaProposer
 from eval.proposers import DraftLMProposer, HybridProposer, NgramProposer
-from eval.replay import Reference, reference, replay, verify_ms
+from eval.replay import Reference, fit_budget, reference, replay, verify_ms
 from test_decoder import PROMPTS, V, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -103,3 +103,40 @@ def test_replay_command_line(tmp_path, capsys):
     assert "has no attribute 'nodes'" in capsys.readouterr().err
     assert rp.main(base + ["--set", "max_ngram"]) == 2
     assert "KEY=INT" in capsys.readouterr().err
+
+
+def test_replay_can_time_the_proposer_itself(target):
+    ref = reference(target, PROMPTS[:2], N_NEW)
+    flat = {T: 10.0 for T in range(1, 17)}
+    rep = replay(HybridProposer(MedusaProposer(_heads(target), target)), ref, 2, N_NEW, verify_ms=flat, draft_ms=None)
+    assert rep["proposer_ms"] > 0  # the heads ran: a real cost, measured
+    assert rep["est_ms_per_round"] == pytest.approx(10.0 + rep["proposer_ms"])
+    assert rep["est_speedup"] < rep["tau"]
+
+
+def test_fit_budget_trades_tree_size_against_what_a_node_costs(target):
+    """With verifies as cheap as a plain step, the biggest tree (highest τ) wins; when every row costs a
+    plain step, the smallest does. The fitted τ per budget is the replay's, i.e. the decoder's."""
+    def make():
+        return HybridProposer(MedusaProposer(_heads(target), target))
+
+    budgets = [2, 4, 8]
+    prompts = PROMPTS[:3]
+    flat = fit_budget(target, {"h": make}, prompts, 2, N_NEW, budgets=budgets, costs={T: 1.0 for T in range(1, 10)})
+    by = flat["fits"]["h"]["budgets"]
+    assert sorted(by) == budgets and by[8]["tau"] > by[2]["tau"]  # more nodes, more accepted
+    assert flat["fits"]["h"]["max_nodes"] == max(budgets, key=lambda n: by[n]["est_speedup"])
+    steep = fit_budget(target, {"h": make}, prompts, 2, N_NEW, budgets=budgets,
+                       costs={T: 100.0 * T for T in range(1, 10)})
+    assert steep["fits"]["h"]["max_nodes"] == 2
+    for n in budgets:  # each budget's τ is what the decoder measures with that budget
+        res = [SpeculativeDecoder(target, _budget(make(), n), k=2).generate([p], N_NEW) for p in prompts]
+        tau = sum(r.stats["tau"] * r.stats["rounds"] for r in res) / sum(r.stats["rounds"] for r in res)
+        assert by[n]["tau"] == pytest.approx(tau), n
+    with pytest.raises(ValueError, match="positive node counts"):
+        fit_budget(target, {"h": make}, prompts, 2, N_NEW, budgets=[0, 4], costs={1: 1.0})
+
+
+def _budget(proposer, n):
+    proposer.max_nodes = n
+    return proposer

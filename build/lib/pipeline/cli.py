@@ -1,0 +1,304 @@
+"""`draftsmith`: one console script, a subcommand per stage, and `distill` for all of them.
+
+    draftsmith distill --recipe recipes/code.yaml [section.key=value ...]
+    draftsmith generate|train|evaluate --recipe recipes/code.yaml [--run-id ID] [section.key=value ...]
+    draftsmith compare --recipe recipes/code.yaml [--methods eagle,medusa,...] [--steps N] [--docs F]
+                       [--lift-steps N] [--lift-prompts P]
+    draftsmith bench --draft runs/code/latest/best --prompts prompts.jsonl [...]
+    draftsmith prompts --out data/code/humaneval_prompts.jsonl
+    draftsmith recipe-help
+
+Errors a user can fix (a bad recipe key, a missing model, empty data, a corrupted shard...) print
+one line naming the problem and the fix and exit 2; nothing already written is removed, and
+rerunning the same command resumes an interrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .config import Recipe, RecipeError, help_table, load_recipe
+
+EXIT_USER_ERROR = 2
+
+
+def _is_user_error(e: BaseException) -> bool:
+    """Our own exception classes (defined in pipeline/ or eval/) carry messages written for users."""
+    mod = type(e).__module__
+    return isinstance(e, (ValueError, RuntimeError)) and (mod.startswith("pipeline") or mod.startswith("eval"))
+
+
+# ---------------------------------------------------------------- run directories
+def _status_path(run_dir: Path) -> Path:
+    return run_dir / "status.json"
+
+
+def _read_status(run_dir: Path) -> dict:
+    p = _status_path(run_dir)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def _write_status(run_dir: Path, **kw) -> None:
+    from .shards import write_json_atomic
+
+    write_json_atomic(_status_path(run_dir), {**_read_status(run_dir), **kw})
+
+
+def _point_latest(run_dir: Path) -> None:
+    link = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(run_dir.name)
+    os.replace(tmp, link)
+
+
+def open_run(recipe: Recipe, *, for_stage: bool, new: bool = False) -> Path:
+    """Pick the run directory.
+
+    distill: an explicit run_id; else the latest run if it was interrupted with the same recipe
+    (so rerunning `make distill` resumes); else a new timestamped run.
+    A single stage: an explicit run_id, else the latest run (the stages continue one pipeline)."""
+    domain_dir = Path(recipe.runs_dir) / recipe.domain
+    latest = domain_dir / "latest"
+    run_id = recipe.run_id
+    if run_id is None and latest.exists() and not new:
+        st = _read_status(latest.resolve())
+        if for_stage or (st.get("recipe_hash") == recipe.hash() and not st.get("complete")):
+            run_id = latest.resolve().name
+            print(f"draftsmith: continuing run {domain_dir / run_id}", file=sys.stderr)
+    if run_id is None:
+        if for_stage:
+            raise RecipeError(f"no run under {domain_dir}; run `draftsmith distill` or `draftsmith generate` "
+                              f"first, or pass --run-id")
+        run_id = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = domain_dir / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    import yaml
+
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    if not _read_status(run_dir):
+        _write_status(run_dir, recipe_hash=recipe.hash(), complete=False, started=time.time())
+    _point_latest(run_dir)
+    return run_dir
+
+
+# ---------------------------------------------------------------- stages
+def _load(recipe: Recipe):
+    from .models import load_target
+
+    return load_target(recipe.target, recipe.dtype, recipe.device)
+
+
+def stage_generate(recipe, run_dir, target=None, tok=None):
+    from .generate import run_generate
+    from .shards import read_manifest
+    from .tracking import make_tracker
+
+    if target is None:
+        target, tok = _load(recipe)
+    tracker = make_tracker(recipe, run_dir, "generate")
+    try:
+        out = run_generate(recipe, run_dir, model=target, tokenizer=tok)
+        m = read_manifest(out)
+        tracker.summary({"generate/rows": sum(s["rows"] for s in m["shards"].values()),
+                         "generate/shards": len(m["shards"])})
+    finally:
+        tracker.finish()
+    return out
+
+
+def stage_train(recipe, run_dir, target=None, tok=None):
+    from .tracking import make_tracker
+    from .train import run_train
+
+    if target is None:
+        target, tok = _load(recipe)
+    tracker = make_tracker(recipe, run_dir, "train")
+    try:
+        return run_train(recipe, run_dir, target=target, tokenizer=tok, tracker=tracker)
+    finally:
+        tracker.finish()
+
+
+def stage_evaluate(recipe, run_dir, target=None, tok=None):
+    from .evaluate import run_evaluate
+    from .report import write_report
+    from .tracking import make_tracker
+
+    if target is None:
+        target, tok = _load(recipe)
+    tracker = make_tracker(recipe, run_dir, "evaluate")
+    try:
+        metrics = run_evaluate(recipe, run_dir, target, tok, tracker=tracker)
+    finally:
+        tracker.finish()
+    report = write_report(run_dir)
+    print(f"draftsmith: {metrics['draft_method']} {metrics['checkpoint']}: alpha {metrics['alpha']:.3f}, "
+          f"tau {metrics['tau']:.2f}, speedup {metrics['speedup']:.2f}x, greedy_exact {metrics['greedy_exact']}"
+          f" -> {report}")
+    return metrics
+
+
+def compare_choices(args) -> tuple[list[str], list[str]]:
+    """--methods / --divergences, checked (a one-line error before any model loads or run opens)."""
+    from .compare import DIVERGENCES, CompareError, check_choices
+
+    divergences = args.divergences.split(",") if args.divergences else list(DIVERGENCES)
+    for flag, v in (("--steps", args.steps), ("--lift-steps", args.lift_steps), ("--lift-prompts", args.lift_prompts)):
+        if v is not None and v < 1:
+            raise CompareError(f"{flag} must be a positive integer (got {v})")
+    return check_choices(args.methods.split(",") if args.methods else None, divergences), divergences
+
+
+def stage_compare(recipe, run_dir, args, methods, divergences, target=None, tok=None) -> dict:
+    """Every draft method (and every divergence on the best) on this run's generated data."""
+    from .compare import markdown, run_compare
+    from .tracking import make_tracker
+
+    if target is None:
+        target, tok = _load(recipe)
+    if not (run_dir / "generate" / "manifest.json").exists():
+        stage_generate(recipe, run_dir, target, tok)
+    tracker = make_tracker(recipe, run_dir, "compare")
+    try:
+        out = run_compare(recipe, run_dir, target, tok,
+                          methods=methods, divergences=divergences,
+                          steps=args.steps, raw_baseline=not args.no_raw, tracker=tracker,
+                          lift_steps=args.lift_steps, lift_prompts=args.lift_prompts)
+    finally:
+        tracker.finish()
+    command = "draftsmith " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["compare"] else "draftsmith compare"
+    md = markdown(out, command)
+    (run_dir / "compare" / "compare.md").write_text(md)
+    if args.docs:
+        Path(args.docs).write_text(md)
+    if (run_dir / "metrics.json").exists():  # the run's report gains the comparison
+        from .report import write_report
+
+        write_report(run_dir)
+    b = out["best_measured"]
+    print(f"draftsmith: best {b['name']} K={b['k']}: tau {b['tau']:.2f}, speedup {b['speedup']:.2f}x "
+          f"({b['vs_ngram']:.2f}x the n-gram proposer) -> {run_dir / 'compare' / 'compare.md'}")
+    return out
+
+
+def distill(recipe: Recipe, new: bool = False) -> Path:
+    """Step 1 generate -> Step 2 train -> Step 3 evaluate (+ Step 4 logging inside each)."""
+    run_dir = open_run(recipe, for_stage=False, new=new)
+    t0 = time.time()
+    target, tok = _load(recipe)
+    stage_generate(recipe, run_dir, target, tok)
+    stage_train(recipe, run_dir, target, tok)
+    stage_evaluate(recipe, run_dir, target, tok)
+    _write_status(run_dir, complete=True, wall_s=time.time() - t0)
+    print(f"draftsmith: done in {time.time() - t0:.0f}s; outputs in {run_dir} (and {run_dir.parent / 'latest'})")
+    return run_dir
+
+
+# ---------------------------------------------------------------- argument parsing
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--recipe", help="recipe YAML (e.g. recipes/code.yaml)")
+    g.add_argument("--domain", help="shorthand for --recipe recipes/<domain>.yaml")
+    p.add_argument("--run-id", help="run directory name under runs/<domain>/ (reuse one to resume it)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="override any recipe value")
+
+
+def _recipe_from(args) -> Recipe:
+    overrides = list(args.overrides)
+    if args.run_id:
+        overrides.append(f"run_id={args.run_id}")
+    if args.recipe is None and args.domain is None:
+        raise RecipeError("give --recipe recipes/<domain>.yaml or --domain NAME")
+    return load_recipe(args.recipe, overrides, domain=args.domain)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftsmith", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("distill", help="generate -> train -> evaluate -> report")
+    _recipe_args(d)
+    d.add_argument("--new", action="store_true", help="start a new run even if the latest was interrupted")
+    for name, h in [("generate", "stage 1: target completions with top-k log-probs"),
+                    ("train", "stage 2: train the draft (resumes from the last checkpoint)"),
+                    ("evaluate", "stage 3: every checkpoint in the decoder; promote the fastest")]:
+        _recipe_args(sub.add_parser(name, help=h))
+    c = sub.add_parser("compare", help="train and judge every draft method x divergence; one table")
+    _recipe_args(c)
+    from .compare import METHODS
+
+    c.add_argument("--methods", help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
+    c.add_argument("--divergences", help="divergences tried on the best method (default: fkl,rkl,jsd,tv)")
+    c.add_argument("--steps", type=int, help="training steps per variant (default: the recipe's train.steps)")
+    c.add_argument("--no-raw", action="store_true", help="skip the raw-text (undistilled) baseline")
+    c.add_argument("--lift-steps", type=int, help="training steps of both arms of the distillation lift "
+                   "(generated vs raw text; default: --steps)")
+    c.add_argument("--lift-prompts", type=int, help="held-out prompts the lift's two arms are judged on "
+                   "(default: evaluate.n_prompts)")
+    c.add_argument("--docs", help="also write the table to this Markdown file (e.g. docs/compare.md)")
+    sub.add_parser("bench", help="compare our decoder with HF generate / assisted / prompt lookup", add_help=False)
+    pr = sub.add_parser("prompts", help="write held-out prompts as JSONL (for bench)")
+    pr.add_argument("--out", required=True, help="JSONL path to write HumanEval's 164 prompts to")
+    sub.add_parser("recipe-help", help="every recipe key with its default and meaning")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # bench owns its arguments and imports nothing from pipeline's stages
+        from eval.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = build_parser()
+    # parse_known_args: overrides may come before or after --run-id (argparse would otherwise take
+    # the positional list only once); anything else unknown is still an error.
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(getattr(args, "overrides", [])) + extra
+    try:
+        if args.cmd == "recipe-help":
+            for key, default, h in help_table():
+                print(f"{key:32s} {default:32s} {h}")
+            return 0
+        if args.cmd == "prompts":
+            from .data import export_heldout_jsonl
+
+            export_heldout_jsonl(args.out)
+            return 0
+        recipe = _recipe_from(args)
+        if args.cmd == "distill":
+            distill(recipe, new=args.new)
+            return 0
+        if args.cmd == "compare":
+            methods, divergences = compare_choices(args)
+            try:  # continue the latest run (its generated data), else start one
+                run_dir = open_run(recipe, for_stage=True)
+            except RecipeError:
+                run_dir = open_run(recipe, for_stage=False)
+            stage_compare(recipe, run_dir, args, methods, divergences)
+            return 0
+        run_dir = open_run(recipe, for_stage=True)
+        {"generate": stage_generate, "train": stage_train, "evaluate": stage_evaluate}[args.cmd](recipe, run_dir)
+        return 0
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted; rerun the same command to resume (finished shards and checkpoints are kept)",
+              file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001
+        if not _is_user_error(e) or os.environ.get("DRAFTSMITH_DEBUG"):
+            raise
+        print(f"draftsmith: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""`draftsmith compare`: every draft method, and every divergence on the best one, trained on the same
+generated data and judged the same way in our decoder -> one table (run dir, W&B, optionally docs/).
+
+Step 1: the run's generate stage (reused when it exists; run_dir/generate and prompts/).
+Step 2: per variant, a directory run_dir/compare/<name>/ whose generate/ and prompts/ link to the
+run's, then the train stage and the evaluate stage exactly as `distill` runs them (resumable: a
+finished variant is read back). The table shows each variant's final checkpoint.
+Step 3: the hybrid (the best trained variant + n-gram lookups + its datastore), the same without the
+datastore and the lookups without the draft (what each part adds), and the n-gram baseline.
+Step 4: the divergences on the best method, and the best method trained on raw domain text (the
+undistilled baseline; its τ against the distilled one is the distillation lift, both arms at
+--lift-steps and judged on --lift-prompts when given). The best variant is then swept over K
+(measured) to give its best K.
+
+"best K" in the table is the K that maximises the predicted speedup (1-α^(K+1))/((1-α)(Kc+1)) from
+the variant's measured α (per-token, accepted/reached) and c; the sweep measures it for the best one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+from eval.datastore import FILE as DATASTORE_FILE
+
+from .shards import write_json_atomic
+from .tracking import NoOpTracker
+
+# name -> recipe overrides (train.*). "lora" is draft_lm with a LoRA adapter; "eagle_fullvocab" is
+# the truncated-vocabulary method's counterpart (same head, all 49k rows); "medusa" recurrent heads
+# and "medusa_indep" Medusa-1's independent ones.
+METHODS = {
+    "eagle": {"method": "eagle"},
+    "medusa": {"method": "medusa", "medusa_recurrent": True},
+    "medusa_indep": {"method": "medusa", "medusa_recurrent": False},
+    "self_spec": {"method": "self_spec", "num_layers": 6, "adapter_rank": 128, "lr": 1e-2},
+    "int8": {"method": "int8"},
+    "lora": {"method": "draft_lm", "num_layers": 2, "lora_rank": 16, "lora_alpha": 32, "lr": 1e-3},
+    "draft_lm": {"method": "draft_lm", "num_layers": 2, "lora_rank": 0, "lr": 3e-4},
+    "eagle_fullvocab": {"method": "eagle", "draft_vocab_size": 0},
+}
+DIVERGENCES = ("fkl", "rkl", "jsd", "tv")
+
+
+class CompareError(ValueError):
+    pass
+
+
+def best_k(alpha: float, c: float | None, k_max: int = 8) -> int | None:
+    """argmax over K of the predicted speedup (1-α^(K+1)) / ((1-α)(Kc+1))."""
+    if c is None or alpha <= 0:
+        return None
+    a = min(alpha, 0.999999)
+    return max(range(1, k_max + 1), key=lambda K: (1 - a ** (K + 1)) / ((1 - a) * (K * c + 1)))
+
+
+def _link(src: Path, dst: Path) -> None:
+    if not dst.exists():
+        dst.symlink_to(os.path.relpath(src, dst.parent))
+
+
+def _variant_recipe(recipe, overrides: dict, steps: int | None, n_prompts: int | None = None):
+    r = copy.deepcopy(recipe)
+    for k, v in overrides.items():
+        setattr(r.train, k, v)
+    if steps:
+        r.train.steps = steps
+        r.train.warmup_steps = min(r.train.warmup_steps, max(steps // 10, 1))
+    r.train.save_every = r.train.steps  # one checkpoint: the table judges the final one
+    r.evaluate.hybrid, r.evaluate.baselines, r.evaluate.fp32_prompts = False, False, 0
+    if n_prompts:
+        r.evaluate.n_prompts = n_prompts
+    r.train.__post_init__()
+    r.evaluate.__post_init__()
+    return r
+
+
+def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
+    from .evaluate import run_evaluate
+    from .train import FEATURES_FILE, RAW_TEACHER_FILE, run_train
+
+    L = target.config.num_hidden_layers
+    if recipe.train.method in ("self_spec", "draft_lm") and recipe.train.num_layers > max(L // 2, 1):
+        recipe.train.num_layers = max(L // 2, 1)  # a small target: keep the draft a fraction of it
+    vdir = run_dir / "compare" / name
+    (vdir / "train").mkdir(parents=True, exist_ok=True)
+    _link(run_dir / "generate", vdir / "generate")
+    _link(run_dir / "prompts", vdir / "prompts")
+    feats = run_dir / "compare" / f"features-{recipe.train.data}.safetensors"
+    # The same target features for every variant: the compare's own, else the distill's train stage's
+    # (its key is checked on load, and a mismatch is recomputed into the variant's own file).
+    src = feats if feats.exists() else run_dir / "train" / FEATURES_FILE
+    if src.exists() and not (vdir / "train" / FEATURES_FILE).exists():
+        os.link(src, vdir / "train" / FEATURES_FILE)
+    raw = run_dir / "compare" / RAW_TEACHER_FILE  # the scored raw-text mix: the same for every variant
+    if recipe.train.raw_windows and raw.exists() and not (vdir / "train" / RAW_TEACHER_FILE).exists():
+        os.link(raw, vdir / "train" / RAW_TEACHER_FILE)  # (its key is checked on load)
+    train_dir = run_train(recipe, vdir, target=target, tokenizer=tokenizer)
+    if (train_dir / FEATURES_FILE).exists() and not feats.exists():
+        os.link(train_dir / FEATURES_FILE, feats)
+    if (train_dir / RAW_TEACHER_FILE).exists() and not raw.exists():
+        os.link(train_dir / RAW_TEACHER_FILE, raw)
+    m = run_evaluate(recipe, vdir, target, tokenizer)
+    tm = json.loads((train_dir / "manifest.json").read_text())
+    return {"name": name, "method": recipe.train.method, "divergence": recipe.train.divergence,
+            "data": recipe.train.data, "dir": str(vdir / "best"), "alpha": m["alpha"], "tau": m["tau"],
+            "c": m["c"], "k": m["k"], "best_k": best_k(m["alpha_hat"], m["c"]), "speedup": m["speedup"],
+            "predicted_speedup": m["predicted_speedup"], "tokens_per_s": m["tokens_per_s_spec"],
+            "plain_tokens_per_s": m["tokens_per_s_plain"], "train_tokens_per_s": tm.get("tokens_per_s"),
+            "steps": tm.get("steps"), "greedy_match": m.get("bf16_match_rate"),
+            "all_near_ties": m["greedy_exact"]}
+
+
+def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k: int) -> dict:
+    """A proposer without training (ngram) or a served combination (hybrid), cached by name and K."""
+    from eval.decoder import SERVING_REV  # how the decoder serves it: a decoder change measures again
+
+    from .evaluate import decode_pairs, heldout_ids, source_fingerprint
+
+    path = run_dir / "compare" / f"{name}-k{k}.json"
+    key = {"src": src, "k": k, "evaluate": recipe.to_dict()["evaluate"], "serving": SERVING_REV,
+           "files": source_fingerprint(src)}
+    prev = json.loads(path.read_text()) if path.exists() else {}
+    if prev.get("key") == key:
+        return prev["row"]
+    from eval.proposers import load_proposer
+
+    prompts = heldout_ids(recipe, run_dir, tokenizer)
+    _, plain, _, s = decode_pairs(target, load_proposer(src, target), prompts, k, recipe.evaluate.max_new_tokens,
+                                  tokenizer.eos_token_id, name)
+    row = {"name": name, "method": name.split("@")[0], "divergence": None, "data": None, "dir": src,
+           "alpha": s["alpha"], "tau": s["tau"], "c": s["c"], "k": k, "best_k": best_k(s["alpha_hat"], s["c"]),
+           "speedup": s["tokens_per_s"] / plain["tokens_per_s"], "predicted_speedup": s.get("predicted_speedup"),
+           "tokens_per_s": s["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
+           "train_tokens_per_s": None, "steps": 0}
+    write_json_atomic(path, {"key": key, "row": row})
+    return row
+
+
+def check_choices(methods, divergences) -> list[str]:
+    methods = list(methods or METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise CompareError(f"unknown method(s) {unknown} for --methods; choose from {sorted(METHODS)}")
+    bad = [d for d in divergences if d not in DIVERGENCES]
+    if bad:
+        raise CompareError(f"unknown divergence(s) {bad} for --divergences; choose from {list(DIVERGENCES)}")
+    return methods
+
+
+def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergences=DIVERGENCES,
+                steps: int | None = None, raw_baseline: bool = True, k_sweep=(2, 3, 4, 6, 8),
+                tracker=None, lift_steps: int | None = None, lift_prompts: int | None = None) -> dict:
+    tracker = tracker or NoOpTracker()
+    run_dir = Path(run_dir)
+    if not (run_dir / "generate" / "manifest.json").exists():
+        raise CompareError(f"{run_dir}/generate is missing; run `draftsmith generate` (or distill) first")
+    methods = check_choices(methods, divergences)
+    (run_dir / "compare").mkdir(exist_ok=True)
+    default_div = recipe.train.divergence
+    rows = []
+    # Step 2: every method with the recipe's divergence
+    for m in methods:
+        rv = _variant_recipe(recipe, {**METHODS[m], "divergence": default_div, "data": "generated"}, steps)
+        rows.append(run_variant(f"{m}-{default_div}", rv, run_dir, target, tokenizer))
+    trained = [r for r in rows if r["method"] != "int8"]
+    best = max(trained or rows, key=lambda r: r["speedup"])
+    best_m = best["name"].rsplit("-", 1)[0]
+    k = recipe.evaluate.k
+    # Step 3: hybrid of the best trained variant, and the n-gram baseline
+    rows.append(_decode_row("hybrid", f"hybrid:{best['dir']}", recipe, run_dir, target, tokenizer, k))
+    rows[-1]["method"] = f"hybrid ({best_m} + ngram)"
+    if (Path(best["dir"]) / DATASTORE_FILE).exists():  # what the datastore adds, and what the draft adds
+        rows[-1]["method"] = f"hybrid ({best_m} + ngram + datastore)"
+        rows.append(_decode_row("hybrid-nostore", f"hybrid-nostore:{best['dir']}", recipe, run_dir, target,
+                                tokenizer, k))
+        rows[-1]["method"] = f"hybrid ({best_m} + ngram), no datastore"
+        rows.append(_decode_row("ngram+datastore", f"datastore:{best['dir']}", recipe, run_dir, target,
+                                tokenizer, k))
+        rows[-1]["method"] = "ngram + datastore (no draft)"
+    int8 = [r for r in rows if r["method"] == "int8"]
+    if int8:  # the int8 copy accepts almost everything but costs half a target step: lookups are free
+        rows.append(_decode_row("int8+ngram", f"hybrid:{int8[0]['dir']}", recipe, run_dir, target, tokenizer, k))
+        rows[-1]["method"] = "hybrid (int8 + ngram)"
+    ngram = _decode_row("ngram", "ngram", recipe, run_dir, target, tokenizer, k)
+    rows.append(ngram)
+    # Step 4: divergences on the best method; the raw-text (undistilled) baseline
+    div_rows = [r for r in rows if r["name"] == f"{best_m}-{default_div}"]
+    for d in divergences:
+        if d == default_div:
+            continue
+        rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": d, "data": "generated"}, steps)
+        div_rows.append(run_variant(f"{best_m}-{d}", rv, run_dir, target, tokenizer))
+    # The lift: the best method on the generated data against the same method on raw text, both at
+    # lift_steps (default: the table's steps) and judged on lift_prompts held-out prompts (default: the
+    # table's). Given either, both arms are variants of their own ("-s<steps>-p<prompts>"): a short
+    # table's steps understate what distillation does at the recipe's, and τ on a handful of prompts
+    # moves by more than the lift (8 prompts gave 10% where 80 gave 15%, the same checkpoints).
+    raw = dist = None
+    lift_steps, lift_prompts = lift_steps or steps or recipe.train.steps, lift_prompts or recipe.evaluate.n_prompts
+    if raw_baseline and METHODS[best_m]["method"] != "int8":
+        own = lift_steps == (steps or recipe.train.steps) and lift_prompts == recipe.evaluate.n_prompts
+        tag = "" if own else f"-s{lift_steps}-p{lift_prompts}"
+
+        def arm(data: str, extra: dict) -> dict:
+            rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": default_div, "data": data, **extra},
+                                 lift_steps, lift_prompts)
+            name = f"{best_m}-{default_div}{'-raw' if data == 'raw' else ''}{tag}"
+            return run_variant(name, rv, run_dir, target, tokenizer)
+
+        dist = best if own else arm("generated", {})  # own: the table's row is the distilled arm
+        raw = arm("raw", {"raw_windows": 0})
+    # K sweep (measured) on the best served proposer
+    served = max([r for r in rows if r["name"] not in ("ngram", "ngram+datastore")], key=lambda r: r["speedup"])
+    src = served["dir"]  # a variant's best/ dir, or "hybrid:<dir>" for the served combinations
+    sweep = [_decode_row(f"{served['name']}@k", src, recipe, run_dir, target, tokenizer, kk) for kk in k_sweep]
+    out = {"methods": rows, "divergences": div_rows, "raw_baseline": raw, "best_method": best_m,
+           "k_sweep": sweep, "served": served["name"], "n_prompts": recipe.evaluate.n_prompts,
+           "max_new_tokens": recipe.evaluate.max_new_tokens, "dtype": recipe.dtype,
+           "steps": steps or recipe.train.steps,
+           "lift": {"steps": lift_steps, "n_prompts": lift_prompts, "distilled": dist} if raw else None,
+           "distillation_tau_lift": (dist["tau"] / raw["tau"] - 1) if raw and raw["tau"] else None}
+    best_sweep = max(sweep, key=lambda r: r["speedup"])
+    # The n-gram proposer at its best measured K (the recipe's, the best sweep K's, and 8, the hybrid's
+    # lookup length): a hybrid's lookups propose 8 tokens at any K, so "the same K" would not be like
+    # with like.
+    ngram_rows = [ngram] + [_decode_row("ngram", "ngram", recipe, run_dir, target, tokenizer, kk)
+                            for kk in sorted({best_sweep["k"], 8} - {k})]
+    ngram_best = max(ngram_rows, key=lambda r: r["speedup"])
+    out["ngram_by_k"] = {r["k"]: r["speedup"] for r in ngram_rows}
+    out["best_measured"] = {"name": served["name"], "k": best_sweep["k"], "tau": best_sweep["tau"],
+                            "speedup": best_sweep["speedup"], "ngram_speedup": ngram_best["speedup"],
+                            "ngram_k": ngram_best["k"],
+                            "vs_ngram": best_sweep["speedup"] / ngram_best["speedup"] if ngram_best["speedup"] else None}
+    write_json_atomic(run_dir / "compare" / "compare.json", out)
+    cols = ["name", "method", "divergence", "data", "alpha", "tau", "c", "k", "best_k", "speedup",
+            "predicted_speedup", "train_tokens_per_s"]
+    tracker.table("compare/methods", cols, [[r.get(c) for c in cols] for r in rows + div_rows[1:] + ([raw] if raw else [])])
+    tracker.summary({"compare/best_speedup": best_sweep["speedup"], "compare/best_tau": best_sweep["tau"],
+                     "compare/distillation_tau_lift": out["distillation_tau_lift"] or 0.0})
+    return out
+
+
+def _fmt(v, nd=2):
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def markdown(out: dict, command: str) -> str:
+    """The comparison as a Markdown document (run dir's compare.md, and docs/ with --docs)."""
+    head = "| variant | divergence | data | α | τ | c | K | best K (pred.) | speedup | predicted | train tok/s |\n" \
+           "|---|---|---|---|---|---|---|---|---|---|---|\n"
+
+    def line(r):
+        served = ('hybrid', 'hybrid-nostore', 'ngram+datastore', 'int8+ngram', 'ngram')
+        return (f"| {r['method'] if r['name'] in served else r['name']} | {_fmt(r['divergence'])} | "
+                f"{_fmt(r['data'])} | {_fmt(r['alpha'], 3)} | {_fmt(r['tau'])} | {_fmt(r['c'], 3)} | {_fmt(r['k'])} | "
+                f"{_fmt(r['best_k'])} | **{_fmt(r['speedup'])}×** | {_fmt(r['predicted_speedup'])}× | "
+                f"{_fmt(r['train_tokens_per_s'], 0)} |\n")
+
+    best_method = out["best_method"]
+    s = ["# Draft methods compared\n\n",
+         f"Made by: `{command}`\n\n",
+         f"Greedy, batch 1, {out['dtype']}, {out['n_prompts']} held-out HumanEval prompts, {out['max_new_tokens']} new "
+         f"tokens; every trained variant: {out['steps']} steps on the same generated data; speedup = our "
+         "speculative decoding over plain decoding in our decoder, the two taking turns prompt by prompt.\n\n",
+         "## Methods (default divergence)\n\n", head, *map(line, out["methods"]),
+         f"\n## Divergences on the best method ({out['best_method']})\n\n", head, *map(line, out["divergences"])]
+    if out.get("raw_baseline"):
+        lift = out.get("lift") or {}
+        s += ["\n## Distillation vs raw domain text\n\n",
+              f"{best_method} trained {_fmt(lift.get('steps', out['steps']))} steps on the target's generated outputs "
+              f"and on raw domain text (one-hot next tokens), judged on {_fmt(lift.get('n_prompts', out['n_prompts']))} "
+              "held-out prompts.\n\n", head, *([line(lift["distilled"])] if lift.get("distilled") else []),
+              line(out["raw_baseline"]),
+              f"\nτ lift of distillation over raw-text training: {_fmt(out['distillation_tau_lift'] * 100, 0)}%\n"]
+    s += [f"\n## K sweep (measured) on {out['served']}\n\n", "| K | α | τ | speedup |\n|---|---|---|---|\n"]
+    s += [f"| {r['k']} | {_fmt(r['alpha'], 3)} | {_fmt(r['tau'])} | {_fmt(r['speedup'])}× |\n" for r in out["k_sweep"]]
+    b = out["best_measured"]
+    s.append(f"\nBest: {b['name']} at K={b['k']}: τ {_fmt(b['tau'])}, speedup {_fmt(b['speedup'])}×, "
+             f"{_fmt(b['vs_ngram'])}× the n-gram proposer's best speedup "
+             f"({_fmt(b.get('ngram_speedup'))}× at K={b.get('ngram_k')}; n-gram by K: "
+             + ", ".join(f"K={kk} {_fmt(v)}×" for kk, v in sorted(out.get("ngram_by_k", {}).items())) + ").\n")
+    return "".join(s)

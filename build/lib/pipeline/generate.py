@@ -1,0 +1,286 @@
+"""Stage 1: the target's own completions for the training prompts, with its top-k log-probs.
+
+Run in-process (`draftsmith distill` passes the loaded model/tokenizer) or under accelerate:
+
+    accelerate launch --num_processes 2 -m pipeline.generate --recipe recipes/code.yaml --run-dir runs/code/X
+
+On a CPU-only machine use `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ...`:
+in accelerate 1.15 `--cpu` always starts a single process.
+
+Prompts are sorted by token length (then id) and cut into batches; shard i holds batches
+[i*batches_per_shard, (i+1)*batches_per_shard) and process p of n writes the shards with i % n == p,
+so the rows do not depend on the process count. Sampling (temperature > 0) reseeds from
+(recipe.seed, batch index) before each batch, for the same reason.
+
+Completions come from this project's decoder (plain decoding on the lean forward) where the target
+is Llama-family, else from HF `generate` (see `make_decoder`). Log-probs come from one teacher-forced
+HF forward over prompt+completion rather than the decode loop's logits: that is the parallel
+forward the speculative decoder's verify step computes (the distribution a draft is judged against),
+it is untouched by generate's logits processors, and it never holds [steps, batch, vocab] logits
+from the whole decode loop. It costs one extra forward per batch, small next to max_new_tokens
+sequential decode steps. In bf16 the stored top-1 can differ from a greedy token at near-ties;
+position i is still the target's distribution for completion_ids[i].
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import logging
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from . import shards
+from .config import stable_hash
+from .data import build_prompt_sets, encode_prompt, read_jsonl
+
+log = logging.getLogger("draftsmith.generate")
+
+STAGE = "generate"
+
+
+def _versions() -> dict:
+    import accelerate
+    import datasets
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "datasets": datasets.__version__, "accelerate": accelerate.__version__}
+
+
+def generate_hash(recipe) -> str:
+    """Hash of what changes the generated rows (target, dtype, seed, data, generate); a resume must match."""
+    d = recipe.to_dict()
+    return stable_hash({k: d[k] for k in ("target", "dtype", "seed", "data", "generate")})
+
+
+def batch_seed(seed: int, batch_index: int) -> int:
+    return (seed * 1_000_003 + batch_index * 7919 + 12345) % (2**63 - 1)
+
+
+@contextlib.contextmanager
+def _manifest_lock(stage_dir: Path):
+    """Serialise manifest read-modify-writes between processes (shards.record_shard has one writer)."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    with open(stage_dir / ".manifest.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for v in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if v is None:
+            continue
+        ids.update(v if isinstance(v, (list, tuple)) else [v])
+    return ids
+
+
+def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
+    """[(id, prompt_ids)] sorted by (length, id), cut into batches."""
+    enc = sorted(((r["id"], encode_prompt(r, tokenizer, chat)) for r in rows), key=lambda x: (len(x[1]), x[0]))
+    return [enc[i:i + batch_size] for i in range(0, len(enc), batch_size)]
+
+
+def make_decoder(model):
+    """This project's decoder (eval/decoder.py, plain decoding) for the generate stage where the target
+    runs on its lean forward (Llama-family), else None: HF `generate` then. Why not HF `generate` for
+    all: on this project's CPU it decoded 215 tok/s at batch 32 (bf16, SmolLM2-135M) against 337-354
+    for the lean forward at batch 16-32, and its bf16 greedy tokens are not the ones the served decoder
+    produces (they differ at near-ties: HF's attention runs in bf16, ours in fp32), while drafts are
+    judged against the served decoder's. The decoder's batches are ragged: each row at its own
+    positions, so a row's tokens do not depend on the batch it is in."""
+    from eval.decoder import SpeculativeDecoder
+    from eval.target import lean_supported
+
+    return SpeculativeDecoder(model, None, k=1) if lean_supported(model) else None
+
+
+@torch.no_grad()
+def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_tokens: int,
+                   temperature: float, top_k: int, seed: int, decoder=None) -> list[dict]:
+    """Generate for one batch and return shard rows with the target's top-k log-probs. `decoder`
+    (make_decoder's) decodes when given, else HF `generate` over the left-padded batch."""
+    device = model.device
+    P = max(len(ids) for _, ids in batch)
+    input_ids = torch.full((len(batch), P), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), P), dtype=torch.long)
+    for j, (_, ids) in enumerate(batch):
+        input_ids[j, P - len(ids):] = torch.tensor(ids)
+        attn[j, P - len(ids):] = 1
+    input_ids, attn = input_ids.to(device), attn.to(device)
+    if decoder is not None:
+        # Seeded per batch (its own generator), so the process count does not matter.
+        completions = decoder.generate([ids for _, ids in batch], max_new_tokens, temperature=temperature,
+                                       eos_token_id=eos_ids, seed=seed).sequences  # cut after EOS (kept)
+        T = max(len(c) for c in completions)
+        gen = torch.tensor([c + [pad_id] * (T - len(c)) for c in completions], dtype=torch.long, device=device)
+    else:
+        completions, gen = _hf_generate(model, input_ids, attn, pad_id=pad_id, eos_ids=eos_ids,
+                                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        T = gen.shape[1]
+    # teacher-forced forward over prompt + completion (minus its last token); logits for the last T columns
+    full = torch.cat([input_ids, gen[:, :T - 1]], dim=1) if T > 1 else input_ids
+    fmask = torch.cat([attn, torch.ones_like(gen[:, :T - 1])], dim=1) if T > 1 else attn
+    pos = (fmask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=full, attention_mask=fmask, position_ids=pos, logits_to_keep=T).logits
+    rows = []
+    for j, (rid, ids) in enumerate(batch):
+        n = len(completions[j])
+        lp = torch.log_softmax(logits[j, :n].float(), dim=-1)
+        vals, idx = lp.topk(top_k, dim=-1)  # sorted descending
+        rows.append({"id": rid, "prompt_ids": ids, "completion_ids": completions[j],
+                     "topk_ids": idx.to(torch.int32).cpu().tolist(),
+                     "topk_logprobs": vals.cpu().tolist()})
+    return rows
+
+
+def _hf_generate(model, input_ids, attn, *, pad_id, eos_ids, max_new_tokens, temperature, seed):
+    """HF `generate` over a left-padded batch -> (completions cut after their first EOS, kept; the
+    generated columns [B, T])."""
+    from transformers import GenerationConfig
+
+    sample = temperature > 0
+    gcfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample,
+                            temperature=temperature if sample else None, top_k=0 if sample else None,
+                            top_p=1.0 if sample else None, pad_token_id=pad_id,
+                            eos_token_id=sorted(eos_ids) or None)
+    if sample:
+        torch.manual_seed(seed)  # also seeds CUDA; batch-indexed so the process count does not matter
+    gen = model.generate(input_ids=input_ids, attention_mask=attn, generation_config=gcfg)[:, input_ids.shape[1]:]
+    completions = []
+    for j in range(gen.shape[0]):
+        c = gen[j].tolist()
+        for t, tok in enumerate(c):
+            if tok in eos_ids:
+                c = c[:t + 1]
+                break
+        completions.append(c)
+    return completions, gen
+
+
+def _features():
+    from datasets import Features, List, Value
+    return Features({"id": Value("string"), "prompt_ids": List(Value("int32")),
+                     "completion_ids": List(Value("int32")),
+                     "topk_ids": List(List(Value("int32"))), "topk_logprobs": List(List(Value("float32")))})
+
+
+def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) -> Path:
+    """Generate (or resume) the stage into `run_dir/generate`; return that directory.
+
+    Reads `run_dir/prompts/train.jsonl` (built from the recipe by the main process when missing).
+    Shards already complete are kept; missing or corrupted ones are logged and regenerated."""
+    from accelerate import Accelerator
+    from datasets import Dataset
+    from tqdm.auto import tqdm
+
+    from .models import load_target
+
+    run_dir = Path(run_dir)
+    stage = run_dir / STAGE
+    if accelerator is None:
+        accelerator = Accelerator(cpu=recipe.device == "cpu")
+    p, n_proc, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    if model is None or tokenizer is None:
+        device = "cpu" if accelerator.device.type == "cpu" else "auto"
+        model, tokenizer = load_target(recipe.target, recipe.dtype, device)
+        if accelerator.device.type != "cpu":
+            model.to(accelerator.device)
+    model.eval()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = _eos_ids(model, tokenizer)
+
+    train_path = run_dir / "prompts" / "train.jsonl"
+    if not train_path.exists():
+        if is_main:
+            build_prompt_sets(recipe.data, run_dir, tokenizer, recipe.seed)
+        accelerator.wait_for_everyone()
+    rows = read_jsonl(train_path)
+    g = recipe.generate
+    batches = plan_batches(rows, tokenizer, recipe.data.chat, g.batch_size)
+    n_shards = math.ceil(len(batches) / g.batches_per_shard)
+    from eval.target import lean_supported
+
+    # The decoding engine is recorded, not hashed: both give the target's own outputs (they differ
+    # only at bf16 near-ties), so a run resumed across the switch keeps its shards.
+    header = {"recipe_hash": recipe.hash(), "generate_hash": generate_hash(recipe), "target": recipe.target,
+              "versions": _versions(), "top_k": g.top_k_logprobs, "n_shards_expected": n_shards,
+              "engine": "draftsmith-decoder" if lean_supported(model) else "transformers-generate",
+              "complete": False}
+
+    old = shards.read_manifest(stage)
+    if old.get("generate_hash") not in (None, header["generate_hash"]):
+        raise shards.ShardError(f"{stage} was generated with different data/generate settings "
+                                f"(hash {old.get('generate_hash')} != {header['generate_hash']}); "
+                                f"use a new run id or delete {stage}")
+    done = shards.complete_shards(stage)
+    accelerator.wait_for_everyone()  # everyone has read the old state before the main process rewrites it
+    if is_main:
+        with _manifest_lock(stage):
+            m = shards.read_manifest(stage)
+            for name in sorted(set(m.get("shards", {})) - set(done)):
+                log.warning("shard %s is missing or corrupted; regenerating it", stage / name)
+                print(f"[generate] shard {stage / name} is missing or corrupted; regenerating it", file=sys.stderr)
+            m.update(header)
+            m["shards"] = {k: v for k, v in done.items() if int(k.split("-")[1]) < n_shards}
+            shards.write_json_atomic(stage / shards.MANIFEST, m)
+    accelerator.wait_for_everyone()
+
+    todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done]
+    n_todo_batches = sum(len(batches[i * g.batches_per_shard:(i + 1) * g.batches_per_shard]) for i in todo)
+    bar = tqdm(total=n_todo_batches, desc="generate", unit="batch", disable=not is_main)
+    decoder = make_decoder(model) if todo else None
+    for i in todo:
+        shard_rows = []
+        for b in range(i * g.batches_per_shard, min((i + 1) * g.batches_per_shard, len(batches))):
+            shard_rows += generate_batch(model, batches[b], pad_id=pad_id, eos_ids=eos_ids,
+                                         max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                                         top_k=g.top_k_logprobs, seed=batch_seed(recipe.seed, b), decoder=decoder)
+            bar.update(1)
+        ds = Dataset.from_list(shard_rows, features=_features())
+        entry = shards.save_shard(stage, i, ds)
+        with _manifest_lock(stage):
+            shards.record_shard(stage, i, entry, header)
+    bar.close()
+    print(f"[generate] process {p}/{n_proc} wrote shards {[shards.shard_name(i) for i in todo]}", file=sys.stderr)
+
+    accelerator.wait_for_everyone()
+    if is_main:
+        with _manifest_lock(stage):
+            ok = shards.complete_shards(stage)
+            missing = [shards.shard_name(i) for i in range(n_shards) if shards.shard_name(i) not in ok]
+            if missing:
+                raise shards.ShardError(f"{stage}: shards {', '.join(missing)} are missing after generation; "
+                                        f"rerun the generate stage (same run id) to resume")
+            m = shards.read_manifest(stage)
+            m.update(header)
+            m["complete"] = True
+            shards.write_json_atomic(stage / shards.MANIFEST, m)
+    accelerator.wait_for_everyone()
+    return stage
+
+
+def main(argv=None) -> int:
+    from .config import load_recipe
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", required=True, help="recipe YAML")
+    ap.add_argument("--run-dir", required=True, help="run directory (prompts/ is built there when missing)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    recipe = load_recipe(args.recipe, args.overrides)
+    stage = run_generate(recipe, args.run_dir)
+    print(f"[generate] {stage} complete")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

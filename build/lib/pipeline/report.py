@@ -1,0 +1,140 @@
+"""The report a model owner reads: report.md and two plots, from metrics.json and the eval files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _plots(run_dir: Path, metrics: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    ev = run_dir / "eval"
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for ck in metrics["checkpoints"] + ([{"name": "ngram"}] if metrics.get("ngram_baseline") else []):
+        p = ev / f"{ck['name']}.json"
+        if p.exists():
+            acc = json.loads(p.read_text())["stats"]["accept_per_pos"]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=ck["name"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | reached)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance per draft position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(run_dir / "acceptance_per_position.png", dpi=110)
+    made.append("acceptance_per_position.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [c["name"] for c in metrics["checkpoints"]]
+    speeds = [c["speedup"] for c in metrics["checkpoints"]]
+    if metrics.get("ngram_baseline"):
+        names.append("ngram")
+        speeds.append(metrics["ngram_baseline"]["speedup"])
+    ax.bar(range(len(names)), speeds, color=["C0"] * len(metrics["checkpoints"]) + ["C1"] * (len(names) - len(metrics["checkpoints"])))
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("measured speedup vs plain")
+    ax.set_title("Speedup per checkpoint (batch 1, greedy)")
+    fig.tight_layout()
+    fig.savefig(run_dir / "speedup.png", dpi=110)
+    made.append("speedup.png")
+    plt.close(fig)
+    return made
+
+
+def compare_section(run_dir: Path) -> list[str]:
+    """When `draftsmith compare` ran on this run: every method's measured speedup (int8 and n-gram
+    baselines included) as a short table and a bar plot, pointing to compare/compare.md for the rest."""
+    p = Path(run_dir) / "compare" / "compare.json"
+    if not p.exists():
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = json.loads(p.read_text())
+    lift = out.get("lift") or {}
+    rows = out["methods"] + out["divergences"][1:] + ([out["raw_baseline"]] if out.get("raw_baseline") else [])
+    if lift.get("distilled") and lift["distilled"]["name"] not in {r["name"] for r in rows}:
+        rows.insert(len(rows) - 1, lift["distilled"])  # the lift's own distilled arm, next to its raw one
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(range(len(rows)), [r["speedup"] for r in rows],
+           color=["C1" if r["name"] in ("ngram", "ngram+datastore", "int8-fkl") else "C0" for r in rows])
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("measured speedup vs plain")
+    ax.set_title("Draft methods (baselines in orange)")
+    fig.tight_layout()
+    fig.savefig(Path(run_dir) / "compare_speedup.png", dpi=110)
+    plt.close(fig)
+    f = lambda x, d=2: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
+    lines = ["", "## Draft methods compared (`draftsmith compare`)", "",
+             "| variant | α | τ | speedup |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['name']} | {f(r['alpha'], 3)} | {f(r['tau'])} | {f(r['speedup'])}× |" for r in rows]
+    if out.get("distillation_tau_lift") is not None:
+        lines += ["", f"Distillation lifts τ by {out['distillation_tau_lift'] * 100:.0f}% over the same method trained on "
+                  f"raw domain text ({lift.get('steps', out.get('steps'))} steps each, "
+                  f"{lift.get('n_prompts', out.get('n_prompts'))} held-out prompts)."]
+    lines += ["", "Baselines without training: `ngram` (prompt lookup), `ngram+datastore` (prompt lookup and "
+              "the datastore of the target's outputs, no draft) and `int8-fkl` (an int8 copy of the "
+              "target as the draft). Full table: [compare/compare.md](compare/compare.md).", "",
+              "![compare_speedup.png](compare_speedup.png)"]
+    return lines
+
+
+def write_report(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    m = json.loads((run_dir / "metrics.json").read_text())
+    plots = _plots(run_dir, m)
+    f = lambda x, d=2: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
+    # the chain formula counts a verify as one plain step; a tree's verify of many nodes costs more
+    bound = "; token trees: an upper bound, a tree's verify costs more than a plain step" if m.get("tree_rounds") else ""
+    lines = [
+        f"# draftsmith report: {m['domain']} ({run_dir.name})",
+        "",
+        f"Target `{m['target']}` ({m['dtype']}, {m['device']}). Promoted draft: **{m['draft_method']}** "
+        f"checkpoint `{m['checkpoint']}` (divergence {m.get('divergence')}), in `best/`.",
+        "",
+        f"On {m['n_prompts']} held-out prompts, greedy, batch 1, {m['max_new_tokens']} new tokens, K={m['k']}:",
+        "",
+        "| figure | value |",
+        "| --- | --- |",
+        f"| acceptance rate α | {f(m['alpha'], 3)} |",
+        f"| tokens per target forward τ | {f(m['tau'])} |",
+        f"| plain decoding tokens/s | {f(m['tokens_per_s_plain'], 1)} |",
+        f"| speculative tokens/s | {f(m['tokens_per_s_spec'], 1)} |",
+        f"| **measured speedup** | **{f(m['speedup'])}×** |",
+        f"| predicted speedup (from α and c={f(m.get('c'), 3)}{bound}) | {f(m.get('predicted_speedup'))}× |",
+        f"| greedy output identical to plain decoding | {m['greedy_exact']} |",
+    ]
+    if m.get("bf16_match_rate") is not None:
+        rule = ("exact match required: row-invariant CPU kernels" if m.get("exactness_rule") == "exact"
+                else f"divergences all near-ties < {m['near_tie_tol']}")
+        lines.append(f"| bf16 token match rate ({rule}) | "
+                     f"{f(m['bf16_match_rate'], 4)} ({m['n_divergences']} divergences, max margin "
+                     f"{f(m.get('max_divergence_margin'), 3)}) |")
+    lines.append(f"| fp32 exact on a subset | {m.get('fp32_exact')} |")
+    if m.get("ngram_baseline"):
+        b = m["ngram_baseline"]
+        lines += ["", f"Baseline without training (n-gram prompt lookup, K={m.get('ngram_k', m['k'])}): "
+                      f"α {f(b['alpha'], 3)}, τ {f(b['tau'])}, "
+                      f"speedup {f(b['speedup'])}×."]
+    lines += ["", "## Every checkpoint", "", "| checkpoint | α | τ | tokens/s | speedup | greedy exact |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for c in m["checkpoints"]:
+        lines.append(f"| {c['name']} | {f(c['alpha'], 3)} | {f(c['tau'])} | {f(c['tokens_per_s'], 1)} | "
+                     f"{f(c['speedup'])}× | {c['greedy_exact']} |")
+    lines += ["", "Acceptance per draft position (P(accepted | reached)): "
+              + ", ".join(f(a, 3) for a in m.get("accept_per_pos", [])), ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    lines += compare_section(run_dir)
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out

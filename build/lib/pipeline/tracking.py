@@ -1,0 +1,72 @@
+"""Stage 4, log: Weights & Biases, offline by default, and a no-op twin so tests never need W&B.
+
+Each stage is one W&B run, grouped by the draftsmith run id, with its files under
+`runs/<domain>/<run-id>/wandb/`. Offline runs are uploaded later with `wandb sync <dir>`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class NoOpTracker:
+    """Same interface as WandbTracker; records nothing (tests, wandb.mode=disabled)."""
+
+    run_dir: Path | None = None
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        pass
+
+    def table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        pass
+
+    def summary(self, metrics: dict) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbTracker(NoOpTracker):
+    def __init__(self, *, project: str, entity: str | None, mode: str, group: str, stage: str,
+                 config: dict, directory: Path):
+        import wandb  # imported here: the decoder and `draftsmith bench` must not need wandb
+
+        directory.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self._wandb = wandb
+        self.run = wandb.init(project=project, entity=entity, mode=mode, group=group, job_type=stage,
+                              name=f"{group}-{stage}", config=config, dir=str(directory), reinit="create_new")
+        self.run_dir = Path(self.run.dir).parent  # .../wandb/offline-run-*/ (files/ is run.dir)
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        self.run.log(metrics, step=step)
+
+    def table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        self.run.log({name: self._wandb.Table(columns=columns, data=rows)})
+
+    def summary(self, metrics: dict) -> None:
+        for k, v in metrics.items():
+            self.run.summary[k] = v
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def resolve_mode(mode: str) -> str:
+    """auto -> online when the user has a key, offline otherwise (W&B never blocks a run)."""
+    if mode != "auto":
+        return mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def make_tracker(recipe, run_dir: Path, stage: str) -> NoOpTracker:
+    mode = resolve_mode(recipe.wandb.mode)
+    if mode == "disabled":
+        return NoOpTracker()
+    return WandbTracker(project=recipe.wandb.project, entity=recipe.wandb.entity, mode=mode,
+                        group=Path(run_dir).name, stage=stage, config=recipe.to_dict(),
+                        directory=Path(run_dir))
