@@ -303,7 +303,9 @@ class HybridProposer(Proposer):
     nodes, 3 runner-ups) reached tau 3.2-3.5 but cost more than they gained (1.59-1.70x). Since the
     cheaper verifies of serving revision kernels-2, 3 runner-ups in 10 nodes beat 2 in 8 in each of
     three paired runs (recurrent heads, 24 prompts: 2.09x vs 2.06x, 1.99x vs 1.94x, 1.85x vs 1.82x;
-    tau +0.16), and 12 nodes still lose (1.94x vs 2.06x), so that is the default.
+    tau +0.16), and 12 nodes still lose (1.94x vs 2.06x), so that is the default. What a node costs is
+    the machine's, though (on another VM 4-6 nodes measured 8% faster than 10): evaluate fits
+    `max_nodes` on the machine it runs on (eval.replay.fit_budget) and best/ keeps the fitted one.
 
     `strong_match` (tree rounds): when every row's last `strong_match` tokens recur earlier (matches
     ranked by length up to `long_ngram` tokens), the round is lookups alone: up to `strong_branches`
@@ -345,7 +347,7 @@ class HybridProposer(Proposer):
         """-> per row (tokens, parents) of a trie over the lookups' continuations and the model's chain."""
         # The node budget is for the whole batch's verify forward. At batch 1 with the lean CPU
         # forward and its kernels (eval/target.py), a verify of 9 tokens costs ~1.4x a one-token step
-        # and 17 ~2.1x: 10 nodes measured best (docstring; 8 before serving revision kernels-2); at
+        # and 17 ~2.1x: 10 nodes measured best there (docstring; evaluate fits it per machine); at
         # batch 8 the forward is compute-bound and every node costs. So each row gets max_nodes / B
         # nodes (at least k), spent in priority order.
         B = len(self.ngram.hist)
@@ -485,7 +487,7 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     "hybrid-nostore:<draft dir>" -> the same without the datastore; "datastore:<draft dir>" -> n-gram
     and datastore lookups alone, no draft (NoDraft); an EagleHead -> EagleProposer; a module (an HF
     model, or an eval.drafts draft, whose `d2t` is used) -> DraftLMProposer; a draft directory
-    (draftsmith_draft.json says {"kind": "eagle" | "medusa" | "draft_lm" | "self_spec" | "int8"}, and "proposer": "hybrid" when it was promoted as a hybrid) -> its proposer. A self_spec
+    (draftsmith_draft.json says {"kind": "eagle" | "medusa" | "draft_lm" | "self_spec" | "int8"}, and "proposer": "hybrid" when it was promoted as a hybrid, "serve" its fitted tree budget) -> its proposer. A self_spec
     directory holds only the adapter: it is rebuilt around `target`, which must be its own target."""
     if isinstance(path_or_kind, Proposer):
         return path_or_kind
