@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .heads import HEAD_FILE, RMSNorm
-from .target import _is_llama_like
+from .target import _is_llama_like, cache_kwarg
 
 ADAPTER_FILE = "adapter.safetensors"
 
@@ -165,7 +165,7 @@ class SelfSpecDraft(nn.Module):
             x = m.embed_tokens(input_ids)  # [B, L, H]
             pos = torch.arange(L, device=x.device)[None].expand(B, L)  # [B, L]
             mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                                      past_key_values=None, position_ids=pos)
+                                      position_ids=pos, **{cache_kwarg(create_causal_mask): None})
             cos_sin = m.rotary_emb(x, pos)
             for layer in m.layers:
                 x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)

@@ -34,6 +34,15 @@ from .heads import KVCache
 from .kernels import MAX_ROWS, small_gemm
 
 
+def cache_kwarg(fn) -> str:
+    """The keyword `fn` (a model's forward, create_causal_mask) takes its KV cache by: transformers
+    5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40); earlier 5.x
+    know only the old one."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
 def _is_llama_like(model) -> bool:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -419,7 +428,7 @@ class HFFallback:
         if extra > 0:
             self.cache.crop(-extra)  # drop rejected drafts' slots (transformers 5: negative = tokens to remove)
         body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        out = body(input_ids=tokens, position_ids=pos, past_key_values=self.cache, use_cache=True)
+        out = body(input_ids=tokens, position_ids=pos, use_cache=True, **{cache_kwarg(body.forward): self.cache})
         feats = out.last_hidden_state
         head = self.model.get_output_embeddings()
         if logit_idx is not None:
