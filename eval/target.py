@@ -24,6 +24,8 @@ attention `mask` [B,1,T,S], and `runner.move(src, dst)` copies the accepted path
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import contextmanager
 from functools import partial
 
@@ -34,12 +36,11 @@ from .heads import KVCache
 from .kernels import MAX_ROWS, small_gemm
 
 
+@functools.cache
 def cache_kwarg(fn) -> str:
-    """The keyword `fn` (a model's forward, create_causal_mask) takes its KV cache by: transformers
-    5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40); earlier 5.x
-    know only the old one."""
-    import inspect
-
+    """The keyword `fn` (a model class's forward, create_causal_mask) takes its KV cache by:
+    transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40);
+    earlier 5.x know only the old one. Cached per function: callers are in the decoding loop."""
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
@@ -428,7 +429,7 @@ class HFFallback:
         if extra > 0:
             self.cache.crop(-extra)  # drop rejected drafts' slots (transformers 5: negative = tokens to remove)
         body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        out = body(input_ids=tokens, position_ids=pos, use_cache=True, **{cache_kwarg(body.forward): self.cache})
+        out = body(input_ids=tokens, position_ids=pos, use_cache=True, **{cache_kwarg(type(body).forward): self.cache})
         feats = out.last_hidden_state
         head = self.model.get_output_embeddings()
         if logit_idx is not None:
