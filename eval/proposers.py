@@ -534,17 +534,24 @@ def _served(how: str, src, target, dtype) -> HybridProposer:
         return HybridProposer(load_proposer(str(src), target, dtype))
     meta = json.loads((d / HEAD_FILE).read_text())
     dtype = dtype or target.get_output_embeddings().weight.dtype
-    proposer = HybridProposer(_model_proposer(d, meta, target, dtype), datastore=store)
     # "serve": what evaluate fitted for serving this draft on its machine (the tree's node budget)
-    for key, val in (meta.get("serve") or {}).items():
-        if key not in SERVE_KEYS or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{d / HEAD_FILE}: serve.{key}={val!r} is not a hybrid setting this decoder knows "
-                             f"({', '.join(SERVE_KEYS)}, a positive int); remove it or re-run evaluate")
-        setattr(proposer, key, val)
-    return proposer
+    return serve_with(HybridProposer(_model_proposer(d, meta, target, dtype), datastore=store),
+                      meta.get("serve"), d / HEAD_FILE)
 
 
 SERVE_KEYS = ("max_nodes",)  # the HybridProposer settings a draft's "serve" may fix
+
+
+def serve_with(proposer: Proposer, settings: dict | None, where) -> Proposer:
+    """`proposer` with its serving settings ({"max_nodes": N}) set: the one place they are applied,
+    for a promoted draft's "serve", evaluate's fitted budget and the fit's own replays. `where` names
+    their source in the error for one this decoder does not know."""
+    for key, val in (settings or {}).items():
+        if key not in SERVE_KEYS or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{where}: serve.{key}={val!r} is not a hybrid setting this decoder knows "
+                             f"({', '.join(SERVE_KEYS)}, a positive int); remove it or re-run evaluate")
+        setattr(proposer, key, val)
+    return proposer
 
 
 def _int8_proposer(target) -> "DraftLMProposer":

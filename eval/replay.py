@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .decoder import SpeculativeDecoder
-from .proposers import NoDraft, Proposer, Sampling
+from .proposers import NoDraft, Proposer, Sampling, serve_with
 from .target import greedy_argmax
 from .tree import Tree, build_trie
 
@@ -216,8 +216,7 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
     for name, make in proposers.items():
         by = {}
         for n in budgets:
-            proposer = make()
-            proposer.max_nodes = n
+            proposer = serve_with(make(), {"max_nodes": n}, name)
             r = replay(proposer, ref, k, max_new_tokens, eos, verify_ms=costs, draft_ms=None, host_ms=HOST_MS)
             by[n] = {key: r[key] for key in ("tau", "rows", "est_speedup", "proposer_ms")}
         fits[name] = {"max_nodes": max(budgets, key=lambda n: by[n]["est_speedup"]), "budgets": by}

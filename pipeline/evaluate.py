@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from eval.datastore import FILE as DATASTORE_FILE
 from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy, exactness_rule
-from eval.proposers import SERVED_AS, load_proposer
+from eval.proposers import SERVED_AS, load_proposer, serve_with
 from eval.replay import fit_budget
 
 from .data import encode_prompt, read_jsonl
@@ -63,10 +63,7 @@ def fit_prompt_ids(recipe, run_dir: Path, tokenizer) -> tuple[str, list[list[int
 
 def proposer_for(src: str, target, max_nodes: int | None = None):
     """load_proposer(src), its tree's node budget set when given (a hybrid's fitted budget)."""
-    proposer = load_proposer(src, target)
-    if max_nodes is not None:
-        proposer.max_nodes = max_nodes
-    return proposer
+    return serve_with(load_proposer(src, target), None if max_nodes is None else {"max_nodes": max_nodes}, src)
 
 
 def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos, desc: str):
