@@ -32,10 +32,11 @@ import torch
 from .decoder import SpeculativeDecoder
 from .exactness import compare_greedy, exactness_rule
 from .loading import LoadError, convert_embedded, tokenizers_match
-from .proposers import SERVED_AS, NgramProposer, load_proposer
+from . import draft_dir
+from .draft_dir import SERVED_AS
+from .proposers import NgramProposer, load_proposer
 
 EMBEDDED = "embedded"
-DRAFT_FILE = "draftsmith_draft.json"
 
 
 class BenchError(RuntimeError):
@@ -97,9 +98,6 @@ def resolve_target(spec: str) -> str:
         raise BenchError(str(e)) from None
 
 
-KINDS = ("eagle", "medusa", "draft_lm", "self_spec", "int8")
-
-
 def draft_kind(draft: str) -> str:
     if draft in ("ngram", "int8"):  # need no directory: prompt lookup, an int8 copy of the target
         return draft
@@ -107,19 +105,10 @@ def draft_kind(draft: str) -> str:
     if src and how in SERVED_AS:  # a draft directory served another way (load_proposer)
         draft_kind(src)  # the directory must be a draft directory
         return how
-    d = Path(draft)
-    if not d.is_dir():
-        raise BenchError(f"draft directory {draft} does not exist (give a draft directory or 'ngram')")
-    f = d / DRAFT_FILE
-    if not f.is_file():
-        raise BenchError(f"{draft} is not a draft directory: no {DRAFT_FILE}")
     try:
-        kind = json.loads(f.read_text()).get("kind")
-    except (json.JSONDecodeError, AttributeError):
-        raise BenchError(f"{f}: bad JSON") from None
-    if kind not in KINDS:
-        raise BenchError(f"{f}: unknown draft kind {kind!r} (expected one of {', '.join(KINDS)})")
-    return kind
+        return draft_dir.read_meta(draft)["kind"]
+    except draft_dir.DraftDirError as e:
+        raise BenchError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- timing helpers

@@ -34,6 +34,7 @@ import torch
 
 from .proposers import Proposer, Sampling, load_proposer
 from .kernels import MAX_ROWS
+from .speedup import best_k, expected_speedup
 from .target import cpu_gemv, greedy_argmax, make_runner
 from .tree import Tree
 
@@ -104,14 +105,6 @@ def verify_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
     q_at = torch.cat([q, q.new_zeros(B, 1, V)], 1)[rows, n_acc]  # [B, V]; zeros when all accepted
     nxt = sampling.sample(residual(p[rows, n_acc], q_at))  # [B]
     return n_acc, nxt
-
-
-def best_k(alpha: float, c: float, k_max: int = K_MAX_AUTO) -> tuple[int, float]:
-    """argmax over K in 1..k_max of the expected speedup (1 - a^(K+1)) / ((1 - a)(K c + 1))."""
-    a = min(max(alpha, 0.0), 0.999)
-    vals = [((1 - a ** (K + 1)) / ((1 - a) * (K * c + 1)), K) for K in range(1, k_max + 1)]
-    v, K = max(vals)
-    return K, v
 
 
 class SpeculativeDecoder:
@@ -330,7 +323,7 @@ class SpeculativeDecoder:
         if st.spec_rounds < 2 or st.reached == 0:
             K = 4  # warm-up: measure alpha and c first
         else:
-            K, v = best_k(st.alpha_hat, st.c)
+            K, v = best_k(st.alpha_hat, st.c, K_MAX_AUTO)
             # best_k assumes a verify forward of K+1 tokens costs a plain step, and nothing else costs
             # anything. That holds roughly at batch 1 on CPU, not at larger batches, where the
             # forward stops being memory-bound and the per-round overheads add up. So the on/off
@@ -434,8 +427,8 @@ class _Stats:
         wall = time.perf_counter() - self.t0
         n_tokens = sum(len(o) for o in out)
         k_mean = self.k_sum / self.spec_rounds if self.spec_rounds else 0.0
-        a, c = min(self.alpha_hat, 0.999), self.c
-        pred = (1 - a ** (k_mean + 1)) / ((1 - a) * (k_mean * c + 1)) if self.spec_rounds else 1.0
+        c = self.c
+        pred = expected_speedup(self.alpha_hat, k_mean, c) if self.spec_rounds else 1.0
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
         else:

@@ -18,14 +18,14 @@ its own position-indexed KV cache, ragged batches included.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .heads import HEAD_FILE, RMSNorm
+from . import draft_dir
+from .heads import RMSNorm
 from .target import _is_llama_like, cache_kwarg
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -202,7 +202,7 @@ class SelfSpecDraft(nn.Module):
         meta = {"kind": "self_spec", "num_layers": self.num_layers, "adapter_rank": self.adapter_rank,
                 "hidden_size": self.config.hidden_size, "vocab_size": self.config.vocab_size,
                 "draft_vocab_size": len(self.d2t) if self.truncated else self.config.vocab_size, **(extra or {})}
-        (d / HEAD_FILE).write_text(json.dumps(meta, indent=2))
+        draft_dir.write_meta(d, meta)
 
     @classmethod
     def load(cls, directory: str | Path, target, dtype=None, device=None) -> "SelfSpecDraft":
@@ -211,7 +211,7 @@ class SelfSpecDraft(nn.Module):
         from safetensors.torch import load_file
 
         d = Path(directory)
-        meta = json.loads((d / HEAD_FILE).read_text())
+        meta = draft_dir.read_meta(d)
         if meta.get("kind") != "self_spec":
             raise ValueError(f"{d} holds a {meta.get('kind')!r} draft, not a self_spec adapter")
         cfg = target.config

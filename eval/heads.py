@@ -15,7 +15,6 @@ cache (plain causal attention).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-HEAD_FILE = "draftsmith_draft.json"  # marks a draft directory and says which kind it is
+from . import draft_dir
 
 
 @dataclass
@@ -222,13 +221,13 @@ class EagleHead(nn.Module):
 
 def save_head(module: nn.Module, directory: str | Path, meta: dict) -> None:
     """A feature-reading head's draft directory: its state dict in head.safetensors, `meta` (with
-    "kind") in HEAD_FILE."""
+    "kind") in the draft-directory file (eval/draft_dir.py)."""
     from safetensors.torch import save_file
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(d / "head.safetensors"))
-    (d / HEAD_FILE).write_text(json.dumps(meta, indent=2))
+    draft_dir.write_meta(d, meta)
 
 
 def read_head(directory: str | Path, kind: str, what: str) -> tuple[dict, dict]:
@@ -237,7 +236,7 @@ def read_head(directory: str | Path, kind: str, what: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     d = Path(directory)
-    meta = json.loads((d / HEAD_FILE).read_text())
+    meta = draft_dir.read_meta(d)
     if meta.get("kind") != kind:
         raise ValueError(f"{d} holds a {meta.get('kind')!r} draft, not {what}")
     return meta, load_file(str(d / "head.safetensors"))

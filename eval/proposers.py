@@ -26,12 +26,13 @@ draft's slot is overwritten by a later write and never needs cropping.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from .heads import HEAD_FILE, EagleHead
+from . import draft_dir
+from .draft_dir import SERVE_KEYS, SERVED_AS
+from .heads import EagleHead
 from .target import make_runner
 from .tree import build_trie
 
@@ -503,17 +504,13 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
         how, src = path_or_kind.split(":", 1)
         return _served(how, src, target, dtype)
     d = Path(path_or_kind)
-    if not (d / HEAD_FILE).exists():
-        raise ValueError(f"{d} is not a draft directory (no {HEAD_FILE}); give a checkpoint or best/ dir, "
-                         f"'ngram' or 'int8'")
-    meta = json.loads((d / HEAD_FILE).read_text())
+    meta = draft_dir.read_meta(d)
     dtype = dtype or target.get_output_embeddings().weight.dtype
     if meta.get("proposer") == "hybrid":  # a promoted draft that is served with n-gram lookups
         return _served("hybrid", d, target, dtype)
     return _model_proposer(d, meta, target, dtype)
 
 
-SERVED_AS = ("hybrid", "hybrid-nostore", "datastore")  # "<how>:<draft dir>" sources of load_proposer
 
 
 def _served(how: str, src, target, dtype) -> HybridProposer:
@@ -523,7 +520,7 @@ def _served(how: str, src, target, dtype) -> HybridProposer:
     from .datastore import Datastore, DatastoreError
 
     d = Path(src)
-    is_draft = (d / HEAD_FILE).exists()
+    is_draft = draft_dir.is_draft_dir(d)
     store = Datastore.from_dir(d) if is_draft and how != "hybrid-nostore" else None
     if how == "datastore":
         if store is None:
@@ -532,14 +529,13 @@ def _served(how: str, src, target, dtype) -> HybridProposer:
         return HybridProposer(NoDraft(), datastore=store)
     if not is_draft:  # "ngram", "int8", or load_proposer's error for a directory that is no draft
         return HybridProposer(load_proposer(str(src), target, dtype))
-    meta = json.loads((d / HEAD_FILE).read_text())
+    meta = draft_dir.read_meta(d)
     dtype = dtype or target.get_output_embeddings().weight.dtype
     # "serve": what evaluate fitted for serving this draft on its machine (the tree's node budget)
     return serve_with(HybridProposer(_model_proposer(d, meta, target, dtype), datastore=store),
-                      meta.get("serve"), d / HEAD_FILE)
+                      meta.get("serve"), d / draft_dir.FILE)
 
 
-SERVE_KEYS = ("max_nodes",)  # the HybridProposer settings a draft's "serve" may fix
 
 
 def serve_with(proposer: Proposer, settings: dict | None, where) -> Proposer:

@@ -23,6 +23,7 @@ import json
 import os
 from pathlib import Path
 
+from eval import speedup
 from eval.datastore import FILE as DATASTORE_FILE
 
 from .shards import write_json_atomic
@@ -49,11 +50,10 @@ class CompareError(ValueError):
 
 
 def best_k(alpha: float, c: float | None, k_max: int = 8) -> int | None:
-    """argmax over K of the predicted speedup (1-α^(K+1)) / ((1-α)(Kc+1))."""
+    """The K with the best predicted speedup (eval.speedup), or None without a measured c or acceptance."""
     if c is None or alpha <= 0:
         return None
-    a = min(alpha, 0.999999)
-    return max(range(1, k_max + 1), key=lambda K: (1 - a ** (K + 1)) / ((1 - a) * (K * c + 1)))
+    return speedup.best_k(alpha, c, k_max)[0]
 
 
 def _link(src: Path, dst: Path) -> None:

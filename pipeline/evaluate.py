@@ -24,11 +24,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from eval import draft_dir
 from eval.datastore import FILE as DATASTORE_FILE
 from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy, exactness_rule
 from eval.proposers import SERVED_AS, load_proposer, serve_with
 from eval.replay import fit_budget
+from eval.speedup import expected_speedup
 
 from .data import encode_prompt, read_jsonl
 from .models import check_tokenizers
@@ -127,8 +129,7 @@ def aggregate(per: list[dict]) -> dict:
     reached = sum(n * min(j + 1, K) for j, n in enumerate(hist))
     out["alpha_hat"] = out["accepted"] / reached if reached else 0.0
     if out["c"] is not None and out["k"]:
-        a, K, c = min(out["alpha_hat"], 0.999999), out["k"], out["c"]
-        out["predicted_speedup"] = (1 - a ** (K + 1)) / ((1 - a) * (K * c + 1))
+        out["predicted_speedup"] = expected_speedup(out["alpha_hat"], out["k"], out["c"])
     return out
 
 
@@ -208,7 +209,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     # share the target's tokenizer (its ids must mean the same tokens): checked before any decoding.
     ckpts = checkpoints(run_dir)
     for ck in ckpts:
-        if json.loads((ck / "draftsmith_draft.json").read_text()).get("kind") == "draft_lm":
+        if draft_dir.read_meta(ck)["kind"] == "draft_lm":
             from transformers import AutoTokenizer
 
             check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(ck), f"draft {ck}")
@@ -287,12 +288,12 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     # A hybrid promoted without its datastore is promoted without the file: best/ serves as measured.
     skip = ("trainer_state.pt",) + ((DATASTORE_FILE,) if served == "hybrid-nostore" else ())
     shutil.copytree(src_dir, tmp, ignore=shutil.ignore_patterns(*skip))
-    meta = json.loads((tmp / "draftsmith_draft.json").read_text())
+    meta = draft_dir.read_meta(tmp)
     meta["proposer"] = "hybrid" if hybrid else "draft"
     meta.pop("serve", None)
     if max_nodes is not None:
         meta["serve"] = {"max_nodes": max_nodes}  # eval.proposers applies it when it loads best/
-    (tmp / "draftsmith_draft.json").write_text(json.dumps(meta, indent=2))
+    draft_dir.write_meta(tmp, meta)
     shutil.rmtree(best_dir, ignore_errors=True)
     tmp.rename(best_dir)
 

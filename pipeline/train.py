@@ -35,7 +35,6 @@ temporary directory and renamed; a rerun resumes from the newest complete one.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -49,7 +48,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from eval.datastore import FILE as DATASTORE_FILE, Datastore
-from eval.heads import HEAD_FILE, EagleHead
+from eval import draft_dir
+from eval.heads import EagleHead
 from .config import stable_hash
 from .losses import divergence
 from .shards import ShardError, load_shards, read_manifest, write_json_atomic
@@ -496,7 +496,7 @@ def _set_aside_foreign(train_dir: Path, key: str) -> None:
     import sys
 
     ckpts = _checkpoints(train_dir)
-    keys = {json.loads((ck / HEAD_FILE).read_text()).get("train_key") for ck in ckpts}
+    keys = {draft_dir.read_meta(ck).get("train_key") for ck in ckpts}
     foreign = sorted(k for k in keys if k not in (None, key))
     if not foreign:
         return
@@ -514,7 +514,7 @@ def _set_aside_foreign(train_dir: Path, key: str) -> None:
 def _checkpoints(train_dir: Path) -> list[Path]:
     """Complete checkpoints (a draft directory and trainer_state.pt), oldest first."""
     return sorted(p for p in train_dir.glob("checkpoint-*")
-                  if p.is_dir() and (p / STATE_FILE).exists() and (p / HEAD_FILE).exists())
+                  if p.is_dir() and (p / STATE_FILE).exists() and draft_dir.is_draft_dir(p))
 
 
 def _save_checkpoint(train_dir: Path, step: int, save_draft, optimizer, scheduler) -> Path:
@@ -632,8 +632,7 @@ def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest,
             m.model.save_pretrained(d)
         if tokenizer is not None:
             tokenizer.save_pretrained(d)
-        (Path(d) / HEAD_FILE).write_text(json.dumps({"kind": "draft_lm", **extra, "lora_rank": tc.lora_rank,
-                                                     "step": step}, indent=2))
+        draft_dir.write_meta(d, {"kind": "draft_lm", **extra, "lora_rank": tc.lora_rank, "step": step})
 
     return (DraftLMTrainer(model, tc), [p for p in model.parameters() if p.requires_grad], save_draft,
             _Seqs(rows), torch.arange(V), model)
@@ -644,7 +643,7 @@ def _int8_checkpoint(train_dir: Path, recipe, extra: dict) -> Path:
     final = train_dir / "checkpoint-000000"
     if not (final / STATE_FILE).exists():
         tmp = Path(tempfile.mkdtemp(dir=train_dir, prefix=".checkpoint-000000-"))
-        (tmp / HEAD_FILE).write_text(json.dumps({"kind": "int8", **extra, "step": 0}, indent=2))
+        draft_dir.write_meta(tmp, {"kind": "int8", **extra, "step": 0})
         torch.save({"step": 0}, tmp / STATE_FILE)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

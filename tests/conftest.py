@@ -42,3 +42,20 @@ def real_tokenizer(embedded_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(embedded_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, real_tokenizer):
+    """A 2-layer Llama with the real tokenizer's vocabulary, saved as an HF checkpoint directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = real_tokenizer
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id)
+    d = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

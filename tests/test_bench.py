@@ -5,42 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from eval import bench
 
-WORDS = [f"w{i}" for i in range(60)]
-
-
-def _tokenizer(extra_word: str | None = None):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for w in WORDS + ([extra_word] if extra_word else []):
-        vocab[w] = len(vocab)
-    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    t.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>", unk_token="<unk>")
-    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-                         "{% if add_generation_prompt %}w0 {% endif %}")
-    return tok
-
-
-def _model(path, tok, layers=2, seed=0, kind=None):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
-    m = LlamaForCausalLM(cfg)
-    m.save_pretrained(path)
-    tok.save_pretrained(path)
-    if kind:
-        (path / bench.DRAFT_FILE).write_text(json.dumps({"kind": kind, "target": "tiny"}))
-    return path
+from helpers import save_word_llama as _model, word_tokenizer as _tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from pipeline.cli import main
 from pipeline.compare import METHODS, best_k
 
-from test_distill import TINY_BUDGET, tiny_target  # noqa: F401  (fixture)
+from helpers import TINY_BUDGET
 
 
 def test_best_k_maximises_the_predicted_speedup():

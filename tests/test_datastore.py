@@ -11,8 +11,8 @@ import torch
 
 from eval.datastore import FILE, SEP, Datastore, DatastoreError
 from eval.decoder import SpeculativeDecoder
-from eval.proposers import HybridProposer, NoDraft, Proposer, Sampling, load_proposer
-from test_decoder import N_NEW, PROMPTS, V, tiny
+from eval.proposers import HybridProposer, NoDraft, Sampling, load_proposer
+from helpers import NoChain, N_NEW, PROMPTS, decoder_llama as tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,19 +70,6 @@ def test_save_load_and_bad_files(tmp_path):
         Datastore.load(tmp_path)
 
 
-class NoChain(Proposer):
-    """A model proposer that drafts a chain nobody accepts (token 0 is never a continuation here)."""
-
-    def begin(self, prompts, first, max_len, sampling, features=None):
-        self.B = len(prompts)
-
-    def propose(self, k):
-        return torch.zeros(self.B, k, dtype=torch.long), None
-
-    def accept(self, tokens, start, n_acc, bonus, features=None):
-        pass
-
-
 def test_hybrid_tree_puts_the_datastore_after_the_model_chain():
     st = Datastore([[7, 8, 20, 21, 22]])
     hyb = HybridProposer(NoChain(), max_nodes=16, datastore=st, k_ngram=3)
@@ -115,8 +102,8 @@ def test_hybrid_with_datastore_is_exact_and_accepts_more(target):
 
 
 def test_train_stage_writes_the_datastore_and_the_hybrid_loads_it(tmp_path):
-    from test_train import _copy_gen, _make_generate, _recipe
-    from test_train import tiny_llama
+    from helpers import copy_generate as _copy_gen, make_generate as _make_generate, tiny_llama
+    from helpers import train_recipe as _recipe
     from pipeline.train import run_train
 
     tgt = tiny_llama()

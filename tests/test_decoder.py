@@ -4,26 +4,15 @@ batch 1 and in ragged batches, with EOS and max_new_tokens stopping exactly."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.decoder import GenerationResult, SpeculativeDecoder, best_k
 from eval.heads import EagleHead
 from eval.proposers import DraftLMProposer, EagleProposer, HybridProposer, NgramProposer, load_proposer
 
-V = 96
-PROMPTS = [[1, 5, 9, 3, 5, 9, 4], [7, 7, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [12]]
-N_NEW = 16
+from helpers import DECODER_V as V, N_NEW, PROMPTS, decoder_llama as tiny
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny(seed, layers=2, hidden=48, heads=4, kv=2):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
-                      initializer_range=0.1, pad_token_id=0)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")

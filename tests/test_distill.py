@@ -5,36 +5,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipeline.cli import main
 
 METRIC_KEYS = {"domain", "target", "draft_method", "checkpoint", "k", "alpha", "tau", "tokens_per_s_plain",
                "tokens_per_s_spec", "speedup", "greedy_exact", "n_prompts", "max_new_tokens"}
 
-TINY_BUDGET = [
-    "data.max_prompts=24", "data.max_prompt_tokens=96",
-    "generate.max_new_tokens=12", "generate.batch_size=4", "generate.batches_per_shard=2",
-    "train.steps=4", "train.save_every=2", "train.batch_size=4", "train.seq_len=64", "train.draft_vocab_size=512",
-    "evaluate.n_prompts=2", "evaluate.max_new_tokens=12", "evaluate.fp32_prompts=1", "evaluate.fit_prompts=2",
-]
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory, real_tokenizer):
-    """A 2-layer Llama with the real tokenizer's vocabulary, saved as an HF checkpoint directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    tok = real_tokenizer
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.bos_token_id)
-    d = tmp_path_factory.mktemp("tiny-target")
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+from helpers import TINY_BUDGET
 
 
 def _wandb_files(run_dir: Path) -> list[Path]:

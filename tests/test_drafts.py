@@ -14,7 +14,7 @@ from eval.proposers import DraftLMProposer, load_proposer
 from eval.target import LeanLlama
 from pipeline.selfspec_train import SelfSpecTrainer, trainable_parameters
 
-from test_train import _greedy  # the target's greedy continuation with top-8 log-probs
+from helpers import greedy_topk as _greedy  # the target's greedy continuation with top-8 log-probs
 
 V = 96
 PROMPTS = [[1, 5, 9, 3, 5, 9, 4], [7, 7, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4]]

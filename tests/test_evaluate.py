@@ -29,7 +29,7 @@ def test_aggregate_recomputes_rates_from_counts():
 
 
 def test_draft_lm_with_another_tokenizer_is_refused(tmp_path, real_tokenizer):
-    from test_bench import _tokenizer
+    from helpers import word_tokenizer as _tokenizer
 
     run = tmp_path / "run"
     (run / "prompts").mkdir(parents=True)

@@ -181,7 +181,7 @@ def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels()
     """stats["row_invariant"] comes from the verify forwards the decoder ran: a verify of more than
     MAX_ROWS tokens takes oneDNN/SDPA, and the exact-match rule must not be claimed for it."""
     from eval.decoder import SpeculativeDecoder
-    from test_datastore import NoChain as Zeros  # always k drafts, so every verify holds k + 1 tokens
+    from helpers import NoChain as Zeros  # always k drafts, so every verify holds k + 1 tokens
 
     target = _bf16_target()
     prompts = [[1, 5, 9, 3, 5, 9, 4]]

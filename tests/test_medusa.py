@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.decoder import SpeculativeDecoder
-from eval.heads import HEAD_FILE, EagleHead
+from eval.draft_dir import FILE as HEAD_FILE
+from eval.heads import EagleHead
 from eval.medusa import MedusaHeads, MedusaProposer
 from eval.proposers import HybridProposer, NoDraft, Sampling
 from pipeline.medusa_train import MedusaTrainer
@@ -376,7 +377,7 @@ def test_speculative_sampling_matches_target(bug, monkeypatch):
     two sampled tokens follow the target's exact marginals; and with the classic bug (resampling from
     p after a rejection) the same check fails, so it has the power to see a wrong q."""
     import eval.decoder as D
-    from test_sampling import e2e_pvalues, tiny, wrong_residual
+    from helpers import e2e_pvalues, sampling_llama as tiny, wrong_residual
 
     if bug:
         monkeypatch.setattr(D, "residual", wrong_residual)
@@ -520,7 +521,7 @@ def test_recurrent_speculative_sampling_matches_target(bug, monkeypatch):
     """As test_speculative_sampling_matches_target, with recurrent heads: draft i is drawn from q_i given
     drafts 0..i-1, and that q is what verify_sample receives."""
     import eval.decoder as D
-    from test_sampling import e2e_pvalues, tiny, wrong_residual
+    from helpers import e2e_pvalues, sampling_llama as tiny, wrong_residual
 
     if bug:
         monkeypatch.setattr(D, "residual", wrong_residual)

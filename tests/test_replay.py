@@ -9,7 +9,7 @@ from eval.decoder import SpeculativeDecoder
 from eval.medusa import MedusaHeads, MedusaProposer
 from eval.proposers import DraftLMProposer, HybridProposer, NgramProposer
 from eval.replay import Reference, fit_budget, reference, replay, verify_ms
-from test_decoder import PROMPTS, V, tiny
+from helpers import PROMPTS, DECODER_V as V, decoder_llama as tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N_NEW = 20
@@ -87,11 +87,11 @@ def test_replay_needs_a_long_enough_reference(target):
 def test_replay_command_line(tmp_path, capsys):
     """`python -m eval.replay`: one row per configuration on one reference; a bad key is a one-line
     error (exit 2) before anything is decoded."""
-    import test_bench
+    from helpers import save_word_llama, word_tokenizer
     from eval import replay as rp
 
-    tok = test_bench._tokenizer()
-    target = test_bench._model(tmp_path / "target", tok)
+    tok = word_tokenizer()
+    target = save_word_llama(tmp_path / "target", tok)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "w1 w2 w3 w1 w2 w3 w1"}\n{"prompt": "w4 w5 w4 w5"}\n')
     base = ["--target", str(target), "--prompts", str(prompts), "--dtype", "float32", "--max-new-tokens", "8",

@@ -10,40 +10,17 @@ normalize(max(0, p - q)) after a rejection), so they have the power to catch the
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import eval.decoder as D
 from eval.decoder import SpeculativeDecoder, verify_sample
 from eval.heads import EagleHead
 from eval.proposers import DraftLMProposer, EagleProposer, HybridProposer, NgramProposer, Sampling
 
-V = 24
-PROMPT = [3, 7, 3, 7, 3]
+from helpers import SAMPLING_PROMPT as PROMPT, SAMPLING_V as V, chi2_pvalue, e2e_pvalues, wrong_residual
+from helpers import sampling_llama as tiny
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    """Goodness of fit of integer samples to `probs` [V]; cells with expected count < 5 pooled."""
-    n = samples.numel()
-    counts = torch.bincount(samples.flatten(), minlength=probs.numel()).double()
-    exp = probs.double() * n
-    small = exp < 5
-    if small.any():
-        counts = torch.cat([counts[~small], counts[small].sum()[None]])
-        exp = torch.cat([exp[~small], exp[small].sum()[None]])
-    keep = exp > 0
-    if (counts[~keep] > 0).any():
-        return 0.0  # a sample where the target puts no mass
-    counts, exp = counts[keep], exp[keep]
-    stat = ((counts - exp) ** 2 / exp).sum()
-    df = max(counts.numel() - 1, 1)
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
-
-
-def wrong_residual(p, q):
-    return p  # the bug: resample from p after a rejection
 
 
 # ---------------------------------------------------------------- the accept rule alone
@@ -88,37 +65,9 @@ def test_accept_rule_with_wrong_residual_fails(one_hot, monkeypatch):
 
 # ---------------------------------------------------------------- end to end
 
-def tiny(seed, layers=2, hidden=32, heads=4, kv=2, init=0.3):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64,
-                      initializer_range=init)
-    return LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny(0)
-
-
-def exact_marginals(target, s: Sampling):
-    """p(x1) and p(x2) = sum_x1 p(x1) p(x2 | x1) under the warped target."""
-    with torch.no_grad():
-        p1 = s.probs(target(torch.tensor([PROMPT])).logits[0, -1])  # [V]
-        ctx = torch.cat([torch.tensor(PROMPT).expand(V, -1), torch.arange(V)[:, None]], 1)  # [V, L+1]
-        p2 = (p1[:, None] * s.probs(target(ctx).logits[:, -1])).sum(0)  # [V]
-    return p1, p2
-
-
-def e2e_pvalues(target, proposer, warp, draws=10000, calls=2):
-    dec = SpeculativeDecoder(target, proposer, k=2)
-    outs = []
-    for seed in range(calls):
-        res = dec.generate([PROMPT] * (draws // calls), max_new_tokens=2, seed=seed, **warp)
-        outs.append(torch.tensor(res.sequences))
-    out = torch.cat(outs)  # [draws, 2]
-    p1, p2 = exact_marginals(target, Sampling(**warp))
-    return [chi2_pvalue(out[:, 0], p1), chi2_pvalue(out[:, 1], p2)], res.stats
 
 
 WARPS = {"t1": dict(temperature=1.0), "warped": dict(temperature=0.7, top_k=12, top_p=0.9)}

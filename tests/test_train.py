@@ -7,20 +7,12 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.heads import EagleHead
-from pipeline.config import Recipe, TrainConfig
 from pipeline.shards import record_shard, save_shard
 from pipeline.train import TrainError, _collate, _Seqs, cache_features, draft_vocab, run_train, train_key
 
-V, K = 128, 8
+from helpers import TOPK as K, TRAIN_V as V, copy_generate as _copy_gen
+from helpers import make_generate as _make_generate, tiny_llama, train_recipe as _recipe
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_llama(num_layers: int = 2):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=256, initializer_range=0.2,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -28,49 +20,11 @@ def target():
     return tiny_llama()
 
 
-@torch.no_grad()
-def _greedy(target, prompt, n):
-    ids = list(prompt)
-    tk_ids, tk_lp = [], []
-    for _ in range(n):
-        lp = torch.log_softmax(target(torch.tensor([ids])).logits[0, -1].float(), -1)
-        v, ix = lp.topk(K)
-        tk_ids.append(ix.tolist()), tk_lp.append(v.tolist())
-        ids.append(int(ix[0]))
-    return ids[len(prompt):], tk_ids, tk_lp
-
-
-def _make_generate(run_dir, target, n_rows=12, plen=6, clen=24, seed=0, target_name="tiny"):
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(n_rows):
-        prompt = torch.randint(0, V, (plen,), generator=g).tolist()
-        comp, tk_ids, tk_lp = _greedy(target, prompt, clen)
-        rows.append({"id": str(i), "prompt_ids": prompt, "completion_ids": comp, "topk_ids": tk_ids,
-                     "topk_logprobs": tk_lp})
-    gen = run_dir / "generate"
-    e = save_shard(gen, 0, Dataset.from_list(rows))
-    record_shard(gen, 0, e, header={"complete": True, "target": target_name, "top_k": K})
-    return rows
-
-
-def _recipe(**train):
-    base = dict(steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2, draft_vocab_size=0)
-    base.update(train)
-    return Recipe(target="tiny", dtype="float32", device="cpu", seed=0, train=TrainConfig(**base))
-
-
 @pytest.fixture(scope="module")
 def gen_dir(tmp_path_factory, target):
     d = tmp_path_factory.mktemp("run")
     _make_generate(d, target)
     return d
-
-
-def _copy_gen(src, dst):
-    import shutil
-    shutil.copytree(src / "generate", dst / "generate")
-    return dst
 
 
 def test_eagle_alignment_learns_next_next_token(tmp_path, target):

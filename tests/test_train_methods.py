@@ -12,7 +12,7 @@ from pipeline.config import Recipe, TrainConfig
 from pipeline.train import (RAW_TEACHER_FILE, _collate, _onpolicy_batch, _raw_rows, _teacher_topk, run_train,
                             score_raw_windows)
 
-from test_train import V, _copy_gen, _make_generate, tiny_llama
+from helpers import TRAIN_V as V, copy_generate as _copy_gen, make_generate as _make_generate, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,7 @@ import torch
 from eval.decoder import SpeculativeDecoder
 from eval.proposers import Proposer
 from eval.tree import Tree, build_trie
-from test_decoder import N_NEW, PROMPTS, V, tiny
+from helpers import N_NEW, PROMPTS, DECODER_V as V, decoder_llama as tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

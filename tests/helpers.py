@@ -1,0 +1,217 @@
+"""Tiny models, data and proposers shared by the tests (built from configs: no download, seconds).
+
+Test modules import from here, never from each other; fixtures live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from eval import draft_dir
+from eval.proposers import Proposer, Sampling
+
+# ------------------------------------------------------------------------- decoder-sized Llamas
+
+DECODER_V = 96
+PROMPTS = [[1, 5, 9, 3, 5, 9, 4], [7, 7, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [12]]
+N_NEW = 16
+
+
+def decoder_llama(seed, layers=2, hidden=48, heads=4, kv=2):
+    """A random fp32 Llama over DECODER_V tokens: the decoder tests' target and draft."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=DECODER_V, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                      max_position_embeddings=256, initializer_range=0.1, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class NoChain(Proposer):
+    """A model proposer that drafts a chain nobody accepts (token 0 is never a continuation here)."""
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        self.B = len(prompts)
+
+    def propose(self, k):
+        return torch.zeros(self.B, k, dtype=torch.long), None
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        pass
+
+
+# ------------------------------------------------------------------------- lossless sampling
+
+SAMPLING_V = 24
+SAMPLING_PROMPT = [3, 7, 3, 7, 3]
+
+
+def sampling_llama(seed, layers=2, hidden=32, heads=4, kv=2, init=0.3):
+    """A random Llama over SAMPLING_V tokens, peaked enough for chi-square tests of its samples."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=SAMPLING_V, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                      max_position_embeddings=64, initializer_range=init)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of integer samples to `probs` [V]; cells with expected count < 5 pooled."""
+    n = samples.numel()
+    counts = torch.bincount(samples.flatten(), minlength=probs.numel()).double()
+    exp = probs.double() * n
+    small = exp < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum()[None]])
+        exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    keep = exp > 0
+    if (counts[~keep] > 0).any():
+        return 0.0  # a sample where the target puts no mass
+    counts, exp = counts[keep], exp[keep]
+    stat = ((counts - exp) ** 2 / exp).sum()
+    df = max(counts.numel() - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
+
+
+def wrong_residual(p, q):
+    return p  # the classic bug: resample from p after a rejection
+
+
+def exact_marginals(target, s: Sampling):
+    """p(x1) and p(x2) = sum_x1 p(x1) p(x2 | x1) under the warped target, after SAMPLING_PROMPT."""
+    P, V = SAMPLING_PROMPT, SAMPLING_V
+    with torch.no_grad():
+        p1 = s.probs(target(torch.tensor([P])).logits[0, -1])  # [V]
+        ctx = torch.cat([torch.tensor(P).expand(V, -1), torch.arange(V)[:, None]], 1)  # [V, L+1]
+        p2 = (p1[:, None] * s.probs(target(ctx).logits[:, -1])).sum(0)  # [V]
+    return p1, p2
+
+
+def e2e_pvalues(target, proposer, warp, draws=10000, calls=2):
+    """Chi-square p-values of the first two tokens the decoder samples against the exact marginals."""
+    from eval.decoder import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(target, proposer, k=2)
+    outs = []
+    for seed in range(calls):
+        res = dec.generate([SAMPLING_PROMPT] * (draws // calls), max_new_tokens=2, seed=seed, **warp)
+        outs.append(torch.tensor(res.sequences))
+    out = torch.cat(outs)  # [draws, 2]
+    p1, p2 = exact_marginals(target, Sampling(**warp))
+    return [chi2_pvalue(out[:, 0], p1), chi2_pvalue(out[:, 1], p2)], res.stats
+
+
+# ------------------------------------------------------------------------- training data
+
+TRAIN_V, TOPK = 128, 8
+
+
+def tiny_llama(num_layers: int = 2):
+    """A random Llama over TRAIN_V tokens with tied embeddings: the train tests' target."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=TRAIN_V, max_position_embeddings=256,
+                      initializer_range=0.2, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def greedy_topk(target, prompt, n):
+    """The target's greedy continuation of `prompt` with its top-TOPK log-probs at every new position."""
+    ids = list(prompt)
+    tk_ids, tk_lp = [], []
+    for _ in range(n):
+        lp = torch.log_softmax(target(torch.tensor([ids])).logits[0, -1].float(), -1)
+        v, ix = lp.topk(TOPK)
+        tk_ids.append(ix.tolist()), tk_lp.append(v.tolist())
+        ids.append(int(ix[0]))
+    return ids[len(prompt):], tk_ids, tk_lp
+
+
+def make_generate(run_dir, target, n_rows=12, plen=6, clen=24, seed=0, target_name="tiny"):
+    """A generate stage's output (one complete shard) of `target`'s greedy completions of random prompts."""
+    from datasets import Dataset
+
+    from pipeline.shards import record_shard, save_shard
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_rows):
+        prompt = torch.randint(0, TRAIN_V, (plen,), generator=g).tolist()
+        comp, tk_ids, tk_lp = greedy_topk(target, prompt, clen)
+        rows.append({"id": str(i), "prompt_ids": prompt, "completion_ids": comp, "topk_ids": tk_ids,
+                     "topk_logprobs": tk_lp})
+    gen = run_dir / "generate"
+    e = save_shard(gen, 0, Dataset.from_list(rows))
+    record_shard(gen, 0, e, header={"complete": True, "target": target_name, "top_k": TOPK})
+    return rows
+
+
+def train_recipe(**train):
+    """A float32 CPU recipe for the tiny target with a few-step training budget; `train` overrides it."""
+    from pipeline.config import Recipe, TrainConfig
+
+    base = dict(steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2, draft_vocab_size=0)
+    base.update(train)
+    return Recipe(target="tiny", dtype="float32", device="cpu", seed=0, train=TrainConfig(**base))
+
+
+def copy_generate(src, dst):
+    """A new run directory holding a copy of `src`'s generate stage."""
+    shutil.copytree(src / "generate", dst / "generate")
+    return dst
+
+
+# ------------------------------------------------------------------------- bench-sized models
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def word_tokenizer(extra_word: str | None = None):
+    """A word-level tokenizer over WORDS (+ extra_word: a tokenizer that differs), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for w in WORDS + ([extra_word] if extra_word else []):
+        vocab[w] = len(vocab)
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w0 {% endif %}")
+    return tok
+
+
+def save_word_llama(path, tok, layers=2, seed=0, kind=None):
+    """A random Llama over `tok`'s vocabulary saved as an HF directory (a draft directory of `kind` when given)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    if kind:
+        (path / draft_dir.FILE).write_text(json.dumps({"kind": kind, "target": "tiny"}))
+    return path
+
+
+# ------------------------------------------------------------------------- distill budgets
+
+TINY_BUDGET = [
+    "data.max_prompts=24", "data.max_prompt_tokens=96",
+    "generate.max_new_tokens=12", "generate.batch_size=4", "generate.batches_per_shard=2",
+    "train.steps=4", "train.save_every=2", "train.batch_size=4", "train.seq_len=64", "train.draft_vocab_size=512",
+    "evaluate.n_prompts=2", "evaluate.max_new_tokens=12", "evaluate.fp32_prompts=1", "evaluate.fit_prompts=2",
+]
