@@ -151,10 +151,10 @@ class SpeculativeDecoder:
         sampling = Sampling(temperature, top_k, top_p, gen)
         k_cap = K_MAX_AUTO if self.k == "auto" else self.k
         # A proposer may propose longer runs than k (a hybrid's free n-gram lookups): size for them.
-        k_cap = max(k_cap, getattr(self.proposer, "max_k", 0))
+        k_cap = max(k_cap, self.proposer.max_k if self.proposer else 0)
         L = [len(p) for p in prompts]
         # a tree round writes one cache slot per node past the current token
-        ahead = max(k_cap, getattr(self.proposer, "max_nodes", 0) if self.tree else 0)
+        ahead = max(k_cap, self.proposer.max_nodes if self.tree and self.proposer else 0)
         max_len = max(L) + max_new_tokens + ahead + 2
         st = _Stats(k_cap)
         st.t0 = time.perf_counter()
@@ -211,7 +211,7 @@ class SpeculativeDecoder:
             active = [not d for d in done]
             t_round = time.perf_counter()  # this round's wall time (resyncs excluded) for k="auto"
 
-            if k > 0 and sampling.greedy and self.tree and hasattr(prop, "propose_tree"):
+            if k > 0 and sampling.greedy and self.tree and prop.trees:
                 # a tree round: several candidates in one forward, then back to the chain layout
                 inp, pos, feats, n_acc, bonus, host, k = self._tree_round(prop, k, cur, n, n_host, st)
             else:

@@ -190,7 +190,7 @@ class MedusaProposer(Proposer):
 
     name = "medusa"
     uses_features = True
-    max_k = 0
+    has_alternatives = True
     alt_m = 3  # per-head candidates kept for alternatives()
     with_alternatives = False  # recurrent heads: compute alternatives()' extra head-1 row in propose()
     last_alt1 = None  # recurrent heads: head 1's best after head 0's 2nd choice, once computed

@@ -69,9 +69,30 @@ class Sampling:
 
 
 class Proposer:
-    uses_features = False  # True: the decoder passes the target's features to begin/accept
-    max_k = 0  # > 0: may propose up to this many tokens even when asked for fewer
+    """What the decoder asks of a draft: begin a batch, propose K tokens a round, learn what was accepted.
+
+    Optional abilities are declared here with their defaults, never probed with hasattr:
+      uses_features  the decoder passes the target's final features to begin/accept
+      max_k          > 0: may propose up to this many tokens even when asked for fewer
+      trees          propose_tree() gives a token tree per row (greedy rounds verify it at once)
+      max_nodes      with trees: the tree's node budget over the batch (a serving setting)
+      alternatives   alternatives(m) gives m runner-up paths after the last chain (Medusa's sparse tree)
+      lookup_rounds  tree rounds filled by lookups alone, without calling a model (a counter)
+    """
+
+    uses_features = False
+    max_k = 0
+    trees = False
+    max_nodes = 0
+    has_alternatives = False
+    lookup_rounds = 0
     name = "proposer"
+
+    def propose_tree(self, k: int):
+        raise NotImplementedError(f"{type(self).__name__} proposes chains only (trees=False)")
+
+    def alternatives(self, m: int):
+        raise NotImplementedError(f"{type(self).__name__} has no runner-up paths (has_alternatives=False)")
 
     def begin(self, prompts, first, max_len, sampling, features=None) -> None:
         raise NotImplementedError
@@ -321,12 +342,13 @@ class HybridProposer(Proposer):
     model's chain, ahead of the weak (1-token) prompt matches. Chains (sampling) do not use it."""
 
     name = "hybrid"
+    trees = True
 
     def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = 8, max_ngram: int = 3,
                  branches: int = 2, max_nodes: int = 10, datastore=None, store_branches: int = 2,
                  alt_branches: int = 3, strong_match: int = 3, long_ngram: int = 8, strong_branches: int = 3):
         self.model = model
-        self.alt_branches = alt_branches if hasattr(model, "alternatives") else 0
+        self.alt_branches = alt_branches if model.has_alternatives else 0
         if self.alt_branches:
             model.with_alternatives = True  # it will be asked for them every tree round
         self.datastore, self.store_branches = datastore, store_branches

@@ -99,7 +99,7 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
     timed = verify_ms is not None and draft_ms is None
     cuda = bool(ref.feats) and ref.feats[0].is_cuda
     proposer_s = 0.0
-    tree = hasattr(proposer, "propose_tree")
+    tree = proposer.trees
     rounds = tokens = rows = 0
     hist: dict[int, int] = {}
     est = 0.0
@@ -111,7 +111,7 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
         out = [seq[0]]
         done = len(out) >= max_new_tokens or seq[0] in eos
         while not done:
-            lookups_before = getattr(proposer, "lookup_rounds", 0)
+            lookups_before = proposer.lookup_rounds
             t0 = time.perf_counter()
             if tree:
                 toks, pars = proposer.propose_tree(k)[0]
@@ -142,7 +142,7 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
             if n_rows > 1:  # a round that proposed nothing is a plain step, outside the histogram (as the decoder's)
                 hist[a] = hist.get(a, 0) + 1
             if verify_ms:
-                ran_model = getattr(proposer, "lookup_rounds", 0) == lookups_before
+                ran_model = proposer.lookup_rounds == lookups_before
                 drafting = round_s * 1e3 if timed else (draft_ms if ran_model else 0.0)
                 est += verify_ms[min(n_rows, max(verify_ms))] + host_ms + drafting
             new = full[j + 1:j + a + 2][:max_new_tokens - len(out)]
