@@ -6,7 +6,7 @@ DOMAIN ?= code
 ARGS ?=
 STAMP := $(VENV)/.draftsmith-installed
 
-.PHONY: setup distill test bench clean
+.PHONY: setup distill test bench results clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ bench: $(STAMP)
 	mkdir -p runs
 	$(BIN)/draftsmith prompts --out runs/humaneval.jsonl
 	$(BIN)/draftsmith bench --draft $(DRAFT) --prompts runs/humaneval.jsonl --json runs/bench.json $(ARGS)
+
+# docs/results.md and README's headline table from docs/results/*.json (ARGS="--run runs/code/<id> --machine ..."
+# imports a run first); the venv's python when there is one, since an import reads eval.decoder.SERVING_REV.
+results:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -m pipeline.results $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .cache

@@ -1,0 +1,102 @@
+"""pipeline.results: docs/results.md and README's headline are rendered from docs/results/*.json."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline import results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DISTILL = {
+    "kind": "distill", "title": "a tiny distill", "command": "make distill DOMAIN=code",
+    "machine": "box", "date": "2026-01-02", "commit": "abc1234", "serving_rev": "rev-1", "headline": True,
+    "figures": {"wall_s": 125, "promoted": "medusa+ngram", "speedup": 2.0, "tau": 3.5, "alpha": 0.5,
+                "tokens_per_s_plain": 80.0, "ngram_speedup": 1.6, "max_nodes": 4},
+}
+MACHINES = {"box": {"short": "a test box", "description": "two cores, no GPU"}}
+
+
+def _write(d: Path, name: str, obj) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text(json.dumps(obj))
+
+
+def test_renders_a_distill_result(tmp_path):
+    _write(tmp_path, "2026-01-02-distill-tiny.json", DISTILL)
+    _write(tmp_path, "machines.json", MACHINES)
+    page = results.render(tmp_path)
+    assert ("| 2026-01-02-distill-tiny | 2026-01-02 | `box` | 2 min 05 s | medusa+ngram | 2.00× | 3.50 | 0.500 | "
+            "80.0 | 1.60× | 1.25× | 4 |") in page
+    assert "| a tiny distill | `make distill DOMAIN=code` | a test box | 2.00× | 3.50 | 1.60× | 2026-01-02 |" in page
+    assert "commit `abc1234` · serving revision `rev-1`" in page
+    assert "do not edit" in page
+    assert "- `box` (a test box): two cores, no GPU" in page
+
+
+def test_a_result_without_its_provenance_is_refused(tmp_path):
+    _write(tmp_path, "bad.json", {k: v for k, v in DISTILL.items() if k != "commit"})
+    with pytest.raises(results.ResultsError, match="bad.json: missing commit"):
+        results.load_results(tmp_path)
+
+
+def test_run_imports_metrics_and_renders(tmp_path):
+    run = tmp_path / "runs" / "code" / "20260103-120000"
+    _write(run, "metrics.json", {
+        "domain": "code", "target": "embedded:smollm2-135m-instruct", "draft_method": "medusa+ngram",
+        "checkpoint": "checkpoint-000900", "k": 2, "alpha": 0.62, "tau": 4.03, "speedup": 2.04,
+        "tokens_per_s_plain": 83.7, "max_nodes": 6, "n_prompts": 16, "ngram_k": 8,
+        "ngram_baseline": {"speedup": 1.82, "tau": 2.5}, "checkpoints": [{"name": "checkpoint-000900", "tau": 1.49,
+                                                                          "speedup": 1.2, "alpha": 0.3}]})
+    _write(run / "train", "manifest.json", {"steps": 900, "n_sequences": 2156, "tokens_per_s": 1900.0})
+    docs = tmp_path / "docs"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{results.HEADLINE_START}\nold\n{results.HEADLINE_END}\nrest\n")
+    rc = results.main(["--run", str(run), "--machine", "box", "--wall", "32m06s", "--commit", "def5678",
+                       "--serving-rev", "rev-2", "--headline", "--results-dir", str(docs / "results"),
+                       "--out", str(docs / "results.md"), "--readme", str(readme)])
+    assert rc == 0
+    rec = json.loads((docs / "results" / "2026-01-03-distill-20260103-120000.json").read_text())
+    assert rec["command"] == "draftsmith distill --domain code --run-id 20260103-120000"
+    assert (rec["commit"], rec["serving_rev"], rec["date"]) == ("def5678", "rev-2", "2026-01-03")
+    f = rec["figures"]
+    assert (f["wall_s"], f["speedup"], f["tau"], f["ngram_speedup"], f["max_nodes"], f["train_steps"]) == \
+        (1926, 2.04, 4.03, 1.82, 6, 900)
+    assert f["checkpoints"] == [{"name": "checkpoint-000900", "tau": 1.49, "speedup": 1.2}]
+    page = (docs / "results.md").read_text()
+    assert "| 2026-01-03-distill-20260103-120000 | 2026-01-03 | `box` | 32 min 06 s | medusa+ngram | 2.04× |" in page
+    text = readme.read_text()
+    assert "old" not in text and text.endswith(f"{results.HEADLINE_END}\nrest\n")
+    assert "| distill of domain code, run 20260103-120000 |" in text
+    assert results.main(["--check", "--results-dir", str(docs / "results"), "--out", str(docs / "results.md"),
+                         "--readme", str(readme)]) == 0
+
+
+def test_bench_import_takes_every_row(tmp_path):
+    bench = {"draft": "ngram", "n_prompts": 4, "k_arg": "8", "also": ["hybrid:d@2"],
+             "plain": {"tokens_per_s": 50.0, "speedup": 1.0, "match_rate": 1.0},
+             "hf_generate": {"tokens_per_s": 20.0, "speedup": 0.4},
+             "speculative": {"tokens_per_s": 80.0, "speedup": 1.6, "tau": 2.1, "alpha": 0.4, "k": 8},
+             "hybrid:d@2": {"tokens_per_s": 100.0, "speedup": 2.0, "tau": 3.0, "k": 2}}
+    rec = results.bench_record(bench, "box", commit="abc", serving_rev="r", date="2026-01-04")
+    assert [r["method"] for r in rec["figures"]["rows"]] == ["plain", "hf_generate", "speculative", "hybrid:d@2"]
+    assert rec["command"] == "draftsmith bench --draft ngram --n-prompts 4 --k 8 --also hybrid:d@2"
+    assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1] == "| hybrid:d@2 | 100.0 | 2.00× | 3.00 | – | 2 | – |"
+
+
+def test_parse_wall():
+    assert results.parse_wall("55m16s") == 3316
+    assert results.parse_wall("90") == 90
+    with pytest.raises(results.ResultsError, match="--wall"):
+        results.parse_wall("soon")
+
+
+def test_the_committed_pages_are_what_the_result_files_render():
+    """docs/results.md and README's headline are generated: edit docs/results/*.json and run
+    `python -m pipeline.results`, never the markdown."""
+    assert (ROOT / "docs" / "results.md").read_text() == results.render(ROOT / "docs" / "results")
+    readme = (ROOT / "README.md").read_text()
+    table = results.render_headline(results.load_results(ROOT / "docs" / "results"),
+                                    results.load_machines(ROOT / "docs" / "results"))
+    assert readme == results.with_headline(readme, table)
