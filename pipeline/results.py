@@ -5,9 +5,11 @@ README.md's headline block. Edit or add the JSON files, never the rendered markd
     python -m pipeline.results --check               # exit 1 when either is not what the files render
     python -m pipeline.results --run runs/code/<run-id> --machine cpu-2core-a [--wall 32m06s]
     python -m pipeline.results --bench runs/bench.json --machine cpu-2core-a --command "draftsmith bench ..."
+    python -m pipeline.results --compare runs/code/<run-id>/compare/compare.json --machine cpu-2core-a
 
-`--run` imports a distill run's metrics.json (with its stage manifests) and `--bench` a
-`draftsmith bench --json` file as a new result file, then renders. A result that no longer holds is
+`--run` imports a distill run's metrics.json (with its stage manifests and status), `--bench` a
+`draftsmith bench --json` file and `--compare` a `draftsmith compare` run's compare.json as a new
+result file, then renders. A result that no longer holds is
 deleted (git history and CHANGELOG.md keep it). Machines are described once, in
 docs/results/machines.json; a result names one by its id.
 """
@@ -252,6 +254,8 @@ def run_record(run_dir: Path, machine: str, *, command=None, wall_s=None, commit
     run_dir = Path(run_dir)
     m = _read_json(run_dir / "metrics.json", required=True)
     train = _read_json(run_dir / "train" / "manifest.json", required=False)
+    status = _read_json(run_dir / "status.json", required=False)  # distill's own wall time, when it ran whole
+    wall_s = wall_s if wall_s is not None else status.get("wall_s")
     gen = _read_json(run_dir / "generate" / "manifest.json", required=False)
     for key in ("speedup", "tau", "alpha", "draft_method"):
         if key not in m:
@@ -303,6 +307,41 @@ def bench_record(bench: dict, machine: str, *, command=None, commit=None, servin
                         "device_name": bench.get("device_name"), "rows": rows}}
 
 
+def _compare_row(r: dict, label: str | None = None) -> dict:
+    return {"variant": label or r["name"], "alpha": r.get("alpha"), "tau": r.get("tau"), "c": r.get("c"),
+            "k": r.get("k"), "speedup": r.get("speedup"), "train_tokens_per_s": r.get("train_tokens_per_s")}
+
+
+def compare_record(compare_json: Path, machine: str, *, command=None, commit=None, serving_rev=None,
+                   title=None, headline=False) -> dict:
+    """A compare result from runs/<domain>/<run-id>/compare/compare.json: its methods, divergences,
+    distillation lift and K sweep as tables, its best served proposer as the summary."""
+    out = _read_json(Path(compare_json), required=True)
+    for key in ("methods", "best_measured"):
+        if key not in out:
+            raise ResultsError(f"{compare_json}: no {key!r} (made by `draftsmith compare`?)")
+    run_dir = Path(compare_json).resolve().parent.parent
+    tables = {"Methods": [_compare_row(r) for r in out["methods"]]}
+    if out.get("divergences"):
+        tables[f"Divergences on {out.get('best_method')}"] = [_compare_row(r) for r in out["divergences"]]
+    lift = out.get("lift") or {}
+    if out.get("raw_baseline") and lift.get("distilled"):
+        tables[f"Distillation against raw domain text ({lift.get('steps')} steps, {lift.get('n_prompts')} prompts)"] = [
+            _compare_row(lift["distilled"], "on the target's generated outputs"),
+            _compare_row(out["raw_baseline"], "on raw domain text (one-hot targets)")]
+    if out.get("k_sweep"):
+        tables[f"K sweep on {out.get('served')}"] = [_compare_row(r, f"{out.get('served')}, K={r.get('k')}")
+                                                     for r in out["k_sweep"]]
+    b = out["best_measured"]
+    return {"kind": "compare", "title": title or f"draftsmith compare on run {run_dir.name}",
+            "command": command or f"draftsmith compare --domain {run_dir.parent.name} --run-id {run_dir.name}",
+            "machine": machine, "date": _date_of(run_dir.name), "commit": commit or _git_commit(),
+            "serving_rev": serving_rev or _serving_rev(), "headline": headline,
+            "figures": {"n_prompts": out.get("n_prompts"), "steps": out.get("steps"), "speedup": b.get("speedup"),
+                        "tau": b.get("tau"), "ngram_speedup": b.get("ngram_speedup"),
+                        "distillation_tau_lift": out.get("distillation_tau_lift"), "tables": tables}}
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60]
 
@@ -322,9 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--run", help="import runs/<domain>/<run-id> (its metrics.json) as a distill result")
     src.add_argument("--bench", help="import a `draftsmith bench --json` file as a bench result")
+    src.add_argument("--compare", help="import runs/<domain>/<run-id>/compare/compare.json as a compare result")
     p.add_argument("--machine", help="id from docs/results/machines.json (or a description); needed to import")
     p.add_argument("--command", help="the command that made the figures (default: one that reproduces them)")
-    p.add_argument("--wall", help="--run: the distill's wall time, e.g. 32m06s")
+    p.add_argument("--wall", help="--run: the distill's wall time, e.g. 32m06s (default: the run's status.json)")
     p.add_argument("--title", help="one line saying what was measured")
     p.add_argument("--commit", help="default: git rev-parse --short HEAD")
     p.add_argument("--serving-rev", help="default: the file's own, else eval.decoder.SERVING_REV")
@@ -340,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     results_dir = Path(args.results_dir)
     try:
-        if args.run or args.bench:
+        if args.run or args.bench or args.compare:
             if not args.machine:
                 raise ResultsError("--machine is needed to import a result")
             opts = dict(command=args.command, commit=args.commit, serving_rev=args.serving_rev, title=args.title,
@@ -348,9 +388,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.run:
                 rec = run_record(Path(args.run), args.machine, wall_s=parse_wall(args.wall), **opts)
                 path = write_record(rec, results_dir, Path(args.run).name)
-            else:
+            elif args.bench:
                 rec = bench_record(_read_json(Path(args.bench), required=True), args.machine, **opts)
                 path = write_record(rec, results_dir, Path(args.bench).stem)
+            else:
+                rec = compare_record(Path(args.compare), args.machine, **opts)
+                path = write_record(rec, results_dir, Path(args.compare).resolve().parent.parent.name)
             print(f"wrote {path}")
         page = render(results_dir)
         readme = Path(args.readme) if args.readme else None

@@ -100,3 +100,32 @@ def test_the_committed_pages_are_what_the_result_files_render():
     table = results.render_headline(results.load_results(ROOT / "docs" / "results"),
                                     results.load_machines(ROOT / "docs" / "results"))
     assert readme == results.with_headline(readme, table)
+
+
+def test_compare_import_takes_its_tables(tmp_path):
+    run = tmp_path / "runs" / "code" / "20260105-000000"
+    row = {"name": "medusa-fkl", "alpha": 0.2, "tau": 1.3, "c": 0.06, "k": 2, "speedup": 1.08,
+           "train_tokens_per_s": 1900.0}
+    _write(run / "compare", "compare.json", {
+        "methods": [row], "divergences": [row], "best_method": "medusa", "served": "hybrid",
+        "raw_baseline": {**row, "name": "medusa-fkl-raw", "tau": 1.1}, "lift": {"steps": 9, "n_prompts": 4,
+                                                                               "distilled": row},
+        "k_sweep": [{**row, "name": "hybrid@k", "k": 3, "speedup": 2.3}], "n_prompts": 4, "steps": 2,
+        "distillation_tau_lift": 0.18, "best_measured": {"speedup": 2.3, "tau": 4.3, "ngram_speedup": 2.05}})
+    rec = results.compare_record(run / "compare" / "compare.json", "box", commit="abc", serving_rev="r")
+    assert rec["command"] == "draftsmith compare --domain code --run-id 20260105-000000"
+    assert list(rec["figures"]["tables"]) == ["Methods", "Divergences on medusa",
+                                              "Distillation against raw domain text (9 steps, 4 prompts)",
+                                              "K sweep on hybrid"]
+    md = results.render_compare({**rec, "id": "x"}, {})
+    assert "| medusa-fkl | 0.200 | 1.30 | 0.060 | 2 | 1.08× | 1,900 |" in md
+    assert "| hybrid, K=3 | 0.200 | 1.30 | 0.060 | 3 | 2.30× | 1,900 |" in md
+
+
+def test_run_import_reads_the_wall_time_distill_recorded(tmp_path):
+    run = tmp_path / "20260106-000000"
+    _write(run, "metrics.json", {"draft_method": "ngram", "speedup": 1.5, "tau": 2.0, "alpha": 0.4})
+    _write(run, "status.json", {"complete": True, "wall_s": 1234.5})
+    rec = results.run_record(run, "box", commit="abc", serving_rev="r")
+    assert rec["figures"]["wall_s"] == 1234.5
+    assert results.run_record(run, "box", wall_s=60.0, commit="abc", serving_rev="r")["figures"]["wall_s"] == 60.0
