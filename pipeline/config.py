@@ -151,14 +151,15 @@ _MOVED = {"num_layers": "train.<method>.num_layers (eagle, draft_lm, self_spec)"
 _FLAT_NAMES = {"medusa": {"heads": "medusa_heads", "recurrent": "medusa_recurrent"}}
 
 
-def flat_train(train: dict) -> dict:
-    """The train section (as a dict) in the flat layout it had before the method sections, which the
-    recipe hash and train_key are computed over, so run directories made before still resume. Every
-    section's keys are kept; num_layers is the active method's (1 for a method without one)."""
-    flat = {k: v for k, v in train.items() if k not in SECTIONS}
-    flat["num_layers"] = (train.get(train["method"]) or {}).get("num_layers", 1)
+def flat_train(tc: TrainConfig) -> dict:
+    """The train section in the flat layout it had before the method sections, which the recipe hash
+    and train_key are computed over, so run directories made before still resume. Every section's keys
+    are kept; num_layers is the active method's (1 for a method without one)."""
+    d = dataclasses.asdict(tc)
+    flat = {k: v for k, v in d.items() if k not in SECTIONS}
+    flat["num_layers"] = (d.get(tc.method) or {}).get("num_layers", 1)
     for name in SECTIONS:
-        for k, v in train[name].items():
+        for k, v in d[name].items():
             if k != "num_layers":
                 flat[_FLAT_NAMES.get(name, {}).get(k, k)] = v
     return flat
@@ -170,7 +171,7 @@ class EvaluateConfig:
     max_new_tokens: int = _f(128, "New tokens per prompt.")
     k: int = _f(2, "Draft tokens proposed per round.")
     ngram_k: int = _f(8, "Draft tokens per round for the n-gram baseline: prompt lookup pays with longer "
-                         "runs than a trained draft (its best K on code is 8, docs/compare.md's K sweep).")
+                         "runs than a trained draft (docs/reference/training.md).")
     fp32_prompts: int = _f(3, "Prompts re-run in fp32 where greedy output must match plain decoding exactly.")
     near_tie_tol: float = _f(0.5, "bf16 divergences count as near-ties when the target's top-2 logit "
                                   "margin is below this.")
@@ -227,13 +228,17 @@ class Recipe:
             raise RecipeError(f"domain={self.domain!r} must be a plain name")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The recipe as nested plain data (run_dir/recipe.yaml, the W&B config), which load_recipe reads
+        back: of the method sections, only the method's own."""
+        d = dataclasses.asdict(self)
+        d["train"] = {k: v for k, v in d["train"].items() if k not in SECTIONS or k == self.train.method}
+        return d
 
     def hash(self) -> str:
         """Stable hash of everything that changes outputs (run_id, runs_dir and wandb excluded)."""
         d = self.to_dict()
         d.pop("run_id"), d.pop("runs_dir"), d.pop("wandb")
-        d["train"] = flat_train(d["train"])
+        d["train"] = flat_train(self.train)
         return stable_hash(d)
 
 

@@ -153,6 +153,7 @@ class DraftLM(DraftMethod):
             module.tokenizer.save_pretrained(directory)
         draft_dir.write_meta(directory, {"kind": "draft_lm", **extra, "lora_rank": lora_rank, "step": step})
 
+    @torch.no_grad()
     def sample(self, module, target, prompts, firsts, n, seed):
         """HF generate, left-padded, seeded through torch's global RNG."""
         torch.manual_seed(seed)

@@ -95,6 +95,7 @@ class SelfSpec(DraftMethod):
     def save(self, module, directory, extra, step):
         module.draft.save(directory, extra={**extra, "step": step})
 
+    @torch.no_grad()
     def sample(self, module, target, prompts, firsts, n, seed):
         """The decoder's own draft runner: a KV cache over the shared layers."""
         from eval.proposers import Sampling, load_proposer
