@@ -2,7 +2,12 @@
 
 A recipe is a YAML file whose top-level sections mirror `Recipe`'s fields. Unknown keys and wrong
 types are rejected with the key's dotted name, and any value can be overridden on the command line
-as `section.key=value` (parsed as YAML, so `train.steps=10` gives an int).
+as `section.key=value` (parsed as YAML, so `train.steps=10` gives an int). The defaults are
+recipes/code.yaml, so `draftsmith recipe-help` prints what the shipped recipe runs.
+
+A draft method's own keys live in its section, train.<method> (e.g. train.medusa.heads), a dataclass
+owned by the method's module in pipeline/methods/; the method list is that package's registry. A key
+of another method's section is refused by name rather than silently ignored.
 """
 
 from __future__ import annotations

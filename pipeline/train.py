@@ -43,7 +43,7 @@ from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
 from .train_data import EpochSampler, Sequences, TrainError, check_vocab, collate, load_rows, raw_rows, raw_windows
 
-__all__ = ["run_train", "TrainError", "FEATURES_FILE", "RAW_TEACHER_FILE"]
+__all__ = ["run_train", "TrainError"]
 
 
 def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Path:
