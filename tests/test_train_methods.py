@@ -1,4 +1,4 @@
-"""The train stage's methods and data modes beyond the EAGLE default: LoRA drafts, raw-text
+"""The train stage's methods and data modes beyond the EAGLE head: LoRA drafts, raw-text
 (undistilled) data, on-policy (GKD) data, int8, Medusa and self-speculative drafts, each through
 `run_train` on a tiny target."""
 

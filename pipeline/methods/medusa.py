@@ -17,7 +17,7 @@ true of greedy generated completions, and true of the raw-text mix (train.raw_wi
 the text happens to follow the target. Elsewhere the teacher at t + 2 + i is conditioned on a token
 the target would not have produced, and training on it did not help (docs/reference/training.md).
 
-Recurrent heads (MedusaConfig.recurrent) are teacher-forced: head i reads the embeddings of tokens
+Recurrent heads (train.medusa.recurrent) are teacher-forced: head i reads the embeddings of tokens
 t + 1 .. t + 1 + i, which on those same positions are the target's greedy tokens, i.e. what head i
 reads at decode time whenever its draft can count (the drafts before it accepted).
 """
