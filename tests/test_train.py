@@ -7,12 +7,25 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.heads import EagleHead
+from pipeline.checkpoints import train_key
+from pipeline.config import recipe_from_dict
+from pipeline.features import cache_features
+from pipeline.methods.base import draft_vocab
 from pipeline.shards import record_shard, save_shard
-from pipeline.train import TrainError, _collate, _Seqs, cache_features, draft_vocab, run_train, train_key
+from pipeline.train import TrainError, run_train
+from pipeline.train_data import Sequences, collate
 
 from helpers import TOPK as K, TRAIN_V as V, copy_generate as _copy_gen
-from helpers import make_generate as _make_generate, tiny_llama, train_recipe as _recipe
+from helpers import make_generate as _make_generate, tiny_llama
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _recipe(**train):
+    """A float32 CPU recipe for the tiny target, an EAGLE head by default; method sections as dicts."""
+    base = dict(method="eagle", steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2,
+                draft_vocab_size=0)
+    return recipe_from_dict({"target": "tiny", "dtype": "float32", "device": "cpu", "seed": 0,
+                             "train": {**base, **train}})
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +44,14 @@ def test_eagle_alignment_learns_next_next_token(tmp_path, target):
     """Head index t reads feat[t] ⊕ emb(tok[t+1]) at pos t+1 and must predict tok[t+2]: training makes
     its argmax agree with the target's next-next token far above chance (1/128)."""
     rows = _make_generate(tmp_path, target, n_rows=16, clen=24, seed=1)
-    recipe = _recipe(steps=120, save_every=1000, unroll=1, lr=1e-2, warmup_steps=5, feature_loss_weight=0.1)
+    recipe = _recipe(steps=120, save_every=1000, lr=1e-2, warmup_steps=5,
+                     eagle={"unroll": 1, "feature_loss_weight": 0.1})
     seqs = [{"ids": (r["prompt_ids"] + r["completion_ids"]), "P": 6, "tk_ids": r["topk_ids"],
              "tk_lp": r["topk_logprobs"]} for r in rows]
 
     def agreement(head):
         feats = cache_features(target, seqs, tmp_path / "f.safetensors", "k")
-        batch = _collate([_Seqs(seqs, feats)[i] for i in range(len(seqs))])
+        batch = collate([Sequences(seqs, feats)[i] for i in range(len(seqs))])
         with torch.no_grad():
             ids, feat = batch["ids"], batch["feat"].float()
             L = ids.shape[1]
@@ -61,9 +75,9 @@ def test_changed_training_recipe_does_not_resume_foreign_checkpoints(tmp_path, g
     checkpoints are moved to train/stale-<key>/, not deleted. A change outside training (evaluate)
     resumes: the finished checkpoint is not trained again."""
     fresh, d = _copy_gen(gen_dir, tmp_path / "fresh"), _copy_gen(gen_dir, tmp_path / "d")
-    recipe = _recipe(steps=6, save_every=2, method="medusa", medusa_heads=2, datastore=False)
+    recipe = _recipe(steps=6, save_every=2, method="medusa", medusa={"heads": 2}, datastore=False)
     run_train(recipe, fresh, target=target)
-    old = _recipe(steps=4, save_every=2, method="medusa", medusa_heads=2, datastore=False, lr=1e-2)
+    old = _recipe(steps=4, save_every=2, method="medusa", medusa={"heads": 2}, datastore=False, lr=1e-2)
     run_train(old, d, target=target)
     old_key = json.loads((d / "train/checkpoint-000004/draftsmith_draft.json").read_text())["train_key"]
     run_train(recipe, d, target=target)
@@ -78,7 +92,7 @@ def test_changed_training_recipe_does_not_resume_foreign_checkpoints(tmp_path, g
     meta = json.loads((d / "train/checkpoint-000006/draftsmith_draft.json").read_text())
     assert meta["train_key"] == train_key(recipe) != old_key
     before = (d / "train/checkpoint-000006/head.safetensors").stat().st_mtime_ns
-    other_eval = _recipe(steps=6, save_every=2, method="medusa", medusa_heads=2, datastore=False)
+    other_eval = _recipe(steps=6, save_every=2, method="medusa", medusa={"heads": 2}, datastore=False)
     other_eval.evaluate.n_prompts = 3
     assert train_key(other_eval) == train_key(recipe) and other_eval.hash() != recipe.hash()
     run_train(other_eval, d, target=target)
@@ -88,7 +102,7 @@ def test_changed_training_recipe_does_not_resume_foreign_checkpoints(tmp_path, g
 
 def test_eagle_resume_equals_uninterrupted(tmp_path, gen_dir, target):
     a, b = _copy_gen(gen_dir, tmp_path / "a"), _copy_gen(gen_dir, tmp_path / "b")
-    recipe = _recipe(steps=6, save_every=2, unroll=2, draft_vocab_size=40)
+    recipe = _recipe(steps=6, save_every=2, draft_vocab_size=40, eagle={"unroll": 2})
     run_train(recipe, a, target=target)
 
     class Crash:
@@ -128,7 +142,7 @@ def test_draft_lm_trains_and_loads(tmp_path, gen_dir, target):
     from transformers import AutoModelForCausalLM
 
     d = _copy_gen(gen_dir, tmp_path / "r")
-    recipe = _recipe(method="draft_lm", steps=4, save_every=2, num_layers=1, divergence="jsd")
+    recipe = _recipe(method="draft_lm", steps=4, save_every=2, draft_lm={"num_layers": 1}, divergence="jsd")
     train_dir = run_train(recipe, d, target=target)
     ck = train_dir / "checkpoint-000004"
     assert json.loads((ck / "draftsmith_draft.json").read_text())["kind"] == "draft_lm"

@@ -1,16 +1,21 @@
-"""The train stage's methods and data modes beyond the EAGLE default: LoRA drafts, raw-text
+"""The train stage's methods and data modes beyond the EAGLE head: LoRA drafts, raw-text
 (undistilled) data, on-policy (GKD) data, int8, Medusa and self-speculative drafts, each through
 `run_train` on a tiny target."""
 
 import json
+import random
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from pipeline.config import Recipe, TrainConfig
-from pipeline.train import (RAW_TEACHER_FILE, _collate, _onpolicy_batch, _raw_rows, _teacher_topk, run_train,
-                            score_raw_windows)
+from pipeline.config import TrainConfig, recipe_from_dict
+from pipeline.features import RAW_TEACHER_FILE, score_raw_windows
+from pipeline.methods import get_method
+from pipeline.methods.draft_lm import build_draft_lm
+from pipeline.onpolicy import onpolicy_batch, teacher_topk
+from pipeline.train import run_train
+from pipeline.train_data import collate, load_rows, raw_rows
 
 from helpers import TRAIN_V as V, copy_generate as _copy_gen, make_generate as _make_generate, tiny_llama
 
@@ -30,18 +35,20 @@ def gen_dir(tmp_path_factory, target):
 
 
 def _recipe(**train):
-    base = dict(steps=4, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2, draft_vocab_size=0)
-    base.update(train)
-    return Recipe(target="tiny", dtype="float32", device="cpu", seed=0, train=TrainConfig(**base))
+    """A float32 CPU recipe for the tiny target (an EAGLE head unless `method` says otherwise); method
+    sections as dicts, e.g. medusa={"heads": 2}."""
+    base = dict(method="eagle", steps=4, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2,
+                draft_vocab_size=0)
+    return recipe_from_dict({"target": "tiny", "dtype": "float32", "device": "cpu", "seed": 0,
+                             "train": {**base, **train}})
 
 
 def test_lora_draft_saves_adapter_and_merged_weights(tmp_path, gen_dir, target):
     from peft import PeftModel
 
-    from pipeline.train import build_draft_lm
-
     d = _copy_gen(gen_dir, tmp_path / "r")
-    train_dir = run_train(_recipe(method="draft_lm", num_layers=2, lora_rank=4, lora_alpha=8), d, target=target)
+    recipe = _recipe(method="draft_lm", draft_lm={"num_layers": 2, "lora_rank": 4, "lora_alpha": 8})
+    train_dir = run_train(recipe, d, target=target)
     ck = train_dir / "checkpoint-000004"
     meta = json.loads((ck / "draftsmith_draft.json").read_text())
     assert meta["kind"] == "draft_lm" and meta["lora_rank"] == 4
@@ -59,18 +66,18 @@ def test_lora_draft_saves_adapter_and_merged_weights(tmp_path, gen_dir, target):
 
 
 @pytest.mark.parametrize("method,extra,weights", [
-    ("draft_lm", {"lora_rank": 4}, "adapter/adapter_model.safetensors"),
-    ("medusa", {"medusa_heads": 2, "draft_vocab_size": 40}, "head.safetensors"),
-    ("self_spec", {"num_layers": 2, "adapter_rank": 4, "draft_vocab_size": 40}, "adapter.safetensors"),
-    ("draft_lm", {"data": "mix", "onpolicy_fraction": 0.5}, "model.safetensors"),
-    ("self_spec", {"num_layers": 2, "adapter_rank": 4, "draft_vocab_size": 40, "data": "onpolicy"},
+    ("draft_lm", {"draft_lm": {"num_layers": 1, "lora_rank": 4}}, "adapter/adapter_model.safetensors"),
+    ("medusa", {"medusa": {"heads": 2}, "draft_vocab_size": 40}, "head.safetensors"),
+    ("self_spec", {"self_spec": {"num_layers": 2, "adapter_rank": 4}, "draft_vocab_size": 40}, "adapter.safetensors"),
+    ("draft_lm", {"draft_lm": {"num_layers": 1}, "data": "mix", "onpolicy_fraction": 0.5}, "model.safetensors"),
+    ("self_spec", {"self_spec": {"num_layers": 2, "adapter_rank": 4}, "draft_vocab_size": 40, "data": "onpolicy"},
      "adapter.safetensors"),
 ])
 def test_resume_equals_uninterrupted(tmp_path, gen_dir, target, method, extra, weights):
     from safetensors.torch import load_file
 
     a, b = _copy_gen(gen_dir, tmp_path / "a"), _copy_gen(gen_dir, tmp_path / "b")
-    recipe = _recipe(method=method, steps=4, save_every=2, **{"num_layers": 1, **extra})
+    recipe = _recipe(method=method, steps=4, save_every=2, **extra)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     run_train(recipe, a, target=target)
 
@@ -100,8 +107,9 @@ def test_trained_drafts_decode_exactly(tmp_path, gen_dir, target):
 
     prompts = [[5, 9, 3, 7], [11, 2, 8, 8, 1, 4]]
     plain = SpeculativeDecoder(target, None).generate(prompts, max_new_tokens=10).sequences
-    for method, extra in [("medusa", {"medusa_heads": 3}), ("self_spec", {"num_layers": 1, "draft_vocab_size": 40}),
-                          ("int8", {}), ("draft_lm", {"lora_rank": 4})]:
+    for method, extra in [("medusa", {"medusa": {"heads": 3}}),
+                          ("self_spec", {"self_spec": {"num_layers": 1}, "draft_vocab_size": 40}),
+                          ("int8", {}), ("draft_lm", {"draft_lm": {"lora_rank": 4}})]:
         d = _copy_gen(gen_dir, tmp_path / method)
         run_train(_recipe(method=method, steps=2, save_every=2, **extra), d, target=target)
         ck = sorted((d / "train").glob("checkpoint-*"))[-1]
@@ -111,7 +119,7 @@ def test_trained_drafts_decode_exactly(tmp_path, gen_dir, target):
 
 def test_teacher_topk_matches_the_targets_own_logprobs(target):
     seqs, P = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]], [2, 3]
-    out = _teacher_topk(target, seqs, P, k=5)
+    out = teacher_topk(target, seqs, P, k=5)
     for (ti, tl), sq, p in zip(out, seqs, P):
         assert len(ti) == len(sq) - p
         with torch.no_grad():
@@ -123,14 +131,13 @@ def test_teacher_topk_matches_the_targets_own_logprobs(target):
 
 
 def test_onpolicy_batch_scores_the_drafts_own_samples(target, gen_dir):
-    from pipeline.train import _load_rows, build_draft_lm
-
-    rows, _ = _load_rows(gen_dir, _recipe())
-    batch = _collate([{"ids": torch.tensor(r["ids"]), "P": r["P"], "tk_ids": torch.tensor(r["tk_ids"]),
-                       "tk_lp": torch.tensor(r["tk_lp"])} for r in rows[:3]])
-    draft = build_draft_lm(target, 1)
-    tc = _recipe(method="draft_lm", data="onpolicy").train
-    out = _onpolicy_batch(batch, tc, draft, target, eos=set(), seed=0)
+    rows, _ = load_rows(gen_dir, _recipe())
+    batch = collate([{"ids": torch.tensor(r["ids"]), "P": r["P"], "tk_ids": torch.tensor(r["tk_ids"]),
+                      "tk_lp": torch.tensor(r["tk_lp"])} for r in rows[:3]])
+    tc = _recipe(method="draft_lm", data="onpolicy", draft_lm={"num_layers": 1}).train
+    method = get_method("draft_lm")
+    draft = method.build(tc, target, None, rows, None)
+    out = onpolicy_batch(batch, method, draft, target, eos=set(), seed=0)
     assert out["ids"].shape[0] == 3
     for b in range(3):
         P, n = int(out["P"][b]), int(out["valid"][b].sum())
@@ -139,32 +146,37 @@ def test_onpolicy_batch_scores_the_drafts_own_samples(target, gen_dir):
         assert n == int(batch["valid"][b].sum())  # as long as the original row
         assert out["has_t"][b, P:n].all() and not out["has_t"][b, :P].any()
         # the teacher is the target's distribution on the *sampled* sequence
-        (ti, _), = _teacher_topk(target, [out["ids"][b, :n].tolist()], [P], k=out["tk_ids"].shape[-1])
+        (ti, _), = teacher_topk(target, [out["ids"][b, :n].tolist()], [P], k=out["tk_ids"].shape[-1])
         assert out["tk_ids"][b, P:n].tolist() == ti
     # the continuation is the draft's, not the stored target completion (an untrained 1-layer draft
     # sampled at temperature 1 agrees with the target's greedy text on few tokens)
     same = sum(int((out["ids"][b] == batch["ids"][b]).all()) for b in range(3))
     assert same < 3
     # seeded: the same step gives the same batch (resume reproduces it)
-    again = _onpolicy_batch(batch, tc, draft, target, eos=set(), seed=0)
+    again = onpolicy_batch(batch, method, draft, target, eos=set(), seed=0)
     assert torch.equal(again["ids"], out["ids"])
 
 
 @pytest.mark.parametrize("data", ["onpolicy", "mix"])
 def test_onpolicy_training_runs_and_counts_its_steps(tmp_path, gen_dir, target, data):
+    """data=onpolicy samples every step; data=mix the steps s whose draw from Random(seed * 1_000_003 + s)
+    falls below onpolicy_fraction (seeded by step, so a resumed run draws the same)."""
     d = _copy_gen(gen_dir, tmp_path / "r")
-    train_dir = run_train(_recipe(method="draft_lm", num_layers=1, data=data, onpolicy_fraction=0.5), d, target=target)
+    recipe = _recipe(method="draft_lm", draft_lm={"num_layers": 1}, data=data, onpolicy_fraction=0.5)
+    train_dir = run_train(recipe, d, target=target)
     m = json.loads((train_dir / "manifest.json").read_text())
     assert m["data"] == data
     if data == "onpolicy":
         assert m["onpolicy_steps"] == 4
     else:
-        assert 0 <= m["onpolicy_steps"] <= 4
+        want = sum(random.Random(0 * 1_000_003 + s).random() < 0.5 for s in range(4))
+        assert want == 2  # seed 0 mixes: steps 1 and 3 on-policy, 0 and 2 generated
+        assert m["onpolicy_steps"] == want
 
 
 def test_raw_rows_are_one_hot_domain_text_without_heldout(real_tokenizer):
     recipe = _recipe(data="raw", seq_len=64)
-    rows = _raw_rows(recipe, real_tokenizer, 20)
+    rows = raw_rows(recipe, real_tokenizer, 20)
     assert len(rows) == 20
     for r in rows:
         assert r["P"] == 1 and len(r["ids"]) <= 64
@@ -173,7 +185,7 @@ def test_raw_rows_are_one_hot_domain_text_without_heldout(real_tokenizer):
     text = real_tokenizer.decode(rows[0]["ids"])
     assert text.strip()
     with pytest.raises(Exception, match="tokenizer"):
-        _raw_rows(recipe, None, 2)
+        raw_rows(recipe, None, 2)
 
 
 def test_raw_data_trains_eagle_on_raw_text(tmp_path, real_tokenizer):
@@ -226,8 +238,8 @@ def test_raw_windows_mix_adds_scored_raw_text_but_not_to_the_datastore(tmp_path,
                                        num_attention_heads=2, num_key_value_heads=1,
                                        vocab_size=len(real_tokenizer), tie_word_embeddings=True)).eval()
     gen = _make_generate(tmp_path, big, n_rows=4, clen=4)
-    recipe = _recipe(method=method, raw_windows=6, seq_len=48, steps=2, draft_vocab_size=512, medusa_heads=2,
-                     datastore=True)
+    section = {"medusa": {"heads": 2}} if method == "medusa" else {}
+    recipe = _recipe(method=method, raw_windows=6, seq_len=48, steps=2, draft_vocab_size=512, datastore=True, **section)
     train_dir = run_train(recipe, tmp_path, target=big, tokenizer=real_tokenizer)
     m = json.loads((train_dir / "manifest.json").read_text())
     assert m["n_sequences"] == 4 + 6 and m["steps"] == 2
@@ -237,9 +249,11 @@ def test_raw_windows_mix_adds_scored_raw_text_but_not_to_the_datastore(tmp_path,
 
 
 def test_raw_windows_is_not_for_the_raw_baseline():
-    with pytest.raises(Exception, match="raw_windows"):
+    from pipeline.config import RecipeError
+
+    with pytest.raises(RecipeError, match="raw_windows"):
         TrainConfig(data="raw", raw_windows=4)
-    with pytest.raises(Exception, match="raw_windows"):
+    with pytest.raises(RecipeError, match="raw_windows"):
         TrainConfig(raw_windows=-1)
 
 

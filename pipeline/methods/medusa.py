@@ -1,4 +1,4 @@
-"""Training of Medusa heads (`eval/medusa.py`) on the cached target features.
+"""Medusa heads (`eval/medusa.py`) trained on the cached target features.
 
 Medusa-1 (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
 Decoding Heads"): the target stays frozen, its features come from the feature cache (no target
@@ -15,14 +15,16 @@ tokens t + 1 .. t + 1 + i in between are the target's own greedy choices, which 
 So head i trains at t only where those tokens are the target's top-1 (ids == tk_ids[..., 0]): always
 true of greedy generated completions, and true of the raw-text mix (train.raw_windows) exactly where
 the text happens to follow the target. Elsewhere the teacher at t + 2 + i is conditioned on a token
-the target would not have produced, and training on it measurably did not help (docs/benchmarks.md).
+the target would not have produced, and training on it did not help (docs/reference/training.md).
 
-Recurrent heads (MedusaConfig.recurrent) are teacher-forced: head i reads the embeddings of tokens
+Recurrent heads (train.medusa.recurrent) are teacher-forced: head i reads the embeddings of tokens
 t + 1 .. t + 1 + i, which on those same positions are the target's greedy tokens, i.e. what head i
 reads at decode time whenever its draft can count (the drafts before it accepted).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -30,13 +32,28 @@ import torch.nn.functional as F
 
 from eval.medusa import MedusaHeads
 
-from .losses import divergence
+from ..losses import divergence
+from ..options import option, positive
+from .base import DraftMethod, draft_ids, frozen_embedding
+
+
+@dataclass
+class MedusaOptions:
+    heads: int = option(3, "Heads, i.e. further positions predicted from one feature (the largest K "
+                           "served; docs/reference/training.md).")
+    recurrent: bool = option(True, "Each head also reads the previous head's state and the token before the "
+                                   "one it predicts (ReDrafter / Hydra-style recurrent heads, eval/medusa.py); "
+                                   "false: Medusa-1's independent heads.")
+
+    def __post_init__(self):
+        positive("train.medusa.heads", self.heads)
+
 
 HEAD_DECAY = 0.8  # Medusa's lambda_i = 0.8 ** i
 
 
 class MedusaTrainer(nn.Module):
-    """forward(batch) -> (loss, metrics). batch as `pipeline.train._collate` makes it, with "feat".
+    """forward(batch) -> (loss, metrics). batch as `pipeline.train_data.collate` makes it, with "feat".
 
     loss = sum_i 0.8^i div_i / sum_i 0.8^i over the heads with a target in the window; div_i is the
     masked mean divergence of head i over the positions whose token at t + 2 + i has a teacher.
@@ -100,3 +117,26 @@ class MedusaTrainer(nn.Module):
             loss = total / wsum
         metrics["div"] = float(loss.detach())
         return loss, metrics
+
+
+class Medusa(DraftMethod):
+    name = "medusa"
+    config = MedusaOptions
+    needs_features = True
+
+    def build(self, tc, target, tokenizer, rows, resume):
+        ids = draft_ids(tc, target, rows)
+        embed = frozen_embedding(target) if tc.medusa.recurrent else None
+        heads = MedusaHeads.from_target(target, tc.medusa.heads, ids, recurrent=tc.medusa.recurrent).float()
+        if resume is not None:
+            heads.load_state_dict(MedusaHeads.load(resume).state_dict())
+        return MedusaTrainer(heads, tc, embed)
+
+    def trainable_parameters(self, module):
+        return list(module.heads.parameters())
+
+    def vocab_size(self, module, target):
+        return len(module.heads.d2t)
+
+    def save(self, module, directory, extra, step):
+        module.heads.save(directory, extra={**extra, "step": step})

@@ -1,0 +1,132 @@
+"""The target's side of training data, computed once and cached on disk: its final-norm features
+for the feature-reading heads (eagle, medusa), and raw domain text scored by it (train.raw_windows).
+
+Both caches are one safetensors file whose metadata holds a key of their inputs; a file with another
+key is computed again, and files are written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import stable_hash
+
+FEATURES_FILE = "features.safetensors"
+RAW_TEACHER_FILE = "raw-teacher.safetensors"
+
+
+def features_key(recipe, gen_manifest: dict) -> str:
+    """What the cached features depend on: the target, dtype, seq_len, data mode and shard checksums."""
+    shards = {k: v.get("sha256") for k, v in gen_manifest.get("shards", {}).items()}
+    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "shards": shards,
+         "data": recipe.train.data}
+    return stable_hash(d)
+
+
+def padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
+    """Length-sorted (little padding) right-padded batches of token-id lists, with a progress bar:
+    yields (indices into seqs, ids [b, L], attention mask [b, L])."""
+    from tqdm.auto import tqdm
+
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    for s in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
+        idx = order[s:s + batch_size]
+        L = max(len(seqs[i]) for i in idx)
+        ids = torch.zeros(len(idx), L, dtype=torch.long)
+        am = torch.zeros(len(idx), L, dtype=torch.long)
+        for b, i in enumerate(idx):
+            ids[b, :len(seqs[i])], am[b, :len(seqs[i])] = torch.tensor(seqs[i]), 1
+        yield idx, ids, am
+
+
+@torch.no_grad()
+def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, device=None) -> list[torch.Tensor]:
+    """EAGLE Step 2: one teacher-forced target forward per sequence -> final-norm hidden states
+    (`target.model(...).last_hidden_state`), stored in the target's dtype (bf16 by default) in one
+    safetensors file with per-row offsets. Reused when the key (target, dtype, seq_len, shard checksums)
+    matches; written to a temporary file and renamed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists():
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("key") == key:
+                flat, offs = f.get_tensor("features"), f.get_tensor("offsets").tolist()
+                return [flat[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
+    device = device or next(target.parameters()).device
+    feats: list = [None] * len(rows)
+    for idx, ids, am in padded_batches([r["ids"] for r in rows], batch_size, "target features"):
+        h = target.model(input_ids=ids.to(device), attention_mask=am.to(device)).last_hidden_state
+        for b, i in enumerate(idx):
+            feats[i] = h[b, :len(rows[i]["ids"])].cpu()
+    lens = [len(f) for f in feats]
+    offs = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.long)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".features-", suffix=".safetensors")
+    os.close(fd)
+    save_file({"features": torch.cat(feats).contiguous(), "offsets": offs}, tmp, metadata={"key": key})
+    os.replace(tmp, path)
+    return feats
+
+
+def raw_teacher_key(recipe) -> str:
+    """What the scored raw windows depend on: the target, dtype, seq_len, seed, text source, n and top-k."""
+    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "seed": recipe.seed,
+         "source": recipe.data.source, "heldout": recipe.data.heldout, "n": recipe.train.raw_windows,
+         "k": recipe.generate.top_k_logprobs}
+    return stable_hash(d)
+
+
+@torch.no_grad()
+def score_raw_windows(target, windows, k: int, path: Path, key: str, batch_size: int = 8):
+    """Data mix (train.raw_windows): windows of the domain's raw text scored by the target in one
+    teacher-forced forward each, which yields both the teacher (the target's top-k log-probs for every
+    token after the first, as generate stores them for completions) and the target's final-norm
+    features (what eagle and medusa train on). Medusa-1 trains its heads on such teacher-forced data;
+    it costs one batched forward per window where generation costs one forward per token.
+
+    Returns (rows in `train_data.load_rows`' format with P=1 and tensor teachers, features [n, H] per row).
+    Cached in one safetensors file keyed by (target, dtype, seq_len, seed, source, n, k); written to a
+    temporary file and renamed, so an interrupted run scores again rather than reading half a file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    t = None
+    if path.exists():
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("key") == key:
+                t = {n: f.get_tensor(n) for n in f.keys()}
+    if t is None:
+        windows = windows() if callable(windows) else windows  # tokenizing the raw text: only when not cached
+        device = next(target.parameters()).device
+        feats, tk_ids, tk_lp = [None] * len(windows), [None] * len(windows), [None] * len(windows)
+        for idx, ids, am in padded_batches(windows, batch_size, "score raw text"):
+            h = target.model(input_ids=ids.to(device), attention_mask=am.to(device)).last_hidden_state  # [B, L, H]
+            lp, ix = torch.log_softmax(target.lm_head(h[:, :-1]).float(), -1).topk(k, -1)  # [B, L-1, k] x2
+            for b, i in enumerate(idx):
+                n = len(windows[i])
+                feats[i], tk_ids[i], tk_lp[i] = h[b, :n].cpu(), ix[b, :n - 1].cpu().int(), lp[b, :n - 1].cpu()
+        lens = torch.tensor([len(w) for w in windows])
+        t = {"ids": torch.tensor([x for w in windows for x in w], dtype=torch.int32), "lens": lens,
+             "features": torch.cat(feats).contiguous(), "tk_ids": torch.cat(tk_ids).contiguous(),
+             "tk_lp": torch.cat(tk_lp).contiguous()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".raw-teacher-", suffix=".safetensors")
+        os.close(fd)
+        save_file(t, tmp, metadata={"key": key})
+        os.replace(tmp, path)
+    rows, feats = [], []
+    o = ot = 0
+    for n in t["lens"].tolist():
+        rows.append({"ids": t["ids"][o:o + n].tolist(), "P": 1, "tk_ids": t["tk_ids"][ot:ot + n - 1].long(),
+                     "tk_lp": t["tk_lp"][ot:ot + n - 1]})
+        feats.append(t["features"][o:o + n])
+        o, ot = o + n, ot + n - 1
+    return rows, feats

@@ -1,0 +1,87 @@
+"""What every draft method implements for the train loop (pipeline/train.py), and the pieces that
+several methods share. Method modules import this, never each other."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+class DraftMethod:
+    """One draft method. The loop owns the optimizer, schedule, data order and checkpoints; it asks
+    the method what data it needs, for the trainable module, its parameters, its loss on a batch,
+    how to save it as a draft directory (eval/draft_dir.py) and, for token-level drafts, how to
+    sample continuations (data=onpolicy/mix)."""
+
+    name: str = ""
+    config: type | None = None  # the dataclass of its recipe section, train.<name>; None: no keys
+    needs_features: bool = False  # trains on the target's cached features, not on target forwards
+    token_level: bool = False  # a draft LM that samples its own continuations (data=onpolicy/mix)
+    trains: bool = True  # False: nothing to train, the checkpoint only names the kind
+
+    def build(self, tc, target, tokenizer, rows: list[dict], resume: Path | None) -> nn.Module:
+        """The trainable module, forward(batch) -> (loss, metrics); fresh, or with the weights of
+        the checkpoint `resume`. `tc` is the recipe's train section, `rows` the training rows."""
+        raise NotImplementedError
+
+    def trainable_parameters(self, module: nn.Module) -> list[nn.Parameter]:
+        """What the optimizer updates (never a target weight)."""
+        raise NotImplementedError
+
+    def loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics) on a collated batch (pipeline.train_data.collate): the module's forward,
+        so that an accelerate-wrapped module syncs its gradients."""
+        return module(batch)
+
+    def vocab_size(self, module: nn.Module, target) -> int:
+        """Rows of the draft's vocabulary (the train manifest's draft_vocab_size)."""
+        raise NotImplementedError
+
+    def save(self, module: nn.Module | None, directory: Path, extra: dict, step: int) -> None:
+        """Write the draft directory: the weights and the metadata {"kind": name, **extra, "step": step}."""
+        raise NotImplementedError
+
+    def sample(self, module: nn.Module, target, prompts: list[list[int]], firsts: list[int], n: int,
+               seed: int) -> list[list[int]]:
+        """Token-level methods: `n` tokens sampled at temperature 1 (seeded by `seed`) after each
+        prompt + its first completion token."""
+        raise NotImplementedError(f"{self.name} drafts cannot sample their own continuations")
+
+
+def draft_vocab(rows, V: int, size: int) -> torch.Tensor:
+    """EAGLE Step 1 (truncated vocabulary, as in EAGLE-3): the `size` most frequent target ids over the
+    generated prompts + completions, ties broken by id; returned sorted (d2t). size 0 or >= V: all ids."""
+    if size <= 0 or size >= V:
+        return torch.arange(V)
+    counts = np.zeros(V, dtype=np.int64)
+    for r in rows:
+        np.add.at(counts, np.asarray(r["ids"], dtype=np.int64), 1)
+    order = sorted(range(V), key=lambda i: (-int(counts[i]), i))[:size]
+    return torch.tensor(sorted(order))
+
+
+def draft_ids(tc, target, rows) -> torch.Tensor | None:
+    """The truncated draft vocabulary of train.draft_vocab_size (d2t), or None for the full one."""
+    V = target.config.vocab_size
+    d2t = draft_vocab(rows, V, tc.draft_vocab_size)
+    return None if len(d2t) == V else d2t
+
+
+def frozen_embedding(target) -> nn.Embedding:
+    """A frozen copy of the target's token embedding, for heads that read tokens (EAGLE, recurrent Medusa)."""
+    return nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
+
+
+@contextmanager
+def evaluating(module: nn.Module):
+    """The module in eval mode for the block (sampling), then back in the mode it had."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)
