@@ -196,9 +196,9 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
     """The tree's node budget (`max_nodes`) that this machine serves fastest, for each tree proposer.
 
     What a node costs depends on the machine (docs/reference/trees.md): Sequoia (Chen et al., 2024)
-    sizes its trees from the hardware's measured forward times for the same reason. Each budget is replayed (greedy acceptance is exact, so no
-    timing noise enters τ) and costed with verify times measured here and the proposer's own time
-    measured in the replay; the best estimated speedup wins.
+    sizes its trees from the hardware's measured forward times for the same reason. Each budget is
+    replayed (greedy acceptance is exact, so no timing noise enters τ) and costed with verify times
+    measured here and the proposer's own time measured in the replay; the best estimated speedup wins.
 
     proposers: {name: a zero-argument function building a fresh proposer with `max_nodes`}; costs:
     rows -> verify ms (measured here when None) ->
