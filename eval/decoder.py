@@ -212,6 +212,7 @@ class SpeculativeDecoder:
             s.synced = True
 
     def _choose_k(self, s: "_Batch", ctl: "KController | None") -> int:
+        """This round's K: 0 (a plain step) without a proposer, k="auto"'s choice, or the fixed k."""
         if self.proposer is None:
             return 0
         if ctl is None:
