@@ -43,8 +43,7 @@ from .speedup import best_k, expected_speedup
 from .target import cpu_gemv, greedy_argmax, make_runner
 from .tree import Tree
 
-# Part of the key of every cached measurement (pipeline.evaluate, pipeline.compare): bump it when speed
-# or acceptance would change, so a rerun measures again. The revisions are listed in CHANGELOG.md.
+# Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "fused-3"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to measure what speculation must beat
