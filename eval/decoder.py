@@ -5,7 +5,9 @@ The hot loop is ours by design, not HF `generate(assistant_model=...)`: we need 
 acceptance statistics, each row of a batch accepting its own number of drafts per round, a
 position-indexed KV cache (rejected drafts are overwritten, never cropped), EAGLE heads that read
 the target's features, and timings split into draft and verify. It is written to be read top to
-bottom: `stream` is the loop, `verify_greedy` / `verify_sample` the accept rules, `_Stats` the counters.
+bottom: `stream` is the loop (prefill, then a chain or tree round and its update, per round),
+`verify_greedy` / `verify_sample` the accept rules, `KController` the k="auto" choice, `_Stats` the
+counters.
 
 Host syncs: one per round (`.tolist()` of the accept decision, the drafts and the bonus token),
 plus whatever a proposer needs (the n-gram proposer lives on the host; the draft LM reads one int).
@@ -22,6 +24,9 @@ Statistics (GenerationResult.stats), counted over active rows only:
   predicted_speedup (1 - a^(K+1)) / ((1 - a)(K c + 1)) with a = alpha_hat, K = mean K; with token
                    trees (tree_rounds > 0: K is the tree's depth, a the acceptance per depth) an
                    upper bound, since a verify of many nodes costs more than one plain step
+  k_choices        k="auto": the K chosen for each round (0: a plain step); spec_off_fraction the
+                   share of zeros, expected_speedup the last estimate behind the on/off decision
+  row_invariant    every verify forward rounded each row like a one-token step (eval/kernels.py)
 """
 
 from __future__ import annotations
@@ -38,31 +43,12 @@ from .speedup import best_k, expected_speedup
 from .target import cpu_gemv, greedy_argmax, make_runner
 from .tree import Tree
 
-K_MAX_AUTO = 8
-# How this decoder serves proposers and runs the target, part of the key of every cached measurement
-# (pipeline.evaluate's per-checkpoint results, pipeline.compare's decode rows): bump it when speed or
-# acceptance would change, so a rerun measures again instead of reading results of the old decoder.
-# "tree-1": hybrids verify token trees (eval/tree.py). "lean-cpu-2": the CPU GEMV/packed-weight
-# forward and fp32 attention (eval/target.py), hybrid trees of at most 8 nodes. "datastore-1": a hybrid
-# whose draft directory holds a datastore (eval/datastore.py) adds its continuations to the tree.
-# "kernels-1": on CPUs with avx512_bf16, the row-invariant matmul and attention kernels
-# (eval/kernels.py): cheaper verifies, and bf16 speculative output equal to plain output.
-# "medusa-tree-1": a hybrid over Medusa heads adds the heads' runner-up paths to its tree
-# (HybridProposer.alt_branches), and 13-16-row verifies run the kernel in two passes.
-# "kernels-2": the matmul kernel prefetches its weights, the attention kernel's head width is a
-# compile-time constant, Medusa heads draft through packed copies, and a tree round's K/V move is two
-# ops: faster rounds, same tokens; hybrid trees of up to 10 nodes with 3 runner-up paths.
-# "suffix-1": a hybrid round whose suffix recurs >= 3 tokens is lookups alone, without the draft
-# (HybridProposer.strong_match).
-# "fused-1": the lean forward's residual adds, RMSNorms, RoPE and SiLU * up are CPU kernels
-# (LeanLlama._forward_fused): faster steps; bf16 numbers differ from the ATen ops' in rare last bits.
-# "fused-2": attention straight from the projections (one kernel call writes k/v and attends), the argmax
-# and the tree's accept rule without ATen's small ops, RoPE vectorised, Medusa heads drafting through int8
-# copies: faster steps and rounds, the same output tokens. "fused-3": and each layer of a forward of <= 16
-# rows as one kernel call (ext.layer).
+# Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "fused-3"
-PROBE_EVERY = 16  # with k="auto" and speculation off: one speculative round every this many
-WARMUP_PLAIN = 3  # with k="auto": plain steps first (the first one untimed), to measure what speculation must beat
+K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
+WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to measure what speculation must beat
+K_WARMUP = 4  # k="auto": the K of the rounds that first measure alpha and c
+PROBE_EVERY = 16  # k="auto" with speculation off: one speculative round every this many
 
 
 @dataclass
@@ -142,152 +128,153 @@ class SpeculativeDecoder:
     def stream(self, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0):
         """Yields, once per round, a list (per prompt) of the newly verified tokens."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        s = self._setup(prompts, max_new_tokens, Sampling(temperature, top_k, top_p, gen), eos_token_id)
+        prop = self.proposer
+        ctl = KController(K_MAX_AUTO, WARMUP_PLAIN, K_WARMUP, PROBE_EVERY) \
+            if self.k == "auto" and prop is not None else None
+
+        first, feats = self._prefill(s)  # [B] host ints, [B, T, H]
+        yield s.emit([[t] for t in first])
+        self._begin(s, feats)
+
+        while not all(s.done):
+            k = self._choose_k(s, ctl)  # 0: a plain step
+            if k > 0 and not s.synced:  # back on after plain rounds
+                self._resync(s, ctl)
+            active = [not d for d in s.done]
+            t_round = time.perf_counter()  # this round's wall time (resyncs excluded) for k="auto"
+            if k > 0 and s.sampling.greedy and self.tree and prop.trees:
+                r = self._tree_round(s, k)
+            else:
+                r = self._chain_round(s, k)
+            new = self._record(s, r, active)
+            if ctl is not None:
+                ctl.observe(r.k, sum(len(t) for t in new), time.perf_counter() - t_round)
+            yield s.emit(new)
+            self._update(s, r, ctl, plain=k == 0)
+
+        self.last_stats = self._finish(s, ctl)
+
+    # ------------------------------------------------------------------ the steps of stream()
+    def _setup(self, prompts, max_new_tokens, sampling, eos_token_id) -> "_Batch":
+        """Size the position-indexed KV cache for the longest row and reset it; start the stats."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        dev, B = self.device, len(prompts)
         eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) \
             else set(eos_token_id)
-        gen = torch.Generator(device=dev).manual_seed(seed)
-        sampling = Sampling(temperature, top_k, top_p, gen)
         k_cap = K_MAX_AUTO if self.k == "auto" else self.k
         # A proposer may propose longer runs than k (a hybrid's free n-gram lookups): size for them.
         k_cap = max(k_cap, self.proposer.max_k if self.proposer else 0)
-        L = [len(p) for p in prompts]
         # a tree round writes one cache slot per node past the current token
         ahead = max(k_cap, self.proposer.max_nodes if self.tree and self.proposer else 0)
-        max_len = max(L) + max_new_tokens + ahead + 2
+        max_len = max(len(p) for p in prompts) + max_new_tokens + ahead + 2
         st = _Stats(k_cap)
         st.t0 = time.perf_counter()
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        self.runner.reset(B, max_len)
-        s_full = max_len if self.static else None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.reset(len(prompts), max_len)
+        return _Batch(prompts, sampling, eos, max_new_tokens, max_len, max_len if self.static else None, st)
 
-        # ---- prefill: prompts right-padded, each row at positions 0..L_b-1
+    def _prefill(self, s: "_Batch"):
+        """The prompts in one target forward, right-padded (row b at positions 0..L_b-1), and the first
+        token of each row -> (first tokens as host ints, the prompts' features [B, T, H])."""
+        dev, B, L = self.device, len(s.prompts), [len(p) for p in s.prompts]
         T = max(L)
         toks = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):
+        for b, p in enumerate(s.prompts):
             toks[b, : len(p)] = torch.tensor(p, device=dev)
         pos = torch.arange(T, device=dev).expand(B, T)  # [B, T]
         L_t = torch.tensor(L, device=dev)  # [B]
         t = time.perf_counter()
         logits, feats = self.runner(toks, pos, T, logit_idx=L_t - 1)  # [B, 1, V], [B, T, H]
+        sampling = s.sampling
         cur = greedy_argmax(logits[:, 0]) if sampling.greedy else sampling.sample(sampling.probs(logits[:, 0]))
         first = cur.tolist()  # host sync: the first token
-        st.prefill_s = time.perf_counter() - t
-        st.target_forwards += 1
-        n = L_t.clone()  # [B] position of the current (emitted, not yet verified) token
-        n_host = list(L)
-        out = [[] for _ in prompts]
-        done = [False] * B
-        yield self._emit(out, done, [[t] for t in first], eos, max_new_tokens)
+        s.stats.prefill_s = time.perf_counter() - t
+        s.stats.target_forwards += 1
+        s.cur, s.n, s.n_host = cur, L_t.clone(), list(L)  # the first token is the current one, at L_b
+        return first, feats
 
+    def _begin(self, s: "_Batch", feats: torch.Tensor):
+        """Prefill the proposer. With k="auto" a feature-reading proposer keeps the target's features by
+        position, to resync after plain rounds."""
         prop = self.proposer
-        keep_feats = prop is not None and prop.uses_features and self.k == "auto"
-        if keep_feats:  # features by position, to resync an EAGLE head after plain rounds
-            featbuf = torch.zeros(B, max_len, feats.shape[-1], dtype=feats.dtype, device=dev)
-            featbuf[:, :T] = feats
-        synced = False
-        self._plain = False
+        if prop is not None and prop.uses_features and self.k == "auto":
+            s.featbuf = torch.zeros(len(s.prompts), s.max_len, feats.shape[-1], dtype=feats.dtype,
+                                    device=self.device)  # [B, max_len, H]
+            s.featbuf[:, : feats.shape[1]] = feats
         if prop is not None:
             t = time.perf_counter()
-            prop.begin(prompts, cur, max_len, sampling, feats if prop.uses_features else None)
-            st.draft_prefill_s += time.perf_counter() - t
-            synced = True
+            prop.begin(s.prompts, s.cur, s.max_len, s.sampling, feats if prop.uses_features else None)
+            s.stats.draft_prefill_s += time.perf_counter() - t
+            s.synced = True
 
-        # ---- rounds
-        while not all(done):
-            k = self._choose_k(st) if prop is not None else 0
-            if k > 0 and not synced:  # back on after plain rounds: re-prefill the proposer
-                t = time.perf_counter()
-                hist = [(p + o)[:m] for p, o, m in zip(prompts, out, n_host)]  # tokens before each row's current one
-                prop.begin(hist, cur, max_len, sampling, featbuf[:, : max(n_host)] if keep_feats else None)
-                dt = time.perf_counter() - t
-                st.draft_prefill_s += dt
-                # k="auto" charges the resync to speculation: turning it back on costs this much, which
-                # is what kept it on at batch 16 when only the rounds were counted (docs/benchmarks.md).
-                st.spec_wall += dt
-                synced = True
-            active = [not d for d in done]
-            t_round = time.perf_counter()  # this round's wall time (resyncs excluded) for k="auto"
+    def _choose_k(self, s: "_Batch", ctl: "KController | None") -> int:
+        """This round's K: 0 (a plain step) without a proposer, k="auto"'s choice, or the fixed k."""
+        if self.proposer is None:
+            return 0
+        if ctl is None:
+            return self.k
+        return ctl.choose(s.stats.alpha_hat, s.stats.c, measured=s.stats.reached > 0)
 
-            if k > 0 and sampling.greedy and self.tree and prop.trees:
-                # a tree round: several candidates in one forward, then back to the chain layout
-                inp, pos, feats, n_acc, bonus, host, k = self._tree_round(prop, k, cur, n, n_host, st)
-            else:
-                # propose
-                if k > 0:
-                    t = time.perf_counter()
-                    with cpu_gemv(B, dev):  # the heads' matmuls have B rows: the native GEMV at batch 1-2 on CPU
-                        drafts, q = prop.propose(k)  # [B, k'], [B, k', V] | None  (k' <= k)
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    st.draft_s += time.perf_counter() - t
-                    st.draft_steps += max(drafts.shape[1] - 1, 0)
-                else:
-                    drafts, q = torch.empty(B, 0, dtype=torch.long, device=dev), None
-                k = drafts.shape[1]
-
-                # verify: [cur, d1..dk] at positions n..n+k in one target forward
-                t = time.perf_counter()
-                inp = torch.cat([cur[:, None], drafts], 1)  # [B, k+1]
-                pos = n[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
-                logits, feats = self._fwd(inp, pos, s_full or max(n_host) + k + 1)  # [B, k+1, V], [B, k+1, H]
-                st.max_verify = max(st.max_verify, k + 1)
-                if sampling.greedy:
-                    n_acc, bonus = verify_greedy(logits, drafts)
-                else:
-                    n_acc, bonus = verify_sample(sampling.probs(logits), q, drafts, sampling)
-                host = torch.cat([n_acc[:, None], bonus[:, None], drafts], 1).tolist()  # host sync: the accept decision
-                st.verify_s += time.perf_counter() - t
-            st.target_forwards += 1
-            if keep_feats:
-                featbuf.scatter_(1, pos[..., None].expand(-1, -1, feats.shape[-1]), feats)
-
-            new = [h[2:2 + h[0]] + [h[1]] for h in host]
-            st.round(k, [h[0] for h in host], active, time.perf_counter() - t_round)
-            yield self._emit(out, done, [nw if a else [] for nw, a in zip(new, active)], eos, max_new_tokens)
-
-            # update: finished rows (including those that just finished) freeze with n_acc = -1
-            a_eff = [h[0] if not d else -1 for h, d in zip(host, done)]
-            a_t = torch.tensor(a_eff, device=dev)
-            bonus = torch.where(a_t >= 0, bonus, cur)
-            if prop is not None and self._plain:
-                synced = False  # k="auto" switched drafting off: the proposer resyncs before drafting
-            elif prop is not None:
-                t = time.perf_counter()
-                prop.accept(inp, n, a_t, bonus, feats if prop.uses_features else None)
-                dt = time.perf_counter() - t
-                st.draft_s += dt
-                st.draft_steps += 1
-                st.spec_wall += dt
-            n = n + a_t + 1
-            n_host = [x + a + 1 for x, a in zip(n_host, a_eff)]
-            cur = bonus
-
-        # Every verify forward of this call rounded each row like a one-token step (eval/kernels.py):
-        # greedy output must then equal plain decoding's bit for bit, in bf16 too.
-        row_invariant = bool(getattr(self.runner, "row_invariant", False)) and st.max_verify <= MAX_ROWS
-        self.last_stats = st.finish(out, self.k, self.device) | {"row_invariant": row_invariant}
-
-    # ------------------------------------------------------------------ helpers
-    def _tree_round(self, prop, k, cur, n, n_host, st):
-        """Propose a token tree, verify all its nodes in one forward, move the accepted path's K/V to
-        consecutive slots, and return the round in the chain layout the rest of the loop uses:
-        inp [B, D+1] (current token + the accepted path, padded by repeating its last node), pos,
-        feats [B, D+1, H], n_acc [B], bonus [B], host rows [n_acc, bonus, path tokens...], and the
-        tree's depth (its longest candidate: the round's K in the statistics)."""
-        dev = cur.device
+    def _resync(self, s: "_Batch", ctl: "KController | None"):
+        """Re-prefill the proposer on every row's tokens before its current one (it missed the plain rounds)."""
         t = time.perf_counter()
-        with cpu_gemv(cur.shape[0], dev):
-            tree = Tree.from_lists(prop.propose_tree(k), dev)
+        hist = [(p + o)[:m] for p, o, m in zip(s.prompts, s.out, s.n_host)]
+        feats = s.featbuf[:, : max(s.n_host)] if s.featbuf is not None else None
+        self.proposer.begin(hist, s.cur, s.max_len, s.sampling, feats)
+        dt = time.perf_counter() - t
+        s.stats.draft_prefill_s += dt
+        if ctl is not None:
+            ctl.charge(dt)  # turning speculation back on costs this much
+        s.synced = True
+
+    def _chain_round(self, s: "_Batch", k: int) -> "_Round":
+        """Propose k drafts (none: a plain step) and verify [cur, d1..dk] at positions n..n+k in one
+        target forward."""
+        B, dev, st = len(s.prompts), self.device, s.stats
+        if k > 0:
+            t = time.perf_counter()
+            with cpu_gemv(B, dev):  # the heads' matmuls have B rows: the native GEMV at batch 1-2 on CPU
+                drafts, q = self.proposer.propose(k)  # [B, k'], [B, k', V] | None  (k' <= k)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            st.draft_s += time.perf_counter() - t
+            st.draft_steps += max(drafts.shape[1] - 1, 0)
+        else:
+            drafts, q = torch.empty(B, 0, dtype=torch.long, device=dev), None
+        k = drafts.shape[1]
+
+        t = time.perf_counter()
+        inp = torch.cat([s.cur[:, None], drafts], 1)  # [B, k+1]
+        pos = s.n[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
+        logits, feats = self._fwd(inp, pos, s.s_full or max(s.n_host) + k + 1)  # [B, k+1, V], [B, k+1, H]
+        st.max_verify = max(st.max_verify, k + 1)
+        if s.sampling.greedy:
+            n_acc, bonus = verify_greedy(logits, drafts)
+        else:
+            n_acc, bonus = verify_sample(s.sampling.probs(logits), q, drafts, s.sampling)
+        host = torch.cat([n_acc[:, None], bonus[:, None], drafts], 1).tolist()  # host sync: the accept decision
+        st.verify_s += time.perf_counter() - t
+        return _Round(k, inp, pos, feats, n_acc, bonus, host)
+
+    def _tree_round(self, s: "_Batch", k: int) -> "_Round":
+        """Propose a token tree, verify all its nodes in one forward, move the accepted path's K/V to
+        consecutive slots, and return the round in the chain layout: the current token + the accepted
+        path, padded by repeating its last node; K is the tree's depth (its longest candidate)."""
+        dev, st, n = self.device, s.stats, s.n
+        t = time.perf_counter()
+        with cpu_gemv(len(s.prompts), dev):
+            tree = Tree.from_lists(self.proposer.propose_tree(k), dev)
         st.tree_rounds += 1
         st.draft_s += time.perf_counter() - t
         st.draft_steps += max(tree.max_depth - 1, 0)
+
         t = time.perf_counter()
         N1 = tree.depth.shape[1]
-        inp = torch.cat([cur[:, None], tree.tokens], 1)  # [B, N+1]
-        s_len = max(n_host) + N1
+        inp = torch.cat([s.cur[:, None], tree.tokens], 1)  # [B, N+1]
+        s_len = max(s.n_host) + N1
         slots = n[:, None] + torch.arange(N1, device=dev)  # [B, N+1]: one cache slot per node
         logits, feats = self.runner(inp, n[:, None] + tree.depth, s_len, slots=slots,
                                     mask=tree.mask(n, s_len))  # [B, N+1, V], [B, N+1, H]
@@ -305,91 +292,182 @@ class SpeculativeDecoder:
         host = [[a, bn] + row[1:] for (_, a, bn), row in zip(dec, inp.tolist())]
         pos = n[:, None] + torch.arange(D + 1, device=dev)  # [B, D+1]
         n_acc, bonus = torch.tensor([[a, bn] for _, a, bn in dec], device=dev).unbind(1)  # [B] each
-        return inp, pos, feats, n_acc, bonus, host, tree.max_depth
+        return _Round(tree.max_depth, inp, pos, feats, n_acc, bonus, host)
 
-    _plain = False  # set by _choose_k: this round is a plain (speculation off) round
+    def _record(self, s: "_Batch", r: "_Round", active: list[bool]) -> list[list[int]]:
+        """Count the round -> each active row's new tokens (its accepted drafts and the bonus token)."""
+        s.stats.target_forwards += 1
+        if s.featbuf is not None:
+            s.featbuf.scatter_(1, r.pos[..., None].expand(-1, -1, r.feats.shape[-1]), r.feats)
+        s.stats.round(r.k, [h[0] for h in r.host], active)
+        return [h[2:2 + h[0]] + [h[1]] if a else [] for h, a in zip(r.host, active)]
 
-    def _choose_k(self, st: "_Stats") -> int:
-        """k="auto": warm up with WARMUP_PLAIN plain steps (their cost is what speculation must beat)
-        and two rounds at K=4 (alpha, c and the verify cost), then pick the K with the best expected
-        speedup; below 1, rounds go plain with a speculative probe every PROBE_EVERY rounds."""
-        if self.k != "auto":
-            return self.k
-        self._plain = False
-        if st.rounds < WARMUP_PLAIN:
-            self._plain = True
-            st.k_choices.append(0)
-            return 0
-        if st.spec_rounds < 2 or st.reached == 0:
-            K = 4  # warm-up: measure alpha and c first
-        else:
-            K, v = best_k(st.alpha_hat, st.c, K_MAX_AUTO)
-            # best_k assumes a verify forward of K+1 tokens costs a plain step, and nothing else costs
-            # anything. That holds roughly at batch 1 on CPU, not at larger batches, where the
-            # forward stops being memory-bound and the per-round overheads add up. So the on/off
-            # decision uses measured throughput: tokens per second of speculative rounds against
-            # plain rounds (the warm-up's, and every plain round since). This is what turns
-            # speculation off as the batch grows.
-            if st.plain_wall > 0 and st.spec_wall > 0:
-                v = (st.spec_toks / st.spec_wall) / (st.plain_toks / st.plain_wall)
-            st.expected_speedup = v
-            if v < 1.0:  # speculation does not pay: plain rounds, probing back periodically
-                st.off_rounds += 1
-                if st.off_rounds % PROBE_EVERY:
-                    self._plain = True
-                    st.k_choices.append(0)
-                    return 0
-        st.k_choices.append(K)
-        return K
+    def _update(self, s: "_Batch", r: "_Round", ctl: "KController | None", plain: bool):
+        """Move every row past its accepted drafts: the bonus token becomes the current one, and the
+        proposer learns what was verified. Finished rows (including those that just finished) freeze
+        with n_acc = -1. After a plain round the proposer is left behind, to resync before it drafts."""
+        a_eff = [h[0] if not d else -1 for h, d in zip(r.host, s.done)]
+        a_t = torch.tensor(a_eff, device=self.device)  # [B]
+        bonus = torch.where(a_t >= 0, r.bonus, s.cur)  # [B]
+        prop = self.proposer
+        if prop is not None and plain:
+            s.synced = False
+        elif prop is not None:
+            t = time.perf_counter()
+            prop.accept(r.inp, s.n, a_t, bonus, r.feats if prop.uses_features else None)
+            dt = time.perf_counter() - t
+            s.stats.draft_s += dt
+            s.stats.draft_steps += 1
+            if ctl is not None:
+                ctl.charge(dt)
+        s.n = s.n + a_t + 1
+        s.n_host = [x + a + 1 for x, a in zip(s.n_host, a_eff)]
+        s.cur = bonus
 
-    @staticmethod
-    def _emit(out, done, new, eos, max_new):
+    def _finish(self, s: "_Batch", ctl: "KController | None") -> dict:
+        # Every verify forward of this call rounded each row like a one-token step (eval/kernels.py):
+        # greedy output must then equal plain decoding's bit for bit, in bf16 too.
+        row_invariant = bool(getattr(self.runner, "row_invariant", False)) and s.stats.max_verify <= MAX_ROWS
+        choices, expected = (ctl.choices, ctl.expected_speedup) if ctl is not None else ([], None)
+        return s.stats.finish(s.out, self.k, self.device, choices, expected) | {"row_invariant": row_invariant}
+
+
+@dataclass
+class _Batch:
+    """One stream() call's state: the rows' current tokens and outputs, and the proposer's sync."""
+    prompts: list[list[int]]
+    sampling: Sampling
+    eos: set
+    max_new: int
+    max_len: int  # KV cache slots per row: the longest prompt + max_new + the most a round writes ahead
+    s_full: int | None  # the compiled step's attended length (the whole cache), None: each round's own
+    stats: "_Stats"
+    cur: torch.Tensor | None = None  # [B] the current token (emitted, not yet verified)
+    n: torch.Tensor | None = None  # [B] its position
+    n_host: list[int] = field(default_factory=list)  # the same positions, on the host
+    out: list[list[int]] = field(default_factory=list)  # new tokens per row
+    done: list[bool] = field(default_factory=list)
+    featbuf: torch.Tensor | None = None  # [B, max_len, H] target features by position (k="auto" resyncs)
+    synced: bool = False  # the proposer has seen every verified token
+
+    def __post_init__(self):
+        self.out = [[] for _ in self.prompts]
+        self.done = [False] * len(self.prompts)
+
+    def emit(self, new: list[list[int]]) -> list[list[int]]:
         """Append each row's new tokens, cut at EOS (kept) and at max_new; returns what was kept."""
         kept = []
         for b, toks in enumerate(new):
-            if done[b]:
+            if self.done[b]:
                 kept.append([])
                 continue
-            toks = toks[: max_new - len(out[b])]
+            toks = toks[: self.max_new - len(self.out[b])]
             for i, t in enumerate(toks):
-                if t in eos:
+                if t in self.eos:
                     toks = toks[: i + 1]
                     break
-            out[b].extend(toks)
-            done[b] = len(out[b]) >= max_new or (bool(toks) and toks[-1] in eos)
+            self.out[b].extend(toks)
+            self.done[b] = len(self.out[b]) >= self.max_new or (bool(toks) and toks[-1] in self.eos)
             kept.append(toks)
         return kept
 
 
+@dataclass
+class _Round:
+    """A verified round in the chain layout, what _update and the proposer's accept() read."""
+    k: int  # drafts proposed (a tree round: the tree's depth; 0: a plain step)
+    inp: torch.Tensor  # [B, T] the current token and the drafts (a tree round: the accepted path, padded)
+    pos: torch.Tensor  # [B, T] their positions
+    feats: torch.Tensor  # [B, T, H] the target's features there
+    n_acc: torch.Tensor  # [B] drafts accepted
+    bonus: torch.Tensor  # [B] the target's token after them
+    host: list[list[int]]  # per row [n_acc, bonus, drafts...]: the round's one host sync
+
+
+class KController:
+    """k="auto": the K of each round (0: a plain step) from what the rounds so far measured
+    (docs/reference/k-auto.md).
+
+    First `warmup` plain steps (their cost is what speculation must beat), then rounds at `k_warmup`
+    until two speculative rounds ran and some draft position was reached (alpha and c). From then on,
+    the K of eval.speedup.best_k. best_k assumes a verify of K+1 tokens costs a plain step and nothing
+    else costs anything, which holds roughly at batch 1 on CPU, not at larger batches (the forward stops
+    being memory-bound, per-round overheads add up). So the on/off decision uses measured throughput,
+    tokens per second of speculative rounds against plain ones: below 1, rounds go plain, with one
+    speculative probe every `probe_every` of them."""
+
+    def __init__(self, k_max: int = K_MAX_AUTO, warmup: int = WARMUP_PLAIN, k_warmup: int = K_WARMUP,
+                 probe_every: int = PROBE_EVERY):
+        self.k_max, self.warmup, self.k_warmup, self.probe_every = k_max, warmup, k_warmup, probe_every
+        self.choices: list[int] = []  # the K chosen for each round
+        self.rounds = self.spec_rounds = 0  # rounds observed, and those that proposed drafts
+        self.off_rounds = 0  # choices made with speculation losing
+        self.expected_speedup: float | None = None  # the last estimate behind the on/off decision
+        self.plain_wall = self.spec_wall = 0.0  # seconds of plain and of speculative rounds
+        self.plain_toks = self.spec_toks = 0  # ... and the tokens they produced
+
+    def choose(self, alpha_hat: float, c: float, measured: bool = True) -> int:
+        """The next round's K, from the acceptance alpha_hat and the draft cost c measured so far
+        (measured: some draft position was reached, so alpha_hat means something)."""
+        if self.rounds < self.warmup:
+            return self._pick(0)
+        if self.spec_rounds < 2 or not measured:
+            return self._pick(self.k_warmup)
+        K, v = best_k(alpha_hat, c, self.k_max)
+        if self.plain_wall > 0 and self.spec_wall > 0:
+            v = (self.spec_toks / self.spec_wall) / (self.plain_toks / self.plain_wall)
+        self.expected_speedup = v
+        if v < 1.0:  # speculation does not pay: plain rounds, probing back periodically
+            self.off_rounds += 1
+            if self.off_rounds % self.probe_every:
+                return self._pick(0)
+        return self._pick(K)
+
+    def _pick(self, k: int) -> int:
+        self.choices.append(k)
+        return k
+
+    def observe(self, k: int, tokens: int, seconds: float):
+        """A round ran: k drafts proposed (0: a plain step), `tokens` new over the active rows."""
+        self.rounds += 1
+        self.spec_rounds += k > 0
+        if self.rounds == 1:  # the first round after prefill runs slow: left out
+            return
+        if k == 0:
+            self.plain_wall, self.plain_toks = self.plain_wall + seconds, self.plain_toks + tokens
+        else:
+            self.spec_wall, self.spec_toks = self.spec_wall + seconds, self.spec_toks + tokens
+
+    def charge(self, seconds: float):
+        """Speculation's cost outside a round: the proposer's accept(), a resync after plain rounds."""
+        self.spec_wall += seconds
+
+
 class _Stats:
+    """Counters of one stream() call; finish() turns them into GenerationResult.stats."""
+
     def __init__(self, k_cap: int):
         self.k_cap = k_cap
         self.rounds = self.row_rounds = self.target_forwards = 0
         self.proposed = self.accepted = self.reached = 0
-        self.spec_rounds = self.spec_row_tokens = self.spec_row_rounds = 0
+        self.spec_rounds = 0
         self.pos_reached = [0] * k_cap
         self.pos_accepted = [0] * k_cap
         self.hist = [0] * (k_cap + 1)
         self.draft_s = self.verify_s = self.prefill_s = 0.0  # draft_s: rounds only (for c)
         self.draft_prefill_s = 0.0  # proposer begin()s: prompt prefill and resyncs
         self.draft_steps = 0
-        self.off_rounds = 0
         self.tree_rounds = 0  # rounds verified as token trees (predicted_speedup is then an upper bound)
         self.max_verify = 1  # the most tokens one verify forward held (a tree's nodes + 1, or k + 1)
-        self.plain_wall = self.spec_wall = 0.0  # k="auto": round wall time, plain and speculative
-        self.plain_toks = self.spec_toks = 0  # ... and the tokens those rounds produced
-        self.expected_speedup = None  # k="auto": the last estimate that drove the on/off decision
         self.k_sum = 0
-        self.k_choices: list[int] = []
         self.row_tokens = 0
 
-    def round(self, k: int, n_acc: list[int], active: list[bool], dt: float):
-        """Count one round: k drafts proposed (0: a plain step), n_acc accepted per row, dt seconds."""
+    def round(self, k: int, n_acc: list[int], active: list[bool]):
+        """Count one round: k drafts proposed (0: a plain step), n_acc accepted per row."""
         self.rounds += 1
         if k > 0:
             self.spec_rounds += 1
             self.k_sum += k
-        toks_before = self.row_tokens
         for a, on in zip(n_acc, active):
             if not on:
                 continue
@@ -404,14 +482,6 @@ class _Stats:
                 self.pos_reached[i] += 1
                 self.pos_accepted[i] += int(i < a)
             self.reached += min(a + 1, k)
-        # k="auto" compares the throughput of plain and speculative rounds; the first round after
-        # prefill runs ~25% slow (measured at batch 16), so it is left out.
-        if self.rounds > 1:
-            toks = self.row_tokens - toks_before
-            if k == 0:
-                self.plain_wall, self.plain_toks = self.plain_wall + dt, self.plain_toks + toks
-            else:
-                self.spec_wall, self.spec_toks = self.spec_wall + dt, self.spec_toks + toks
 
     @property
     def alpha_hat(self) -> float:
@@ -423,7 +493,7 @@ class _Stats:
             return 0.0
         return (self.draft_s / self.draft_steps) / (self.verify_s / self.rounds)
 
-    def finish(self, out, k_setting, device) -> dict:
+    def finish(self, out, k_setting, device, k_choices: list[int], expected: float | None) -> dict:
         wall = time.perf_counter() - self.t0
         n_tokens = sum(len(o) for o in out)
         k_mean = self.k_sum / self.spec_rounds if self.spec_rounds else 0.0
@@ -455,8 +525,8 @@ class _Stats:
             "tree_rounds": self.tree_rounds,
             "k": k_mean if k_setting == "auto" else k_setting,
             "k_setting": k_setting,
-            "k_choices": self.k_choices,
-            "spec_off_fraction": (self.k_choices.count(0) / len(self.k_choices)) if self.k_choices else 0.0,
-            "expected_speedup": self.expected_speedup,
+            "k_choices": k_choices,
+            "spec_off_fraction": (k_choices.count(0) / len(k_choices)) if k_choices else 0.0,
+            "expected_speedup": expected,
             "peak_mem_bytes": int(peak),
         }

@@ -2,20 +2,17 @@
 matmuls of 1-16 rows, fp32 attention whose sums do not depend on the other query rows, and a Llama
 layer's elementwise steps fused (residual add + RMSNorm, RoPE, SiLU * up), each row on its own.
 
-Why by hand: on this project's CPU (2 cores, avx512_bf16) a verify forward of 2-16 tokens went
-through oneDNN, whose bf16 matmul streamed the weights at 9-24 GB/s (17-15 ms for the target's
-matmuls at 2-9 rows, packed or not) against 27 GB/s for PyTorch's native one-row GEMV, which in
-turn falls to 2 GB/s at 16 rows. Neither PyTorch, oneDNN's public ops nor inductor (slower here,
-see docs/benchmarks.md) has a small-M bf16 path that streams the weights once at full bandwidth.
-This one keeps all rows' accumulators in registers and reads each weight once (measured: 10.1 ms at
-1 row, 12.2 at 9 for the target's 121 matmuls), and sums each output in the same order whatever the
-row count, so a verify forward's matmuls round exactly like a one-token step's. The attention sums
-each row over its own visible cache slots in slot order, for the same reason (eval/target.py). The
-elementwise kernels exist because at 1-16 rows a layer's ~20 ATen elementwise ops cost more in
-dispatch and temporaries than in arithmetic; no PyTorch op fuses them on CPU without a compiler
-(inductor was slower here, see docs/benchmarks.md).
+Why by hand: a verify forward of 2-16 tokens is bandwidth-bound, like a one-token step, but neither
+PyTorch's native GEMV (fast at one row, slow at many), oneDNN's bf16 matmul nor inductor has a
+small-M bf16 path that streams the weights once at full bandwidth (docs/reference/kernels.md). This
+one keeps all rows' accumulators in registers and reads each weight once, and sums each output in the
+same order whatever the row count, so a verify forward's matmuls round exactly like a one-token
+step's. The attention sums each row over its own visible cache slots in slot order, for the same
+reason (eval/target.py). The elementwise kernels exist because at 1-16 rows a layer's ~20 ATen
+elementwise ops cost more in dispatch and temporaries than in arithmetic, and no PyTorch op fuses
+them on CPU without a compiler.
 
-`small_gemm()` compiles it once per machine (~30 s, cached under `eval.loading.cache_dir()`/ext) with
+`small_gemm()` compiles it once per machine (cached under `eval.loading.cache_dir()`/ext) with
 torch's own extension builder, and returns None, so callers fall back to oneDNN, where the CPU lacks
 avx512_bf16, no compiler or ninja is found, or DRAFTSMITH_KERNELS=0.
 """

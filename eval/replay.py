@@ -7,8 +7,8 @@ target's features along the way, as plain decoding computes them; `replay()` the
 proposer through the same rounds the decoder would run (propose, accept, `accept()` with the
 verified tokens and their features) in a fraction of a decode's time and free of this machine's
 timing noise. Given verify times measured on this machine (`verify_ms()`), it also estimates the
-speedup, which is how docs/benchmarks.md ("How far trees and heads can take the hybrid") ranked
-tree policies; the decoder (`draftsmith bench`) stays the judge of real speed.
+speedup, to rank tree policies (docs/reference/replay.md); the decoder (`draftsmith bench`) stays the
+judge of real speed.
 
 Why not the decoder itself: it cannot skip the target's verify forwards, which are the time a
 replay saves, and it has no place for a hypothetical proposer's what-ifs (a different node budget,
@@ -26,6 +26,7 @@ may go the other way.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -186,8 +187,7 @@ def verify_ms(target, rows=range(1, 17), context: int = 230, reps: int = 7) -> d
 
 
 # The decoder's own work in a round besides the target's forward and the proposer (the acceptance
-# walk, the tree mask, the loop): ~0.9 ms measured at serving revision fused-3 (docs/benchmarks.md,
-# "Where a round goes now").
+# walk, the tree mask, the loop), as measured (docs/reference/replay.md).
 HOST_MS = 1.0
 
 
@@ -195,12 +195,10 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
                budgets=(4, 6, 8, 10, 12), costs: dict[int, float] | None = None) -> dict:
     """The tree's node budget (`max_nodes`) that this machine serves fastest, for each tree proposer.
 
-    What a node costs depends on the machine: a 9-row verify cost 1.4x a one-token step on one of our
-    2-core VMs and 1.6x on another, where 4-6 nodes measured 8% faster than the 10 tuned on the first
-    (docs/benchmarks.md). Sequoia (Chen et al., 2024) sizes its trees from the hardware's measured
-    forward times for the same reason. Each budget is replayed (greedy acceptance is exact, so no
-    timing noise enters τ) and costed with verify times measured here and the proposer's own time
-    measured in the replay; the best estimated speedup wins.
+    What a node costs depends on the machine (docs/reference/trees.md): Sequoia (Chen et al., 2024)
+    sizes its trees from the hardware's measured forward times for the same reason. Each budget is
+    replayed (greedy acceptance is exact, so no timing noise enters τ) and costed with verify times
+    measured here and the proposer's own time measured in the replay; the best estimated speedup wins.
 
     proposers: {name: a zero-argument function building a fresh proposer with `max_nodes`}; costs:
     rows -> verify ms (measured here when None) ->
@@ -223,13 +221,21 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
     return {"verify_ms": costs, "fits": fits}
 
 
+def settings(proposer: Proposer) -> dict[str, int]:
+    """The proposer's integer settings that --set/--try may change: the arguments it was built with
+    (its constructor's parameters) that it keeps as int attributes, e.g. max_nodes or alt_branches.
+    Counters and state (lookup_rounds, hist) are not settings."""
+    params = inspect.signature(type(proposer).__init__).parameters
+    return {k: v for k, v in vars(proposer).items() if k in params and type(v) is int}
+
+
 def _parse_set(items: list[str]) -> dict[str, int]:
     """["max_nodes=8", "alt_branches=2,k=3"] -> {"max_nodes": 8, "alt_branches": 2, "k": 3}."""
     out = {}
     for it in (x for item in items for x in item.split(",") if x):
         key, sep, val = it.partition("=")
         if not sep or not val.lstrip("-").isdigit():
-            raise ValueError(f"--set/--try want KEY=INT (a proposer attribute, or k), got {it!r}")
+            raise ValueError(f"--set/--try want KEY=INT (a proposer setting, or k), got {it!r}")
         out[key] = int(val)
     return out
 
@@ -248,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
-                    help="a proposer attribute for this replay, e.g. max_nodes=8 or alt_branches=2 (repeatable)")
+                    help="a proposer setting for this replay, e.g. max_nodes=8 or alt_branches=2 (repeatable)")
     ap.add_argument("--try", dest="tries", action="append", default=[], metavar="KEY=INT[,KEY=INT...]",
                     help="one more configuration replayed on the same reference (on top of --set; k=N sets K); "
                          "repeatable, each a row of the output")
@@ -265,11 +271,14 @@ def main(argv: list[str] | None = None) -> int:
 
         def make(cfg: dict):
             proposer = load_proposer(args.draft, target)
+            known = settings(proposer)
             for key, val in cfg.items():
-                if key != "k" and not hasattr(proposer, key):
-                    raise BenchError(f"--set/--try {key}: {type(proposer).__name__} has no attribute {key!r}")
-                if key != "k":
-                    setattr(proposer, key, val)
+                if key == "k":
+                    continue
+                if key not in known:
+                    raise BenchError(f"--set/--try {key}: {type(proposer).__name__} has no integer setting "
+                                     f"{key!r} (it has: {', '.join(sorted(known)) or 'none'})")
+                setattr(proposer, key, val)
             return proposer, cfg.get("k", args.k)
         made = [make(cfg) for cfg in configs]  # every bad key reported before the reference is decoded
     except (BenchError, LoadError, ValueError, OSError) as e:

@@ -5,9 +5,11 @@ batch 1 and in ragged batches, with EOS and max_new_tokens stopping exactly."""
 import pytest
 import torch
 
-from eval.decoder import GenerationResult, SpeculativeDecoder, best_k
+import eval.decoder as D
+from eval.decoder import K_MAX_AUTO, GenerationResult, KController, SpeculativeDecoder
 from eval.heads import EagleHead
 from eval.proposers import DraftLMProposer, EagleProposer, HybridProposer, NgramProposer, load_proposer
+from eval.speedup import best_k
 
 from helpers import DECODER_V as V, N_NEW, PROMPTS, decoder_llama as tiny
 
@@ -144,19 +146,41 @@ def test_stream_equals_generate(target, draft):
     assert all(len(c) == len(PROMPTS) for c in chunks)
 
 
-def test_k_auto_exact_and_switches(target, draft, hf_ref):
+class _SpyController(KController):
+    """KController recording what the decoder told it before each choice."""
+
+    def choose(self, alpha_hat, c, measured=True):
+        k = super().choose(alpha_hat, c, measured)
+        self.seen = getattr(self, "seen", []) + [(alpha_hat, c, measured, self.spec_rounds, k)]
+        return k
+
+
+def test_k_auto_exact_and_switches(target, draft, hf_ref, monkeypatch):
+    """k="auto": exact output; one choice a round: WARMUP_PLAIN plain steps, K_WARMUP until two
+    speculative rounds measured alpha, then best_k's K for what was measured, or 0 (off)."""
+    spies = []
+    monkeypatch.setattr(D, "KController", lambda *a: spies.append(_SpyController(*a)) or spies[-1])
     for prop in (DraftLMProposer(target, V), DraftLMProposer(draft, V), NgramProposer(),
                  EagleProposer(EagleHead.from_target(target), target)):
         res = SpeculativeDecoder(target, prop, k="auto").generate(PROMPTS, max_new_tokens=N_NEW)
         assert res.sequences == hf_ref
-        assert all(0 <= k <= 8 for k in res.stats["k_choices"])
+        ks, seen = res.stats["k_choices"], spies[-1].seen
+        self_draft = isinstance(prop, DraftLMProposer) and prop.model is target
+        assert ks == [k for *_, k in seen] and len(ks) == res.stats["rounds"]
+        assert ks[:D.WARMUP_PLAIN] == [0] * D.WARMUP_PLAIN
+        warm = [i for i, (_, _, measured, spec, _) in enumerate(seen)
+                if i >= D.WARMUP_PLAIN and (spec < 2 or not measured)]
+        assert warm == list(range(D.WARMUP_PLAIN, D.WARMUP_PLAIN + len(warm))) and len(warm) >= 2
+        assert all(ks[i] == D.K_WARMUP for i in warm)
+        for alpha, c, _, _, k in seen[D.WARMUP_PLAIN + len(warm):]:
+            assert k in (0, best_k(alpha, c, K_MAX_AUTO)[0]), (alpha, c, k)
+            assert c > 0 and (alpha == 1.0 or not self_draft)  # the target drafting itself: all accepted
+        assert len(ks) > D.WARMUP_PLAIN + len(warm)  # the choice after warm-up was made
 
 
 def test_k_auto_turns_off_and_probes(target, draft, monkeypatch):
     """A useless draft (alpha ~ 0) makes every K lose: rounds go plain, with periodic probes,
     and the output stays exact after each proposer resync."""
-    import eval.decoder as D
-
     monkeypatch.setattr(D, "PROBE_EVERY", 4)
     prop = EagleProposer(EagleHead.from_target(target, draft_ids=torch.tensor([V - 1, V - 2])), target)
     res = SpeculativeDecoder(target, prop, k="auto").generate([PROMPTS[0]], max_new_tokens=40)
@@ -165,6 +189,63 @@ def test_k_auto_turns_off_and_probes(target, draft, monkeypatch):
     ks = res.stats["k_choices"][D.WARMUP_PLAIN + 2:]  # after the plain and K=4 warm-up rounds
     assert 0 in ks and any(k > 0 for k in ks[ks.index(0):])  # off, then probed back on
     assert res.stats["expected_speedup"] < 1 and res.stats["spec_off_fraction"] > 0.5
+
+
+# ---------------------------------------------------------------- the k="auto" controller alone
+
+def _run(ctl, rounds, plain_s, spec_s, tokens=1.0, alpha=0.8, c=0.1, accept_s=0.0):
+    """Drive `ctl` for `rounds` rounds with synthetic timings: a plain round yields 1 token in
+    plain_s, a speculative round of K yields 1 + alpha K tokens (rounded) in spec_s, the proposer's
+    accept costs accept_s. -> the choices made."""
+    for _ in range(rounds):
+        k = ctl.choose(alpha, c, measured=ctl.spec_rounds > 0)
+        ctl.observe(k, 1 if k == 0 else round(tokens + alpha * k), plain_s if k == 0 else spec_s)
+        if k > 0:
+            ctl.charge(accept_s)
+    return ctl.choices
+
+
+def test_controller_warms_up_plain_then_measures_at_k_warmup():
+    ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=16)
+    ks = _run(ctl, 5, plain_s=0.010, spec_s=0.012)
+    assert ks == [0, 0, 0, 4, 4] and ctl.expected_speedup is None
+    assert ctl.plain_wall == pytest.approx(0.020)  # the first round (after prefill) is left out
+    assert ctl.spec_wall == pytest.approx(0.024) and ctl.spec_toks == 2 * round(1 + 0.8 * 4)
+
+
+def test_controller_picks_best_k_when_speculation_wins():
+    ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=16)
+    ks = _run(ctl, 12, plain_s=0.010, spec_s=0.012, alpha=0.8, c=0.1)
+    K = best_k(0.8, 0.1, 8)[0]
+    assert ks[5:] == [K] * 7
+    # the on/off estimate is the measured throughput ratio, not best_k's model
+    want = (ctl.spec_toks / ctl.spec_wall) / (ctl.plain_toks / ctl.plain_wall)
+    assert ctl.choose(0.8, 0.1) == K and ctl.expected_speedup == want and want != best_k(0.8, 0.1, 8)[1]
+    assert want > 1 and ctl.off_rounds == 0
+
+
+def test_controller_turns_off_when_speculation_loses_and_probes_back():
+    ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=4)
+    ks = _run(ctl, 5 + 12, plain_s=0.010, spec_s=0.100, alpha=0.8, c=0.1)  # 10x slower rounds: a loss
+    K = best_k(0.8, 0.1, 8)[0]
+    assert ks[:5] == [0, 0, 0, 4, 4]
+    assert ks[5:] == [0, 0, 0, K] * 3  # off, with a probe every 4th round
+    assert ctl.expected_speedup < 1 and ctl.off_rounds == 12
+
+
+def test_controller_charges_speculation_for_the_proposers_accept():
+    """Rounds that win alone lose once the proposer's accept() time counts against them."""
+    win = _run(KController(probe_every=16), 10, plain_s=0.010, spec_s=0.012)
+    lose = _run(KController(probe_every=16), 10, plain_s=0.010, spec_s=0.012, accept_s=0.1)
+    assert 0 not in win[D.WARMUP_PLAIN:] and lose[D.WARMUP_PLAIN + 2:] == [0] * (10 - D.WARMUP_PLAIN - 2)
+
+
+def test_controller_without_plain_timings_trusts_the_model():
+    """No plain round measured yet (warmup=1: only the untimed first one): best_k's own estimate decides."""
+    ctl = KController(k_max=8, warmup=1, k_warmup=4, probe_every=16)
+    _run(ctl, 4, plain_s=0.010, spec_s=1.0, alpha=0.8, c=0.1)
+    assert ctl.plain_wall == 0 and ctl.choices[-1] == best_k(0.8, 0.1, 8)[0]
+    assert ctl.expected_speedup == best_k(0.8, 0.1, 8)[1]
 
 
 def test_best_k():

@@ -8,7 +8,7 @@ import torch
 from eval.decoder import SpeculativeDecoder
 from eval.medusa import MedusaHeads, MedusaProposer
 from eval.proposers import DraftLMProposer, HybridProposer, NgramProposer
-from eval.replay import Reference, fit_budget, reference, replay, verify_ms
+from eval.replay import Reference, fit_budget, reference, replay, settings, verify_ms
 from helpers import PROMPTS, DECODER_V as V, decoder_llama as tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,9 +100,19 @@ def test_replay_command_line(tmp_path, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if "tau" in line]
     assert [r.split(":")[0] for r in rows] == ["K=3 as loaded", "K=3 max_ngram=1", "K=1 max_ngram=2"]
     assert rp.main(base + ["--try", "nodes=4"]) == 2
-    assert "has no attribute 'nodes'" in capsys.readouterr().err
+    assert "has no integer setting 'nodes' (it has: max_ngram, min_ngram)" in capsys.readouterr().err
+    assert rp.main(base + ["--set", "name=4"]) == 2  # an attribute, but no setting
+    assert "has no integer setting 'name'" in capsys.readouterr().err
     assert rp.main(base + ["--set", "max_ngram"]) == 2
     assert "KEY=INT" in capsys.readouterr().err
+
+
+def test_settings_are_the_constructor_arguments_kept_as_ints(target):
+    hyb = HybridProposer(MedusaProposer(_heads(target), target), max_nodes=6)
+    got = settings(hyb)
+    assert got["max_nodes"] == 6 and got["alt_branches"] == 3 and got["strong_match"] == 3
+    assert not {"lookup_rounds", "from_ngram", "from_model", "datastore", "model"} & set(got)  # counters, objects
+    assert settings(NgramProposer(max_ngram=4)) == {"max_ngram": 4, "min_ngram": 1}
 
 
 def test_replay_can_time_the_proposer_itself(target):
