@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from eval.draft_dir import FILE as HEAD_FILE
+from eval.draft_dir import FILE as DRAFT_FILE
 from eval.heads import EagleHead, MedusaHeads
 from helpers import MEDUSA_NH as NH, TRAIN_V as V, medusa_target, perturbed_recurrent_heads
 
@@ -39,7 +39,7 @@ def test_save_load_roundtrip(tmp_path, target):
     f = torch.randn(4, 32)
     torch.testing.assert_close(back.logits(back(f)), heads.logits(heads(f)), rtol=0, atol=0)
     assert back.d2t.tolist() == ids.tolist() and back.num_heads == NH
-    meta = json.loads((tmp_path / "m" / HEAD_FILE).read_text())
+    meta = json.loads((tmp_path / "m" / DRAFT_FILE).read_text())
     assert meta["kind"] == "medusa" and meta["step"] == 7 and meta["medusa_config"]["draft_vocab_size"] == 6
     assert MedusaHeads.load(tmp_path / "m", dtype=torch.bfloat16).lm_heads[0].weight.dtype == torch.bfloat16
     EagleHead.from_target(target).save(tmp_path / "e")
@@ -60,6 +60,6 @@ def test_recurrent_identity_start_and_roundtrip(tmp_path, target):
     heads = perturbed_recurrent_heads(target)
     heads.save(tmp_path / "r")
     back = MedusaHeads.load(tmp_path / "r")
-    assert back.recurrent and json.loads((tmp_path / "r" / HEAD_FILE).read_text())["medusa_config"]["recurrent"]
+    assert back.recurrent and json.loads((tmp_path / "r" / DRAFT_FILE).read_text())["medusa_config"]["recurrent"]
     torch.testing.assert_close(back.logits(back.states(f, e)), heads.logits(heads.states(f, e)), rtol=0, atol=0)
     assert not torch.allclose(heads.states(f, e), heads.states(f, e + 1))  # the tokens matter
