@@ -113,7 +113,8 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether packed_linear packs `weight` for oneDNN (CPU bf16, where this PyTorch build can)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
@@ -123,7 +124,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     above): up to kernels.MAX_ROWS rows go to this project's kernel (eval/kernels.py) where it builds,
     else one or two rows to the native GEMV on the plain weight; more rows to oneDNN's packed copy.
     Like the fused copies, packed weights are taken now; rebuild the runner if the weights change."""
-    if not _can_pack(weight):
+    if not can_pack(weight):
         return partial(F.linear, weight=weight, bias=bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
     ext = small_gemm() if weight.shape[1] % 2 == 0 else None

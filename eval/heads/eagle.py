@@ -29,16 +29,18 @@ from .io import read_head, save_head
 
 @dataclass
 class HeadConfig:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
+    """The EAGLE head's shape; from_target copies the target's. Saved as "head_config" in the draft file."""
+
+    hidden_size: int  # the target's hidden size (features and embeddings)
+    num_attention_heads: int  # query heads of the head's decoder layer
+    num_key_value_heads: int  # key/value heads (GQA)
+    head_dim: int  # width of one attention head
+    intermediate_size: int  # SwiGLU MLP width
+    rms_norm_eps: float  # RMSNorm epsilon
+    rope_theta: float  # RoPE base
     vocab_size: int  # the target's vocabulary
     draft_vocab_size: int  # rows of the head's LM head (== vocab_size when not truncated)
-    num_layers: int = 1
+    num_layers: int = 1  # decoder layers in the head
 
     @classmethod
     def from_target(cls, cfg, num_layers: int = 1, draft_vocab_size: int = 0) -> "HeadConfig":

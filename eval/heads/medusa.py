@@ -48,10 +48,12 @@ from .io import read_head, save_head
 
 @dataclass
 class MedusaConfig:
-    hidden_size: int
+    """The Medusa heads' shape. Saved as "medusa_config" in the draft file."""
+
+    hidden_size: int  # the target's hidden size (the features the heads read)
     vocab_size: int  # the target's vocabulary
     draft_vocab_size: int  # rows of each LM head (== vocab_size when not truncated)
-    num_heads: int = 4
+    num_heads: int = 4  # heads: head i drafts the token i + 2 positions past its feature
     num_layers: int = 1  # residual blocks per head (Medusa's medusa_num_layers; plain heads only)
     recurrent: bool = False  # heads read the tokens before their target (TokenBlock; see the module doc)
 
