@@ -6,18 +6,14 @@ tree; SuffixDecoding (Oliaro et al., 2024) does the same over a model's previous
 already has the best such corpus: stage 1's generated completions, the target's own greedy outputs on
 the domain. The train stage stores them next to each checkpoint (`datastore.npy`), and a hybrid
 proposer (eval.proposers.HybridProposer) adds the datastore's most frequent continuations to its tree
-after the trained draft's chain. It needs no training and costs a dict lookup per round.
-
-On this repo's code domain (117k generated tokens, HumanEval prompts, a simulation of the tree
-rounds at 8 nodes): prompt lookup + Medusa chain tau 2.57, + the datastore 2.71. The target's
-completions beat its prompts plus 1M tokens of raw stdlib source as a corpus (2.68): the lookup
-wants what the target says, not what the domain's text says.
+after the trained draft's chain. It needs no training and costs a dict lookup per round. The target's completions make a better
+corpus than raw domain text: the lookup wants what the target says (docs/reference/trees.md).
 
 Held-out prompts never enter it: it holds the completions of the training prompts only.
 
 Layout: one int32 array, the sequences joined with SEP (-1) between them; a match or a continuation
 never crosses SEP. The index (n-gram context -> positions after it) is built in memory when loaded:
-a Python dict, O(1) per lookup; at ~100k-1M tokens it takes about 1-10 s and 50-500 MB.
+a Python dict, O(1) per lookup (build time and memory per corpus size: docs/reference/trees.md).
 """
 
 from __future__ import annotations

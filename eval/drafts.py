@@ -25,8 +25,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import draft_dir
-from .heads import RMSNorm
-from .target import _is_llama_like, cache_kwarg
+from .int8 import Int8Linear
+from .layers import RMSNorm
+from .target import cache_kwarg, lean_supported
 
 ADAPTER_FILE = "adapter.safetensors"
 
@@ -94,7 +95,7 @@ class SelfSpecDraft(nn.Module):
     def __init__(self, target, num_layers: int, adapter_rank: int = 64, draft_ids: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
-        if not _is_llama_like(target):
+        if not lean_supported(target):
             raise TypeError(f"self_spec needs a Llama-family target, not {type(target).__name__}")
         cfg = target.config
         if not 1 <= num_layers <= cfg.num_hidden_layers:
@@ -231,58 +232,11 @@ class SelfSpecDraft(nn.Module):
 
 # ----------------------------------------------------------------------------------------- int8
 
-class Int8Linear(nn.Module):
-    """Weight-only int8 linear: W ≈ q * s with q int8 [out, in] and one fp scale per output row
-    (symmetric, s = max|W_row| / 127); activations stay in their dtype.
-
-    Written by hand because the library routes lose here (measured on SmolLM2-135M, see
-    `int8_draft`): torch.ao's `quantize_dynamic` also quantizes activations per tensor, which the
-    residual stream's outliers do not survive, and dequantizing the weight per call reads more
-    memory than bf16. On CPU this calls ATen's fused int8-weight matmul (`_weight_int8pack_mm`, the
-    kernel behind gpt-fast's int8 weight-only path); elsewhere it dequantizes."""
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.register_buffer("weight", qweight)  # [out, in] int8
-        self.register_buffer("scales", scales)  # [out], the activations' dtype
-        self.register_buffer("bias", bias)  # [out] or None
-        self.out_features, self.in_features = qweight.shape
-
-    @classmethod
-    @torch.no_grad()
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype=None) -> "Int8Linear":
-        dtype = dtype or weight.dtype
-        w = weight.detach().float()  # [out, in]
-        s = w.abs().amax(1).clamp(min=1e-12) / 127  # [out]
-        q = (w / s[:, None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(q, s.to(dtype), None if bias is None else bias.detach().to(dtype))
-
-    @classmethod
-    def cat(cls, parts: list["Int8Linear"]) -> "Int8Linear":
-        """Several linears over the same input as one (rows stacked): the fused q|k|v or gate|up."""
-        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
-        return cls(torch.cat([p.weight for p in parts]), torch.cat([p.scales for p in parts]), bias)
-
-    def rows(self, start: int, end: int) -> "Int8Linear":
-        """Rows start..end as views (no copy): the q, k, v parts of a fused q|k|v."""
-        return Int8Linear(self.weight[start:end], self.scales[start:end],
-                          None if self.bias is None else self.bias[start:end])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        s = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
-        if x.device.type == "cpu":
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.weight, s)
-            y = y.view(*x.shape[:-1], self.out_features)
-        else:
-            y = F.linear(x, self.weight.to(x.dtype)) * s
-        return y if self.bias is None else y + self.bias.to(x.dtype)
-
-
 class _Int8Attention(nn.Module):
     def __init__(self, att, dtype):
         super().__init__()
         q, k, v = att.q_proj, att.k_proj, att.v_proj
-        self.qkv_proj = Int8Linear.cat([Int8Linear.quantize(p.weight, p.bias, dtype) for p in (q, k, v)])
+        self.qkv_proj = Int8Linear.cat([Int8Linear.quantize(p.weight, p.bias, dtype, pack=False) for p in (q, k, v)])
         nq, nk = q.out_features, k.out_features
         # q/k/v as views of the fused rows: the HF layout (LeanLlama checks it) without a second copy
         self.q_proj = self.qkv_proj.rows(0, nq)
@@ -297,7 +251,7 @@ class _Int8MLP(nn.Module):
     def __init__(self, mlp, dtype):
         super().__init__()
         g, u = mlp.gate_proj, mlp.up_proj
-        self.gate_up_proj = Int8Linear.cat([Int8Linear.quantize(p.weight, p.bias, dtype) for p in (g, u)])
+        self.gate_up_proj = Int8Linear.cat([Int8Linear.quantize(p.weight, p.bias, dtype, pack=False) for p in (g, u)])
         n = g.out_features
         self.gate_proj, self.up_proj = self.gate_up_proj.rows(0, n), self.gate_up_proj.rows(n, 2 * n)
         self.down_proj = Int8Linear.quantize(mlp.down_proj.weight, mlp.down_proj.bias, dtype)
@@ -320,7 +274,7 @@ class Int8Draft(nn.Module):
 
     def __init__(self, target):
         super().__init__()
-        if not _is_llama_like(target):
+        if not lean_supported(target):
             raise TypeError(f"the int8 draft needs a Llama-family target, not {type(target).__name__}")
         body = target.model
         dtype = body.embed_tokens.weight.dtype  # the activations' dtype, for the scales
@@ -347,24 +301,8 @@ class Int8Draft(nn.Module):
 def int8_draft(target) -> Int8Draft:
     """An int8 copy of `target` to use as a DraftLMProposer draft (nothing to train: a baseline).
 
-    Chosen by measurement on SmolLM2-135M-Instruct (bf16 weights), CPU (2-core AMD EPYC, AVX512-BF16,
-    shared with other users): one-token decode step after a 64-token prompt, median ms of 5 round-robin
-    repeats x 16 steps; agreement = teacher-forced top-1 agreement with the bf16 target on its own
-    greedy continuations (3 chat prompts x 96 tokens):
-
-        variant                                                   1 thread  2 threads  agreement
-        bf16 target, LeanLlama (fused)                              48.9      34.6        -
-        fp32 copy, LeanLlama (fused)                                53.9      55.2       0.98
-        torch.ao quantize_dynamic (fp32 copy), HF DynamicCache      20.3      20.1       0.49
-        torch.ao quantize_dynamic (fp32 copy), LeanLlama unfused    18.1      17.1       0.49
-        weight-only int8, dequantized per call (gpt-fast style)     55.5      44.3
-        weight-only int8, _weight_int8pack_mm, unfused              30.4      20.2       0.96
-        weight-only int8, _weight_int8pack_mm, fused q|k|v, g|u     28.9      19.1       0.96  <- this
-
-    torch.ao's dynamic quantization is the fastest, but it also quantizes activations (per tensor;
-    per-channel weight scales do not help: 0.49 too) and agrees with the target on half the tokens:
-    not a fair int8 draft. Weight-only int8 with per-channel scales keeps 96% agreement (fp32 vs bf16
-    itself: 98%) at 1.7-1.8x the bf16 target's speed; fused q|k|v and gate|up save ~5% more and cost
-    no copy (q/k/v are views of the fused rows).
-    """
+    Weight-only int8 with per-row scales (eval/int8.py) rather than torch.ao's dynamic quantization:
+    quantizing the activations too makes the copy agree with the target on far fewer tokens, which is
+    no fair int8 draft. q|k|v and gate|up are fused, at no copy (q/k/v are views of the fused rows).
+    Speed and agreement of the variants: docs/reference/kernels.md."""
     return Int8Draft(target).eval()

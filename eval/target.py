@@ -32,7 +32,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from .heads import KVCache
+from .layers import KVCache
 from .kernels import MAX_ROWS, small_gemm
 
 
@@ -75,16 +75,13 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
 
 
 # Matmuls on CPU, where a decode step is weight-bandwidth bound and so this is most of a token's time.
-# PyTorch's default bf16 matmul (oneDNN, weights re-laid-out on every call) streamed 15 GB/s at one row
-# and 9 at 16 rows here (76 x [3072, 576] bf16 weights, 2 cores). Two faster routes, both bit-identical
-# to it (measured): the native GEMV (fp32 accumulation) at one or two rows, 27 / 18 GB/s, though it
-# falls to 2 GB/s at 16 rows; and oneDNN with the weights packed once (`_reorder_linear_weight`),
-# 20-27 GB/s from 1 to 8 rows and 16 at 16, for verify and prefill forwards. The LM head
-# [49152, 576] at one row: 4.3 ms default, 2.2 native, 2.1 packed. Both still lose to this project's
-# kernel (eval/kernels.py) at 1-16 rows: all 121 matmuls of the target in 10.1 ms at one row (native
-# 14.4), 12.2 at nine (oneDNN packed 15.0), so where it builds it takes every forward of <= 16 rows.
+# PyTorch's default bf16 matmul (oneDNN) re-lays the weights out on every call. Two faster routes give
+# the same numbers: the native GEMV (fp32 accumulation) at one or two rows, which slows down sharply
+# with more, and oneDNN with the weights packed once (`_reorder_linear_weight`) for verify and prefill
+# forwards. This project's kernel (eval/kernels.py) beats both at 1-16 rows, so where it builds it
+# takes every forward of <= 16 rows. Bandwidths and timings: docs/reference/kernels.md.
 GEMV_MAX_ROWS = 2
-PACK_HINT_ROWS = 16  # the row count oneDNN picks its packed layout for (the best of 1, 8, 16 measured)
+PACK_HINT_ROWS = 16  # the row count oneDNN picks its packed layout for (docs/reference/kernels.md)
 
 
 @contextmanager
@@ -92,7 +89,7 @@ def cpu_gemv(rows: int, device: torch.device):
     """For this block, send unpacked matmuls of at most GEMV_MAX_ROWS rows on CPU to the native GEMV
     (oneDNN off), and larger ones to oneDNN (on); the previous setting is restored on exit, so blocks
     nest (a draft LM's multi-token resync inside a one-row propose). torch.backends.mkldnn.flags()
-    does the same but costs ~8 us and re-sets unrelated flags, so the raw switch is used (0.2 us)."""
+    does the same but re-sets unrelated flags at many times the cost, so the raw switch is used."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         yield
         return
@@ -105,10 +102,10 @@ def cpu_gemv(rows: int, device: torch.device):
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] -> [...] the index of the first maximum, like argmax(-1). On CPU, bf16
-    argmax over the 49k vocabulary took 193 us per row-position at 1 position and 927 us at 9, and
-    max(-1) 90 and 426 us (measured here); both return the first maximal index on ties. CPU bf16
-    logits go to this project's kernel (eval/kernels.py `argmax_rows`), which gives the same indices."""
+    """logits [..., V] -> [...] the index of the first maximum, like argmax(-1). CPU bf16 logits go to
+    this project's kernel (eval/kernels.py `argmax_rows`, the same indices), where ATen's argmax and
+    max over a large vocabulary are slow (docs/reference/kernels.md); max(-1) elsewhere. Both return
+    the first maximal index on ties."""
     if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.numel():
         ext = small_gemm()
         if ext is not None and hasattr(ext, "argmax_rows"):
@@ -116,7 +113,8 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether packed_linear packs `weight` for oneDNN (CPU bf16, where this PyTorch build can)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
@@ -126,7 +124,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     above): up to kernels.MAX_ROWS rows go to this project's kernel (eval/kernels.py) where it builds,
     else one or two rows to the native GEMV on the plain weight; more rows to oneDNN's packed copy.
     Like the fused copies, packed weights are taken now; rebuild the runner if the weights change."""
-    if not _can_pack(weight):
+    if not can_pack(weight):
         return partial(F.linear, weight=weight, bias=bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
     ext = small_gemm() if weight.shape[1] % 2 == 0 else None
@@ -152,27 +150,6 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
 
 
 _NONE = torch.empty(0)
-I8_MAX_ROWS = 4  # linear_i8's row limit: a draft's proposals run at 1-2 rows a call at batch 1
-
-
-def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x [..., in] -> [..., out] through a weight-only int8 copy of `weight` (per output row scale,
-    eval/csrc `linear_i8`): half the bytes of bf16 for a draft's bandwidth-bound matmuls at a few rows.
-    Only for proposals (the copy rounds the weights); more rows than I8_MAX_ROWS, or where the kernel
-    does not build, go to `packed_linear` on the bf16 weight."""
-    ext = small_gemm()
-    exact = packed_linear(weight, bias)
-    if getattr(exact, "kernel", None) is None or not hasattr(ext, "linear_i8"):
-        return exact
-    q, scale = ext.pack_i8(weight)
-    _, qbias, n_out = exact.kernel  # the bias padded to whole blocks of 16, as the bf16 kernel reads it
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > I8_MAX_ROWS:
-            return exact(x)
-        return ext.linear_i8(x.reshape(rows, -1).contiguous(), q, scale, qbias, n_out).view(*x.shape[:-1], n_out)
-    return f
 
 
 def _module_linear(mod):
@@ -204,10 +181,9 @@ class LeanLlama:
         # in another dtype than the layers it shares with the target.
         p = model.model.embed_tokens.weight
         self.dtype, self.device = p.dtype, p.device
-        # On CPU the K/V cache and the attention are float32: PyTorch's CPU attention kernel is ~6x
-        # slower in bf16 than in fp32 at decode shapes (measured here: 123 vs 20 us per layer at 200
-        # cached tokens, 364 vs 38 us at 500), so a bf16 cache cost ~10% of a token's time and grew
-        # with the context. The projections stay in the model's dtype; q/k/v are rounded to it
+        # On CPU the K/V cache and the attention are float32: PyTorch's CPU attention kernel is several
+        # times slower in bf16 than in fp32 at decode shapes, a cost that grows with the context
+        # (docs/reference/kernels.md). The projections stay in the model's dtype; q/k/v are rounded to it
         # exactly as before and only widened for the attention. CUDA keeps the model's dtype.
         self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.caches: list[KVCache] = []  # per layer, slices of K and V (reset())
@@ -267,7 +243,7 @@ class LeanLlama:
     def reset(self, batch: int, max_len: int) -> None:
         # Reuse the allocation when the shape fits; stale slots are never attended (mask: slot <= pos).
         # One tensor per K and V for all layers ([L, B, nkv, S_max, hd]; each layer's cache is a slice),
-        # so move() is two ops, not two per layer: 60 gather/scatter pairs took ~1.2 ms per tree round.
+        # so move() is two ops, not two per layer (a pair per layer cost a visible part of a tree round).
         K = self.K
         if K is not None and K.shape[1] == batch and K.shape[3] >= max_len:
             return
@@ -280,7 +256,7 @@ class LeanLlama:
         """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads before
         any write): after a tree round, the accepted path's nodes move to consecutive positions."""
         for t in (self.K, self.V):  # [L, B, nkv, S_max, hd]
-            if t.shape[1] == 1:  # one row: index_select/index_copy_ (0.08 ms for both, 4x cheaper than the gather/scatter)
+            if t.shape[1] == 1:  # one row: index_select/index_copy_, cheaper than the gather/scatter
                 t0 = t[:, 0]  # [L, nkv, S_max, hd]
                 t0.index_copy_(2, dst[0], t0.index_select(2, src[0]))
                 continue
@@ -377,8 +353,8 @@ class LeanLlama:
         direct = vis is not None and hasattr(ew, "attend_qkv")
         slots = slots.contiguous() if direct else slots
         if direct and self.layers is not None and B * T <= MAX_ROWS:
-            # Each layer in one call (ext.layer: the same kernels in the same order), where the loop below
-            # spends ~1 ms a forward in Python between them.
+            # Each layer in one call (ext.layer: the same kernels in the same order), without the Python
+            # time the loop below spends between them.
             for i, (cache, (w, n_out)) in enumerate(zip(self.caches, self.layers)):
                 h = ew.layer(x, h, w, n_out, cos, sin, cache.k, cache.v, slots, vis, self.n_heads, self.scale,
                              *nw[2 * i + 1], *nw[2 * i + 2])

@@ -3,9 +3,9 @@
 SpecInfer (Miao et al., 2024) and Medusa (Cai et al., 2024) verify a tree of candidates instead of one
 chain: the candidates share their common prefixes, every node attends to the committed prefix and to
 its own ancestors only, and the longest path whose every node equals the target's argmax at its
-parent is accepted. With the lean CPU forward (eval/target.py) a verify of 2-6 tokens costs ~1.47x a
-one-token step, 9 tokens ~1.6x and 17 ~2.1x (docs/benchmarks.md), so a second candidate (another
-n-gram match next to the trained draft's chain) costs little only while the tree stays small.
+parent is accepted. A verify forward's cost grows with its node count (docs/reference/verify-cost.md),
+so a second candidate (another n-gram match next to the trained draft's chain) costs little only while
+the tree stays small.
 
 Layout of one round, per row b (node 0 is the current token, at position n_b):
     tokens  [B, N]       nodes 1..N (padding nodes past a row's own: token 0, never accepted)
@@ -60,7 +60,7 @@ class Tree:
     def from_lists(cls, rows: list[tuple[list[int], list[int]]], device) -> "Tree":
         """rows: per batch row, (tokens, parents) from build_trie; rows are padded to one N."""
         # Built as host lists and turned into tensors once: per-node tensor ops cost more than the
-        # whole tree is worth at these sizes (8-24 nodes, a few microseconds per op).
+        # whole tree is worth at these sizes (tens of nodes).
         N = max((len(t) for t, _ in rows), default=0)
         toks, depths, ancs = [], [], []
         for t, p in rows:
@@ -93,8 +93,8 @@ class Tree:
         deepest accepted node, whose own token and every ancestor's equal the target's argmax at their
         parent; n_acc: its depth; bonus: the target's argmax after it). On the host: a walk down from
         the root along the child holding the parent's argmax (a trie's siblings hold distinct tokens,
-        so there is at most one), a few dict lookups where the same rule as tensor ops took ~0.25 ms of
-        small-op dispatch per round here."""
+        so there is at most one), a few dict lookups where the same rule as tensor ops costs more in
+        small-op dispatch than the round can spare."""
         out = []
         for b, (toks, par) in enumerate(zip(self.tokens_host, self.parents_host)):
             kids = {(p, t): j for j, (p, t) in enumerate(zip(par, toks), start=1)}

@@ -215,3 +215,93 @@ TINY_BUDGET = [
     "train.steps=4", "train.save_every=2", "train.batch_size=4", "train.seq_len=64", "train.draft_vocab_size=512",
     "evaluate.n_prompts=2", "evaluate.max_new_tokens=12", "evaluate.fp32_prompts=1", "evaluate.fit_prompts=2",
 ]
+
+
+# ------------------------------------------------------------------------- Medusa heads
+
+MEDUSA_NH = 3  # heads in the Medusa tests
+
+
+def medusa_target():
+    """A tiny Llama over TRAIN_V tokens with a sharper LM head: at initializer_range 0.2 its next-token
+    distributions are nearly flat (top-1 ~0.1), so the order of the top tokens is noise the heads
+    cannot learn; scaled x3 (untied) the top-1 has ~0.5 of the mass, like a real model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=TRAIN_V, max_position_embeddings=256, initializer_range=0.2,
+                      tie_word_embeddings=False)
+    t = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        t.lm_head.weight.mul_(3.0)
+    return t
+
+
+def perturbed_recurrent_heads(target, seed=0, draft_ids=None, num_heads=MEDUSA_NH):
+    """Fresh recurrent Medusa heads with random blocks (fresh ones are the identity: drafts would not
+    depend on the tokens they read)."""
+    from eval.heads import MedusaHeads
+
+    torch.manual_seed(seed)
+    heads = MedusaHeads.from_target(target, num_heads, draft_ids=draft_ids, recurrent=True)
+    with torch.no_grad():
+        for blk in heads.blocks:
+            blk.down.weight.normal_(0, 0.3)
+    return heads.eval()
+
+
+@torch.no_grad()
+def medusa_rows(target, n_rows=16, clen=24, seed=0):
+    """The target's own greedy continuations of random prompts (3..8 tokens; `clen` tokens or up to
+    the config's EOS, id 2, which HF generate stops at), with its top-k teacher at every completion
+    token and its features (final-norm hidden states) at every position, in the item format of the
+    train stage's sequences (+ "feat")."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(n_rows):
+        P = int(torch.randint(3, 9, (1,), generator=g))
+        prompt = torch.randint(0, TRAIN_V, (1, P), generator=g)
+        ids = target.generate(prompt, max_new_tokens=clen, do_sample=False, pad_token_id=0)  # [1, n]
+        feat = target.model(ids).last_hidden_state[0]  # [n, H]
+        lp = torch.log_softmax(target.lm_head(feat).float(), -1)  # row p: distribution of token p + 1
+        v, ix = lp[P - 1:-1].topk(TOPK, -1)  # teacher of tokens P..n-1
+        items.append({"ids": ids[0], "P": P, "tk_ids": ix, "tk_lp": v, "feat": feat})
+    return items
+
+
+def medusa_tc(divergence="fkl"):
+    """The part of a TrainConfig the Medusa trainer reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(divergence=divergence, jsd_beta=0.5)
+
+
+def frozen_embedding(target):
+    """A frozen copy of the target's input embedding (what recurrent heads read while training)."""
+    return torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
+
+
+def train_medusa_heads(target, recurrent: bool):
+    """Medusa heads trained on the target's greedy continuations (150 steps): (heads, metrics before,
+    metrics after, items)."""
+    from eval.heads import MedusaHeads
+    from pipeline.medusa_train import MedusaTrainer
+    from pipeline.train import _collate
+
+    items = medusa_rows(target)
+    batch = _collate(items)
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(target, MEDUSA_NH, recurrent=recurrent)
+    trainer = MedusaTrainer(heads, medusa_tc(), frozen_embedding(target) if recurrent else None)
+    opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    first = None
+    for _ in range(150):
+        loss, metrics = trainer(batch)
+        first = first or metrics
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        last = trainer(batch)[1]
+    return heads.eval(), first, last, items

@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.decoder import SpeculativeDecoder
-from eval.drafts import Int8Draft, Int8Linear, SelfSpecDraft, int8_draft
+from eval.drafts import Int8Draft, SelfSpecDraft, int8_draft
+from eval.int8 import Int8Linear
 from eval.proposers import DraftLMProposer, load_proposer
 from eval.target import LeanLlama
 from pipeline.selfspec_train import SelfSpecTrainer, trainable_parameters

@@ -360,27 +360,6 @@ def test_rope_vector_and_scalar_paths_round_like_torch(hd):
 
 
 @needs_kernel
-@pytest.mark.parametrize("n_out,k,bias", [(8192, 576, False), (1728, 1152, True), (37, 64, True)])  # 37: a partial block
-def test_int8_linear_is_the_dequantized_matmul_and_falls_back_past_four_rows(n_out, k, bias):
-    from eval.target import I8_MAX_ROWS, int8_linear
-
-    g = torch.Generator().manual_seed(n_out)
-    w = (torch.randn(n_out, k, generator=g) * 0.05).bfloat16()
-    b = torch.randn(n_out, generator=g).bfloat16() if bias else None
-    q, scale = ext.pack_i8(w)
-    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
-    deq = q.permute(0, 2, 1, 3).reshape(-1, k)[:n_out].float() * scale[:n_out, None]  # [N, K]
-    assert torch.allclose(deq, w.float(), atol=float(w.float().abs().max()) / 254 + 1e-6)  # half a step
-    f = int8_linear(w, b)
-    for rows in (1, 2, I8_MAX_ROWS):
-        x = torch.randn(1, rows, k, generator=g).bfloat16()
-        want = x.float() @ deq.T + (b.float() if bias else 0)
-        torch.testing.assert_close(f(x).float(), want, rtol=2 ** -7, atol=1e-4)  # one bf16 rounding
-    x = torch.randn(I8_MAX_ROWS + 1, k, generator=g).bfloat16()  # past the limit: the exact bf16 weights
-    assert torch.equal(f(x), packed_linear(w, b)(x))
-
-
-@needs_kernel
 def test_fused_forward_gives_the_same_numbers_with_and_without_the_layer_call():
     """ext.layer (a whole layer in one call) against the per-kernel loop, on decode steps, a tree verify
     and a ragged batch of two: logits, features and the cache bit for bit. A prefill (more rows than the

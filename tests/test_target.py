@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval.target import GEMV_MAX_ROWS, LeanLlama, _can_pack, packed_linear, cpu_gemv, greedy_argmax
+from eval.target import GEMV_MAX_ROWS, LeanLlama, can_pack, cpu_gemv, greedy_argmax, packed_linear
 
 CPU = torch.device("cpu")
 
@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("in_gemv_block", [True, False])
 def test_packed_linear_is_bit_identical_to_f_linear(rows, bias, in_gemv_block, monkeypatch):
     monkeypatch.setattr("eval.target.small_gemm", lambda: None)  # the oneDNN/GEMV routes (kernel: test_kernels.py)
-    if not _can_pack(torch.zeros(1, dtype=torch.bfloat16)):
+    if not can_pack(torch.zeros(1, dtype=torch.bfloat16)):
         pytest.skip("this PyTorch build has no oneDNN weight packing")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 64, generator=g).to(torch.bfloat16)

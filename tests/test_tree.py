@@ -66,6 +66,7 @@ class OracleTree(Proposer):
     and the right continuation second, so the accepted path leaves the first branch and its K/V must
     move (a stale cache would change later tokens), plus a wrong single token."""
 
+    trees = True
     max_nodes = 32  # the decoder sizes its cache for trees up to this many nodes
 
     def __init__(self, refs):

@@ -1,4 +1,4 @@
-"""Draft heads that read the target's hidden states: the EAGLE-style head.
+"""The EAGLE head: one decoder layer over the target's features.
 
 EAGLE (Li et al., 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"):
 one decoder layer over [target feature ⊕ embedding of the next token] predicts the next *feature*;
@@ -23,21 +23,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import draft_dir
+from ..layers import KVCache, RMSNorm, apply_rope, rope_cos_sin
+from .io import read_head, save_head
 
 
 @dataclass
 class HeadConfig:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
+    """The EAGLE head's shape; from_target copies the target's. Saved as "head_config" in the draft file."""
+
+    hidden_size: int  # the target's hidden size (features and embeddings)
+    num_attention_heads: int  # query heads of the head's decoder layer
+    num_key_value_heads: int  # key/value heads (GQA)
+    head_dim: int  # width of one attention head
+    intermediate_size: int  # SwiGLU MLP width
+    rms_norm_eps: float  # RMSNorm epsilon
+    rope_theta: float  # RoPE base
     vocab_size: int  # the target's vocabulary
     draft_vocab_size: int  # rows of the head's LM head (== vocab_size when not truncated)
-    num_layers: int = 1
+    num_layers: int = 1  # decoder layers in the head
 
     @classmethod
     def from_target(cls, cfg, num_layers: int = 1, draft_vocab_size: int = 0) -> "HeadConfig":
@@ -47,61 +50,6 @@ class HeadConfig:
         return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
                    cfg.intermediate_size, float(cfg.rms_norm_eps), float(theta), cfg.vocab_size,
                    draft_vocab_size or cfg.vocab_size, num_layers)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """pos [B, T] -> cos, sin [B, 1, T, head_dim] (Llama's rotate-half convention)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
-    ang = pos.float()[..., None] * inv  # [B, T, hd/2]
-    emb = torch.cat([ang, ang], dim=-1)[:, None]  # [B, 1, T, hd]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-class KVCache:
-    """Preallocated per-layer keys/values indexed by absolute position: k, v [B, n_kv, S_max, hd]."""
-
-    def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, dtype, device):
-        self.k = torch.zeros(batch, n_kv, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-
-    @classmethod
-    def over(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
-        """A cache over existing storage k, v [B, n_kv, S_max, hd] (e.g. one layer's slice of a cache
-        stacked over layers)."""
-        c = cls.__new__(cls)
-        c.k, c.v = k, v
-        return c
-
-    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """pos [B, T]; k, v [B, n_kv, T, hd] -> slots pos of each row (overwrites whatever was there),
-        converted to the cache's dtype (eval.target keeps a float32 cache on CPU)."""
-        if k.shape[0] == 1 and k.device.type == "cpu":  # one row: its positions are consecutive, so a slice copy (scatter_ is ~10x slower)
-            start = int(pos[0, 0])  # a host read, free on CPU (CUDA keeps the sync-free scatter)
-            self.k[:, :, start:start + k.shape[2]] = k
-            self.v[:, :, start:start + k.shape[2]] = v
-            return self.k, self.v
-        idx = pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k.scatter_(2, idx, k.to(self.k.dtype))
-        self.v.scatter_(2, idx, v.to(self.v.dtype))
-        return self.k, self.v
 
 
 class Block(nn.Module):
@@ -217,26 +165,3 @@ class EagleHead(nn.Module):
         head = cls(HeadConfig(**meta["head_config"]), state["d2t"])
         head.load_state_dict(state)
         return head.to(device=device, dtype=dtype) if dtype is not None else head.to(device=device)
-
-
-def save_head(module: nn.Module, directory: str | Path, meta: dict) -> None:
-    """A feature-reading head's draft directory: its state dict in head.safetensors, `meta` (with
-    "kind") in the draft-directory file (eval/draft_dir.py)."""
-    from safetensors.torch import save_file
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(d / "head.safetensors"))
-    draft_dir.write_meta(d, meta)
-
-
-def read_head(directory: str | Path, kind: str, what: str) -> tuple[dict, dict]:
-    """-> (meta, state dict) of a head saved by `save_head`; ValueError ("... not <what>") when it
-    holds another kind."""
-    from safetensors.torch import load_file
-
-    d = Path(directory)
-    meta = draft_dir.read_meta(d)
-    if meta.get("kind") != kind:
-        raise ValueError(f"{d} holds a {meta.get('kind')!r} draft, not {what}")
-    return meta, load_file(str(d / "head.safetensors"))

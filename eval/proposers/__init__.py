@@ -1,0 +1,25 @@
+"""Draft proposers for the speculative decoder (eval/decoder.py).
+
+  base.py      the interface (`Proposer`, its optional abilities declared), `Sampling`, `NoDraft`, and
+               the helpers proposers share
+  ngram.py     prompt lookup                      draft_lm.py  a small causal LM (HF, self-spec, int8)
+  eagle.py     an EAGLE head over the features    medusa.py    Medusa heads over the features
+  hybrid.py    lookups and a model as one token tree per round
+  loader.py    load_proposer (a draft directory, module or name -> its proposer), serve_with
+
+A new proposer subclasses `Proposer`, declares the abilities it has, and is returned by load_proposer
+for its draft kind.
+"""
+
+from ..draft_dir import SERVE_KEYS, SERVED_AS
+from .base import NoDraft, Proposer, Sampling, draw, to_target_vocab, verified_input
+from .draft_lm import DraftLMProposer
+from .eagle import EagleProposer
+from .hybrid import HybridProposer
+from .loader import load_proposer, serve_with
+from .medusa import MedusaProposer
+from .ngram import NgramProposer
+
+__all__ = ["SERVE_KEYS", "SERVED_AS", "DraftLMProposer", "EagleProposer", "HybridProposer", "MedusaProposer",
+           "NgramProposer", "NoDraft", "Proposer", "Sampling", "draw", "load_proposer", "serve_with",
+           "to_target_vocab", "verified_input"]

@@ -1,0 +1,147 @@
+"""The proposer interface and what every proposer shares: `Proposer` (with its optional abilities
+declared), `Sampling`, `NoDraft`, and the helpers `verified_input`, `to_target_vocab` and `draw`.
+
+One small interface (`Proposer`), driven by `eval.decoder.SpeculativeDecoder`:
+
+    begin(prompts, first, max_len, sampling, features)
+        prompts: list of B token lists; first [B]: the token the target's prefill produced (at
+        position len(prompt)); features [B, Lmax, H] the target's prefill features (or None when
+        `uses_features` is False).
+    propose(k) -> (drafts [B, k] long, q [B, k, V] float or None)
+        drafts continue the current token; q is the draft distribution each draft was sampled from
+        (None under greedy decoding, or when the proposal is deterministic: q is then one-hot).
+        May return fewer than k columns (0: "nothing to propose this round").
+    accept(tokens [B, T], start [B], n_acc [B], bonus [B], features [B, T, H] | None)
+        tokens: the verified input [current, drafts...] written at positions start..start+T-1;
+        row b kept tokens[b, :n_acc[b]+1] and then the target produced `bonus[b]`, the new current
+        token at position start + n_acc + 1. n_acc == -1 marks a finished row (nothing changed).
+
+A proposer may also offer token trees for greedy rounds (eval/tree.py), declared by `trees`:
+    propose_tree(k) -> per row (tokens, parents) from eval.tree.build_trie, at most `max_nodes` nodes
+and then accept() receives the accepted path in the chain layout above.
+
+Positions are absolute token positions in each row; caches are position-indexed, so a rejected
+draft's slot is overwritten by a later write and never needs cropping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Sampling:
+    """Temperature / top-k / top-p warping shared by the target and the drafts; greedy at T == 0."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None):
+        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+        self.generator = generator
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, top-p."""
+        x = logits.float() / self.temperature
+        if self.top_k > 0 and self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1.0:
+            s, idx = torch.sort(x, dim=-1, descending=True)
+            ps = s.softmax(-1)
+            drop = ps.cumsum(-1) - ps > self.top_p  # keep the smallest prefix with mass >= top_p
+            x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+        return x.softmax(-1)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., V] probabilities -> [...] token ids (exponential race: argmax p / Exp(1))."""
+        e = torch.empty_like(probs).exponential_(1.0, generator=self.generator)
+        return (probs / e).argmax(-1)
+
+
+class Proposer:
+    """What the decoder asks of a draft: begin a batch, propose K tokens a round, learn what was accepted.
+
+    Optional abilities are declared here with their defaults, never probed with hasattr:
+      uses_features  the decoder passes the target's final features to begin/accept
+      max_k          > 0: may propose up to this many tokens even when asked for fewer
+      trees          propose_tree() gives a token tree per row (greedy rounds verify it at once)
+      max_nodes      with trees: the tree's node budget over the batch (a serving setting)
+      has_alternatives  alternatives(m) gives m runner-up paths after the last chain (Medusa's sparse tree)
+      with_alternatives  set by a caller that will ask for alternatives() every greedy round (a hint)
+      lookup_rounds  tree rounds filled by lookups alone, without calling a model (a counter)
+    """
+
+    uses_features = False
+    max_k = 0
+    trees = False
+    max_nodes = 0
+    has_alternatives = False
+    with_alternatives = False
+    lookup_rounds = 0
+    name = "proposer"
+
+    def propose_tree(self, k: int):
+        raise NotImplementedError(f"{type(self).__name__} proposes chains only (trees=False)")
+
+    def alternatives(self, m: int):
+        raise NotImplementedError(f"{type(self).__name__} has no runner-up paths (has_alternatives=False)")
+
+    def drafted_elsewhere(self) -> None:
+        """This round's drafts are not (only) this proposer's (a hybrid's lookups proposed or joined
+        them): the next accept() may hold tokens it never drafted. Default: nothing to do."""
+
+    def begin(self, prompts, first, max_len, sampling, features=None) -> None:
+        raise NotImplementedError
+
+    def propose(self, k: int):
+        raise NotImplementedError
+
+    def accept(self, tokens, start, n_acc, bonus, features=None) -> None:
+        raise NotImplementedError
+
+
+class NoDraft(Proposer):
+    """Proposes nothing. A hybrid over it serves lookups alone (the prompt's and a datastore's): the
+    no-training baseline that tells what a trained draft adds."""
+
+    name = "none"
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        self.B, self.device = len(prompts), first.device
+
+    def propose(self, k):
+        return torch.empty(self.B, 0, dtype=torch.long, device=self.device), None
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        pass
+
+
+def verified_input(tokens, start, n_acc, bonus):
+    """The verified tokens of a round as one input: tokens [B, T] ([current, drafts...]) written at
+    positions start [B].., with each row's bonus token placed after its accepted drafts.
+    -> toks [B, T + 1], pos [B, T + 1], idx [B] (the bonus column; 0 for finished rows, n_acc == -1,
+    whose bonus is their unchanged current token). Columns past idx are junk, in slots that later
+    writes overwrite before they are read."""
+    B, T = tokens.shape
+    idx = n_acc + 1
+    toks = torch.cat([tokens, tokens[:, -1:]], 1)
+    toks[torch.arange(B, device=tokens.device), idx] = bonus
+    pos = start[:, None] + torch.arange(T + 1, device=tokens.device)
+    return toks, pos, idx
+
+
+def to_target_vocab(logits: torch.Tensor, d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., Vd] logits over a truncated draft vocabulary -> [..., V] float logits over the target's
+    ids, -inf outside d2t (so a distribution drawn from them is zero there)."""
+    out = torch.full((*logits.shape[:-1], vocab_size), float("-inf"), device=logits.device)
+    return out.index_copy_(-1, d2t, logits.float())
+
+
+def draw(logits: torch.Tensor, sampling: Sampling):
+    """[B, V] draft logits -> (tokens [B], q [B, V] or None)."""
+    if sampling.greedy:
+        return logits.argmax(-1), None
+    q = sampling.probs(logits)
+    return sampling.sample(q), q

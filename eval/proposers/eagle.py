@@ -1,0 +1,85 @@
+"""The EAGLE proposer: an EagleHead (eval/heads/eagle.py) drafting over the target's features."""
+
+from __future__ import annotations
+
+import torch
+
+from ..heads import EagleHead
+from .base import Proposer, draw, to_target_vocab, verified_input
+
+
+class EagleProposer(Proposer):
+    """EAGLE head over the target's features and token embeddings.
+
+    Head slot s holds the head's step for token position s + 1: input [feature_s ⊕ embed(token_{s+1})],
+    output ≈ feature_{s+1}, whose logits propose token s + 2. (Slots start at 0 so a head trained
+    on plain sequences with positions 0.. sees exactly the same RoPE offsets.)
+    """
+
+    name = "eagle"
+    uses_features = True
+
+    def __init__(self, head: EagleHead, target):
+        p = target.get_output_embeddings().weight
+        self.head = head.to(device=p.device, dtype=p.dtype).eval()
+        self.embed = target.get_input_embeddings()
+        self.d2t = self.head.d2t.to(p.device)  # [Vd] draft row -> target id
+        self.vocab_size = target.config.vocab_size
+
+    def _run(self, toks, feats, pos, idx):
+        """toks [B, T] token ids at positions pos [B, T]; feats [B, T, H] target features at pos - 1.
+        Writes head slots pos - 1; keeps the predicted feature at column idx [B] as the current one."""
+        h = self.head(feats.to(self.dtype), self.embed(toks).to(self.dtype), pos - 1, self.caches)  # [B, T, H]
+        rows = torch.arange(toks.shape[0], device=toks.device)
+        self.cur_h = h[rows, idx]  # [B, H] predicted feature at the current token's position
+        self.pos = pos[rows, idx]  # [B] position of the current token
+        self.prev_feat = feats[rows, idx][:, None]  # [B, 1, H] true feature at (current position) - 1
+
+    @property
+    def dtype(self):
+        return self.head.fc.weight.dtype
+
+    def _logits(self, h):
+        """[B, H] -> [B, V] target-vocab logits (rows outside the draft vocab at -inf)."""
+        return to_target_vocab(self.head.logits(h), self.d2t, self.vocab_size)
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        B, dev = len(prompts), first.device
+        self.sampling = sampling
+        self.caches = self.head.new_caches(B, max_len)
+        L = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
+        T = int(L.max())
+        toks = torch.zeros(B, T, dtype=torch.long, device=dev)  # tokens at positions 1..T
+        for b, p in enumerate(prompts):
+            toks[b, : len(p) - 1] = torch.tensor(p[1:], device=dev)
+        toks[torch.arange(B, device=dev), L - 1] = first
+        pos = torch.arange(1, T + 1, device=dev).expand(B, T)
+        self._run(toks, features[:, :T], pos, L - 1)
+
+    def propose(self, k):
+        drafts, qs = [], []
+        h = self.cur_h
+        for i in range(k):
+            if self.sampling.greedy:  # argmax over the draft vocabulary, mapped: no [B, V] tensor
+                tok, q = self.d2t[self.head.logits(h).argmax(-1)], None  # [B]
+            else:
+                tok, q = draw(self._logits(h), self.sampling)  # [B], [B, V]
+            drafts.append(tok)
+            qs.append(q)
+            if i + 1 < k:  # predicted feature ⊕ embed(draft) at the next position
+                p = (self.pos + 1 + i)[:, None]  # [B, 1]
+                e = self.embed(tok[:, None]).to(self.dtype)
+                h = self.head(h[:, None], e, p - 1, self.caches)[:, 0]  # [B, H]
+        q = None if self.sampling.greedy else torch.stack(qs, 1)
+        return torch.stack(drafts, 1), q
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        # Re-run the head over the accepted tokens with the TRUE target features, plus the new current
+        # token: inputs at positions start..start+T (T = k + 1 verified tokens, one more for `bonus`):
+        #   column j < n_acc + 1: feature_{start+j-1} ⊕ embed(tokens[j])
+        #   column n_acc + 1:     feature_{start+n_acc} ⊕ embed(bonus)
+        # Columns past that are junk written into slots that later rounds overwrite before reading.
+        toks, pos, idx = verified_input(tokens, start, n_acc, bonus)  # [B, T + 1], [B, T + 1], [B]
+        prev = self.prev_feat  # [B, 1, H] feature at start - 1
+        feats = torch.cat([prev, features.to(prev.dtype)], 1)  # [B, T + 1, H]: feature at pos - 1
+        self._run(toks, feats, pos, idx)

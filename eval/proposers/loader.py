@@ -1,0 +1,112 @@
+"""From a draft (a directory, a module, or a name) to its proposer, and the forms a draft is served in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import draft_dir
+from ..datastore import Datastore, DatastoreError
+from ..draft_dir import SERVE_KEYS, SERVED_AS
+from ..drafts import SelfSpecDraft, int8_draft
+from ..heads import EagleHead, MedusaHeads
+from .base import NoDraft, Proposer
+from .draft_lm import DraftLMProposer
+from .eagle import EagleProposer
+from .hybrid import HybridProposer
+from .medusa import MedusaProposer
+from .ngram import NgramProposer
+
+
+def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
+    """The proposer for a draft, however it is given:
+      a Proposer                -> itself
+      an EagleHead              -> EagleProposer
+      another module            -> DraftLMProposer (an HF model, or an eval.drafts draft, whose `d2t` is used)
+      "ngram"                   -> NgramProposer()
+      "int8"                    -> DraftLMProposer over an int8 copy of the target (built now)
+      "hybrid:<draft dir>"      -> HybridProposer over that draft (and its datastore.npy, if any)
+      "hybrid-nostore:<dir>"    -> the same without the datastore
+      "datastore:<draft dir>"   -> n-gram and datastore lookups alone, no draft (NoDraft)
+      a draft directory         -> its kind's proposer (eval/draft_dir.py); a hybrid with its fitted
+                                   "serve" settings when it was promoted as one
+    A self_spec directory holds only the adapter: it is rebuilt around `target`, which must be its own
+    target."""
+    if isinstance(path_or_kind, Proposer):
+        return path_or_kind
+    if isinstance(path_or_kind, EagleHead):
+        return EagleProposer(path_or_kind, target)
+    if isinstance(path_or_kind, torch.nn.Module):
+        return DraftLMProposer(path_or_kind, target.config.vocab_size, d2t=getattr(path_or_kind, "d2t", None))
+    if path_or_kind == "ngram":
+        return NgramProposer()
+    if path_or_kind == "int8":
+        return _int8_proposer(target)
+    if isinstance(path_or_kind, str) and path_or_kind.split(":", 1)[0] in SERVED_AS:
+        how, src = path_or_kind.split(":", 1)
+        return _served(how, src, target, dtype)
+    d = Path(path_or_kind)
+    meta = draft_dir.read_meta(d)
+    dtype = dtype or target.get_output_embeddings().weight.dtype
+    if meta.get("proposer") == "hybrid":  # a promoted draft that is served with n-gram lookups
+        return _served("hybrid", d, target, dtype)
+    return _model_proposer(d, meta, target, dtype)
+
+
+def _served(how: str, src, target, dtype) -> HybridProposer:
+    """A draft directory served with n-gram lookups: "hybrid" with its datastore when it holds one,
+    "hybrid-nostore" without it, "datastore" with the datastore and no draft. The draft is the
+    directory's own model, whatever its "proposer" says (so a promoted best/ is not wrapped twice)."""
+    d = Path(src)
+    is_draft = draft_dir.is_draft_dir(d)
+    store = Datastore.from_dir(d) if is_draft and how != "hybrid-nostore" else None
+    if how == "datastore":
+        if store is None:
+            raise DatastoreError(f"{d} holds no datastore.npy; train with train.datastore=true or give a draft "
+                                 f"directory that has one")
+        return HybridProposer(NoDraft(), datastore=store)
+    if not is_draft:  # "ngram", "int8", or load_proposer's error for a directory that is no draft
+        return HybridProposer(load_proposer(str(src), target, dtype))
+    meta = draft_dir.read_meta(d)
+    dtype = dtype or target.get_output_embeddings().weight.dtype
+    # "serve": what evaluate fitted for serving this draft on its machine (the tree's node budget)
+    return serve_with(HybridProposer(_model_proposer(d, meta, target, dtype), datastore=store),
+                      meta.get("serve"), d / draft_dir.FILE)
+
+
+def serve_with(proposer: Proposer, settings: dict | None, where) -> Proposer:
+    """`proposer` with its serving settings ({"max_nodes": N}) set: the one place they are applied,
+    for a promoted draft's "serve", evaluate's fitted budget and the fit's own replays. `where` names
+    their source in the error for one this decoder does not know."""
+    for key, val in (settings or {}).items():
+        if key not in SERVE_KEYS or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{where}: serve.{key}={val!r} is not a hybrid setting this decoder knows "
+                             f"({', '.join(SERVE_KEYS)}, a positive int); remove it or re-run evaluate")
+        setattr(proposer, key, val)
+    return proposer
+
+
+def _int8_proposer(target) -> DraftLMProposer:
+    return DraftLMProposer(int8_draft(target), target.config.vocab_size)
+
+
+def _model_proposer(d: Path, meta: dict, target, dtype) -> Proposer:
+    p = target.get_output_embeddings().weight
+    kind = meta.get("kind")
+    if kind == "eagle":
+        return EagleProposer(EagleHead.load(d, dtype=dtype, device=p.device), target)
+    if kind == "draft_lm":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).to(p.device)
+        return DraftLMProposer(model, target.config.vocab_size)
+    if kind == "self_spec":
+        draft = SelfSpecDraft.load(d, target, dtype=dtype, device=p.device)
+        return DraftLMProposer(draft, target.config.vocab_size, d2t=draft.d2t)
+    if kind == "int8":  # nothing stored: the int8 copy is built from the target now
+        return _int8_proposer(target)
+    if kind == "medusa":
+        return MedusaProposer(MedusaHeads.load(d, dtype=dtype, device=p.device), target)
+    raise ValueError(f"{d}: unknown draft kind {kind!r} (expected 'eagle', 'medusa', 'draft_lm', "
+                     f"'self_spec' or 'int8')")
