@@ -157,11 +157,12 @@ def make_generate(run_dir, target, n_rows=12, plen=6, clen=24, seed=0, target_na
 
 def train_recipe(**train):
     """A float32 CPU recipe for the tiny target with a few-step training budget; `train` overrides it."""
-    from pipeline.config import Recipe, TrainConfig
+    from pipeline.config import recipe_from_dict
 
-    base = dict(steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2, draft_vocab_size=0)
-    base.update(train)
-    return Recipe(target="tiny", dtype="float32", device="cpu", seed=0, train=TrainConfig(**base))
+    base = dict(method="eagle", steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2,
+                draft_vocab_size=0)
+    return recipe_from_dict({"target": "tiny", "dtype": "float32", "device": "cpu", "seed": 0,
+                             "train": {**base, **train}})
 
 
 def copy_generate(src, dst):
@@ -286,11 +287,11 @@ def train_medusa_heads(target, recurrent: bool):
     """Medusa heads trained on the target's greedy continuations (150 steps): (heads, metrics before,
     metrics after, items)."""
     from eval.heads import MedusaHeads
-    from pipeline.medusa_train import MedusaTrainer
-    from pipeline.train import _collate
+    from pipeline.methods.medusa import MedusaTrainer
+    from pipeline.train_data import collate
 
     items = medusa_rows(target)
-    batch = _collate(items)
+    batch = collate(items)
     torch.manual_seed(0)
     heads = MedusaHeads.from_target(target, MEDUSA_NH, recurrent=recurrent)
     trainer = MedusaTrainer(heads, medusa_tc(), frozen_embedding(target) if recurrent else None)

@@ -128,7 +128,7 @@ def test_int8_and_head_drafts_bench_without_hf_comparisons(tiny, tmp_path):
     plain / HF generate / speculative rows, exact in fp32."""
     from transformers import AutoModelForCausalLM
 
-    from eval.medusa import MedusaHeads
+    from eval.heads import MedusaHeads
 
     rc, res = _run(tiny, tmp_path, "--draft", "int8", "--k", "2", "--n-prompts", "2")
     assert rc == 0 and res["draft_kind"] == "int8" and "hf_assisted" not in res
@@ -145,7 +145,7 @@ def test_served_sources_bench_a_draft_with_its_datastore(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from eval.datastore import Datastore
-    from eval.medusa import MedusaHeads
+    from eval.heads import MedusaHeads
 
     heads = MedusaHeads.from_target(AutoModelForCausalLM.from_pretrained(tiny["target"]), num_heads=2)
     heads.save(tmp_path / "medusa")
@@ -162,7 +162,7 @@ def test_also_measures_more_drafts_in_the_same_turns(tiny, tmp_path, capsys):
     a draft LM there, or a missing directory, is a one-line error before any model loads."""
     from transformers import AutoModelForCausalLM
 
-    from eval.medusa import MedusaHeads
+    from eval.heads import MedusaHeads
 
     heads = MedusaHeads.from_target(AutoModelForCausalLM.from_pretrained(tiny["target"]), num_heads=2)
     heads.save(tmp_path / "medusa")

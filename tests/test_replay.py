@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from eval.decoder import SpeculativeDecoder
-from eval.medusa import MedusaHeads, MedusaProposer
+from eval.heads import MedusaHeads
+from eval.proposers import MedusaProposer
 from eval.proposers import DraftLMProposer, HybridProposer, NgramProposer
 from eval.replay import Reference, fit_budget, reference, replay, settings, verify_ms
 from helpers import PROMPTS, DECODER_V as V, decoder_llama as tiny

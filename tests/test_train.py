@@ -8,24 +8,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.heads import EagleHead
 from pipeline.checkpoints import train_key
-from pipeline.config import recipe_from_dict
 from pipeline.features import cache_features
 from pipeline.methods.base import draft_vocab
 from pipeline.shards import record_shard, save_shard
 from pipeline.train import TrainError, run_train
 from pipeline.train_data import Sequences, collate
 
+from helpers import train_recipe as _recipe
 from helpers import TOPK as K, TRAIN_V as V, copy_generate as _copy_gen
 from helpers import make_generate as _make_generate, tiny_llama
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _recipe(**train):
-    """A float32 CPU recipe for the tiny target, an EAGLE head by default; method sections as dicts."""
-    base = dict(method="eagle", steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2,
-                draft_vocab_size=0)
-    return recipe_from_dict({"target": "tiny", "dtype": "float32", "device": "cpu", "seed": 0,
-                             "train": {**base, **train}})
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from pipeline.config import TrainConfig, recipe_from_dict
+from pipeline.config import TrainConfig
 from pipeline.features import RAW_TEACHER_FILE, score_raw_windows
 from pipeline.methods import get_method
 from pipeline.methods.draft_lm import build_draft_lm
@@ -17,6 +17,7 @@ from pipeline.onpolicy import onpolicy_batch, teacher_topk
 from pipeline.train import run_train
 from pipeline.train_data import collate, load_rows, raw_rows
 
+from helpers import train_recipe
 from helpers import TRAIN_V as V, copy_generate as _copy_gen, make_generate as _make_generate, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,12 +36,7 @@ def gen_dir(tmp_path_factory, target):
 
 
 def _recipe(**train):
-    """A float32 CPU recipe for the tiny target (an EAGLE head unless `method` says otherwise); method
-    sections as dicts, e.g. medusa={"heads": 2}."""
-    base = dict(method="eagle", steps=4, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, save_every=2,
-                draft_vocab_size=0)
-    return recipe_from_dict({"target": "tiny", "dtype": "float32", "device": "cpu", "seed": 0,
-                             "train": {**base, **train}})
+    return train_recipe(**{"steps": 4, **train})
 
 
 def test_lora_draft_saves_adapter_and_merged_weights(tmp_path, gen_dir, target):

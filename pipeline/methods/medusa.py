@@ -1,4 +1,4 @@
-"""Medusa heads (`eval/medusa.py`) trained on the cached target features.
+"""Medusa heads (`eval/heads/medusa.py`) trained on the cached target features.
 
 Medusa-1 (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
 Decoding Heads"): the target stays frozen, its features come from the feature cache (no target
@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eval.medusa import MedusaHeads
+from eval.heads import MedusaHeads
 
 from ..losses import divergence
 from ..options import option, positive
@@ -42,7 +42,7 @@ class MedusaOptions:
     heads: int = option(3, "Heads, i.e. further positions predicted from one feature (the largest K "
                            "served; docs/reference/training.md).")
     recurrent: bool = option(True, "Each head also reads the previous head's state and the token before the "
-                                   "one it predicts (ReDrafter / Hydra-style recurrent heads, eval/medusa.py); "
+                                   "one it predicts (ReDrafter / Hydra-style recurrent heads, eval/heads/medusa.py); "
                                    "false: Medusa-1's independent heads.")
 
     def __post_init__(self):
