@@ -9,7 +9,7 @@ FILE, a JSON object whose "kind" is one of KINDS, plus the kind's own weights:
                  the PEFT adapter in adapter/
   int8           nothing: an int8 copy of the target is built at load time
 
-Optional keys: "step", "train_key" (the training inputs' hash, pipeline/train.py), "proposer":
+Optional keys: "step", "train_key" (the training inputs' hash, pipeline/checkpoints.py), "proposer":
 "hybrid" (promoted as a hybrid with n-gram lookups), "serve" (SERVE_KEYS settings fixed at
 promotion, e.g. the fitted tree budget), and a datastore (eval/datastore.py) beside the weights.
 This module is the one reader and writer of FILE.

@@ -149,9 +149,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, 
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Weight-only int8 for the draft's matmuls (Medusa heads, eval/medusa.py): at one or two rows a draft's
-// matmuls are a stream of its weights (~31 MB of bf16 per round for the recipe's heads, ~1 ms here), so
-// half the bytes is about half the time. Each output row n keeps a scale s_n = max |w_n| / 127 and
+// Weight-only int8 for the draft's matmuls (eval/int8.py, used by the Medusa heads' copies and the int8
+// draft): at one or two rows a draft's matmuls are a stream of its weights (~31 MB of bf16 per round
+// for the recipe's heads; docs/reference/kernels.md), so half the bytes is about half the time. Each output row n keeps a scale s_n = max |w_n| / 127 and
 // q = round(w / s_n) in [-127, 127]; int8 values are exact in bf16, so a weight pair is widened to bf16
 // in registers and `vdpbf16ps` accumulates exactly as in `linear`, and y = s_n * acc (+ b) is rounded
 // to bf16. Only proposals use it: verification, and so the output, never sees these weights.

@@ -1,5 +1,5 @@
 """EAGLE (Li et al., 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"): a
-decoder layer over the target's features and the next token's embedding (`eval/heads.py`), with
+decoder layer over the target's features and the next token's embedding (`eval/heads/eagle.py`), with
 EAGLE-3's truncated draft vocabulary and training-time test (Li et al., 2025). It trains on a cache of
 the target's features, so a step costs no target forward.
 
