@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pipeline.config import load_recipe
-from pipeline.evaluate import aggregate, run_evaluate
+from pipeline.evaluate import run_evaluate
+from pipeline.measure import aggregate
 from pipeline.models import ModelError
 
 
@@ -60,7 +61,7 @@ def test_decode_pairs_reports_whether_verifies_were_row_invariant(dtype):
 
     from eval.kernels import small_gemm
     from eval.proposers import NgramProposer
-    from pipeline.evaluate import decode_pairs
+    from pipeline.measure import decode_pairs
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -81,7 +82,7 @@ def test_decode_together_rotates_turns_and_matches_separate_runs(monkeypatch):
 
     from eval.decoder import SpeculativeDecoder
     from eval.proposers import NgramProposer
-    from pipeline.evaluate import decode_pairs, decode_together
+    from pipeline.measure import decode_pairs, decode_together
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
