@@ -20,11 +20,13 @@ This module is part of `eval/`: it imports torch and transformers only, never `p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -181,6 +183,10 @@ class Runner:
                                        **({"assistant_model": assistant_model} if assistant_model is not None else {}))
         return [_trim(row[L:].tolist(), self.eos, self.pad_id, max_new) for row in out]
 
+    def hf_run(self, batch: list[list[int]], max_new: int, **kw):
+        """hf_call as a Runner.measure method: (sequences, no decoder stats)."""
+        return self.hf_call(batch, max_new, **kw), None
+
     # -- ours
     def dec_call(self, dec, batch: list[list[int]], max_new: int):
         res = dec.generate(batch, max_new_tokens=max_new, temperature=self.args.temperature,
@@ -192,8 +198,8 @@ class Runner:
 
         Every method gets an untimed warm-up, then the methods take turns batch by batch (the order
         rotating each turn) rather than each running all its prompts in one block: on a shared or
-        throttling machine, speed drifts by tens of percent over minutes, and interleaving makes
-        the drift fall on every method alike, so the ratios between them hold."""
+        throttling machine speed drifts over minutes, and interleaving makes the drift fall on every
+        method alike, so the ratios between them hold."""
         plans = {name: _batches(prompts, bs) for name, (fn, bs) in methods.items()}
         for name, (fn, _) in methods.items():
             fn(plans[name][0], min(self.args.max_new_tokens, 16))
@@ -222,11 +228,11 @@ class Runner:
         return out
 
 
-def _merge_stats(stats: list[dict]) -> dict:
+def merge_stats(stats: list[dict]) -> dict:
     """Per-call decoder stats (one call per batch) -> one: counts summed; rates recomputed from the
     summed counts where the stats carry them (α from accepted / proposed, τ weighted by rounds, α̂
     by proposed), token-weighted means otherwise. A token-weighted τ would favour the long,
-    repetitive outputs where speculation does best (it read 3.64 where tokens / round was ~3.0)."""
+    repetitive outputs where speculation does best."""
     if not stats:
         return {}
     if len(stats) == 1:
@@ -362,7 +368,19 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> dict:
+@dataclass
+class Plan:
+    """The checked arguments: what to measure, known before any model loads."""
+
+    k: int | str  # draft tokens per round, or "auto"
+    sweep: list[int] | None  # --batch-sweep's batch sizes
+    rows: list[dict]  # the prompts file's rows
+    kind: str  # draft_kind(--draft)
+    also: dict[str, tuple[str, int | str]] = field(default_factory=dict)  # method name -> (--also draft, its K)
+
+
+def plan(args) -> Plan:
+    """Step 1: every argument checked, a one-line BenchError for a bad one."""
     if args.max_new_tokens < 1:
         raise BenchError("--max-new-tokens must be >= 1")
     if args.batch_size < 1:
@@ -376,23 +394,24 @@ def run(args) -> dict:
             raise BenchError(f"--batch-sweep must be comma-separated integers, not {args.batch_sweep!r}") from None
         if not sweep or min(sweep) < 1:
             raise BenchError("--batch-sweep needs positive batch sizes")
-    rows = load_prompts(args.prompts, args.n_prompts)
-    kind = draft_kind(args.draft)
-    also = {}  # method name -> (source, K), for the extra drafts of --also; checked before any loading
+    p = Plan(k, sweep, load_prompts(args.prompts, args.n_prompts), draft_kind(args.draft))
     for spec in args.also:
         src, k_also = _parse_also(spec, k)
         if draft_kind(src) == "draft_lm":
             raise BenchError(f"--also {spec}: a draft LM is benchmarked with --draft (its tokenizer is checked there)")
-        also[f"{src}@{k_also}"] = (src, k_also)
+        p.also[f"{src}@{k_also}"] = (src, k_also)
+    return p
 
+
+def load_models(args, kind: str):
+    """Step 2: the target (and a draft LM, its tokenizer checked against the target's first).
+    Returns (device, target path, tokenizer, target, draft LM or None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import transformers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     tpath = resolve_target(args.target)
     tok = AutoTokenizer.from_pretrained(tpath)
-    draft_model = None
     if kind == "draft_lm":
         try:
             dtok = AutoTokenizer.from_pretrained(args.draft)
@@ -402,112 +421,140 @@ def run(args) -> dict:
             raise BenchError(f"draft tokenizer differs from the target's (vocab {len(dtok)} vs {len(tok)}); "
                              f"a draft must share the target's tokenizer")
     target = AutoModelForCausalLM.from_pretrained(tpath, dtype=dtype).to(device).eval()
+    draft_model = None
     if kind == "draft_lm":
         draft_model = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
-    prompts = encode_prompts(rows, tok)
-    k_int = k if isinstance(k, int) else 4
-    R = Runner(target, tok, device, args, k_int)
-    B = args.batch_size
+    return device, tpath, tok, target, draft_model
 
-    def make_proposer():
-        if kind == "ngram":
-            return NgramProposer()
-        return load_proposer(args.draft, target)
 
-    out: dict = {
+def make_proposer(draft: str, kind: str, target):
+    return NgramProposer() if kind == "ngram" else load_proposer(draft, target)
+
+
+def _header(args, device, tpath: str, kind: str, n_prompts: int) -> dict:
+    import transformers
+
+    return {
         "target": args.target, "target_path": tpath, "draft": args.draft, "draft_kind": kind,
         "device": str(device), "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                                                else platform.processor() or platform.machine()),
         "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
         "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "batch_size": B, "k_arg": args.k,
+        "n_prompts": n_prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "batch_size": args.batch_size, "k_arg": args.k,
     }
-    seqs: dict[str, list[list[int]]] = {}
 
-    # All methods on the same prompts, interleaved batch by batch (see Runner.measure).
-    plain_dec = SpeculativeDecoder(target, None)
-    spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
-    methods = {"plain": (lambda b, n: R.dec_call(plain_dec, b, n), B),
-               "hf_generate": (lambda b, n: (R.hf_call(b, n), None), B),
-               "speculative": (lambda b, n: R.dec_call(spec_dec, b, n), B)}
-    # HF assisted / prompt lookup run at batch 1 only (transformers refuses larger batches); with
-    # --k auto they use K=4.
-    if kind == "draft_lm":
-        gc = draft_model.generation_config
-        gc.num_assistant_tokens = R.k_int
-        if k == "auto":  # both sides adapt: ours picks K (or turns off), HF grows/shrinks its own
-            gc.num_assistant_tokens_schedule = "heuristic"
-        else:
-            gc.num_assistant_tokens_schedule = "constant"
-            gc.assistant_confidence_threshold = 0.0  # no early stop: exactly K draft tokens per step
-        methods["hf_assisted"] = (lambda b, n: (R.hf_call(b, n, assistant_model=draft_model), None), 1)
-    elif kind == "ngram":
-        methods["hf_prompt_lookup"] = (lambda b, n: (R.hf_call(b, n, prompt_lookup_num_tokens=R.k_int), None), 1)
-    for name, (src, k_also) in also.items():
+
+def _assist(draft_model, k_int: int, k) -> None:
+    """HF assisted generation's schedule: K tokens, constant, no confidence early stop; with --k auto
+    both sides adapt (ours picks K or turns off, HF grows and shrinks its own, from K=4)."""
+    gc = draft_model.generation_config
+    gc.num_assistant_tokens = k_int
+    if k == "auto":
+        gc.num_assistant_tokens_schedule = "heuristic"
+    else:
+        gc.num_assistant_tokens_schedule = "constant"
+        gc.assistant_confidence_threshold = 0.0  # no early stop: exactly K draft tokens per step
+
+
+def bench_methods(R: Runner, p: Plan, draft_model) -> dict:
+    """Step 3's methods, name -> (fn(batch, max_new) -> (sequences, stats or None), batch size). HF
+    assisted and prompt lookup run at batch 1 only (transformers refuses larger batches)."""
+    B, target = R.args.batch_size, R.target
+    plain = SpeculativeDecoder(target, None)
+    spec = SpeculativeDecoder(target, make_proposer(R.args.draft, p.kind, target), k=p.k)
+    methods = {"plain": (functools.partial(R.dec_call, plain), B), "hf_generate": (R.hf_run, B),
+               "speculative": (functools.partial(R.dec_call, spec), B)}
+    if p.kind == "draft_lm":
+        _assist(draft_model, R.k_int, p.k)
+        methods["hf_assisted"] = (functools.partial(R.hf_run, assistant_model=draft_model), 1)
+    elif p.kind == "ngram":
+        methods["hf_prompt_lookup"] = (functools.partial(R.hf_run, prompt_lookup_num_tokens=R.k_int), 1)
+    for name, (src, k_also) in p.also.items():
         dec = SpeculativeDecoder(target, load_proposer(src, target), k=k_also)  # "ngram" included
-        methods[name] = (lambda b, n, dec=dec: R.dec_call(dec, b, n), B)
-    measured = R.measure(methods, prompts)
-    for name, m in measured.items():
-        out[name] = m["result"]
-        seqs[name] = m["sequences"]
-    for name in ["speculative", *also]:
-        st = _merge_stats(measured[name]["stats"])
-        out[name].update({"alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k", k),
+        methods[name] = (functools.partial(R.dec_call, dec), B)
+    return methods
+
+
+def _speculative_figures(out: dict, measured: dict, p: Plan, R: Runner, draft_model) -> None:
+    """Each of our speculative methods' decoder figures; the HF drafts' K and schedule."""
+    for name in ["speculative", *p.also]:
+        st = merge_stats(measured[name]["stats"])
+        out[name].update({"alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k", p.k),
                           "c": st.get("c"), "predicted_speedup": st.get("predicted_speedup"),
                           "accept_per_pos": st.get("accept_per_pos"), "decoder_stats": _jsonable(st)})
-    out["also"] = list(also)
+    out["also"] = list(p.also)
     if "hf_assisted" in out:
-        out["hf_assisted"].update({"k": R.k_int, "schedule": gc.num_assistant_tokens_schedule})
+        schedule = draft_model.generation_config.num_assistant_tokens_schedule
+        out["hf_assisted"].update({"k": R.k_int, "schedule": schedule})
     if "hf_prompt_lookup" in out:
         out["hf_prompt_lookup"]["k"] = R.k_int
 
-    # speedups, match rates, exactness
-    ref_name = "plain"
-    ref_tps = out[ref_name]["tokens_per_s"]
-    n_ref = len(prompts)
+
+def _match_figures(out: dict, seqs: dict, n_ref: int) -> None:
+    """Step 4: each method's speedup over plain decoding and its token match rate against it."""
+    ref_tps = out["plain"]["tokens_per_s"]
     for name in seqs:
         r = out[name]
         r["speedup"] = (r["tokens_per_s"] / ref_tps) if (ref_tps and r["tokens_per_s"]) else None
-        r["match_rate"] = match_rate(seqs[ref_name][:n_ref], seqs[name][:n_ref])
-    out["speedup_reference"] = ref_name
-    out["token_match_rate"] = {n: out[n]["match_rate"] for n in seqs if n != ref_name}
-    if args.temperature == 0:
-        exact = seqs["speculative"][:n_ref] == seqs["plain"][:n_ref]
-        rep = compare(target, prompts, seqs["plain"][:n_ref], seqs["speculative"][:n_ref])
-        how = exactness_rule(args.dtype, bool(_merge_stats(measured["speculative"]["stats"]).get("row_invariant")))
-        if how == "exact":
-            ok = exact
-            rule = "exact match in float32" if args.dtype == "float32" else \
-                "exact match in bfloat16 (row-invariant CPU kernels, eval/kernels.py)"
-        else:
-            rule, ok = "bfloat16: every divergence from plain is a near-tie", exact or bool(rep.get("all_near_ties"))
-        out["exactness"] = {"rule": rule, "exact_match": exact, "dtype": args.dtype, "report": rep}
-        out["greedy_exact"] = ok
+        r["match_rate"] = match_rate(seqs["plain"][:n_ref], seqs[name][:n_ref])
+    out["speedup_reference"] = "plain"
+    out["token_match_rate"] = {n: out[n]["match_rate"] for n in seqs if n != "plain"}
+
+
+def _exactness(args, target, prompts, seqs: dict, spec_stats: list[dict]) -> dict:
+    """Greedy: speculative output against plain output, exact where the dtype and kernels allow it,
+    near-ties otherwise (eval.exactness). Returns {"exactness", "greedy_exact"} in the JSON's order."""
+    if args.temperature != 0:
+        return {"greedy_exact": None, "exactness": {"rule": "not checked (sampling)", "exact_match": None}}
+    n = len(prompts)
+    exact = seqs["speculative"][:n] == seqs["plain"][:n]
+    rep = compare(target, prompts, seqs["plain"][:n], seqs["speculative"][:n])
+    if exactness_rule(args.dtype, bool(merge_stats(spec_stats).get("row_invariant"))) == "exact":
+        ok = exact
+        rule = "exact match in float32" if args.dtype == "float32" else \
+            "exact match in bfloat16 (row-invariant CPU kernels, eval/kernels.py)"
     else:
-        out["greedy_exact"] = None
-        out["exactness"] = {"rule": "not checked (sampling)", "exact_match": None}
+        rule, ok = "bfloat16: every divergence from plain is a near-tie", exact or bool(rep.get("all_near_ties"))
+    return {"exactness": {"rule": rule, "exact_match": exact, "dtype": args.dtype, "report": rep}, "greedy_exact": ok}
 
-    # batch sweep
-    if sweep:
-        out["batch_sweep"] = _sweep(R, prompts, sweep, make_proposer, k, target)
 
+def run(args) -> dict:
+    """Check the arguments, load the models, measure every method in interleaved turns on the same
+    prompts (Runner.measure), compare their outputs with plain decoding's, and tabulate."""
+    p = plan(args)
+    device, tpath, tok, target, draft_model = load_models(args, p.kind)
+    prompts = encode_prompts(p.rows, tok)
+    R = Runner(target, tok, device, args, p.k if isinstance(p.k, int) else 4)
+    out = _header(args, device, tpath, p.kind, len(prompts))
+    measured = R.measure(bench_methods(R, p, draft_model), prompts)
+    seqs = {}
+    for name, m in measured.items():
+        out[name] = m["result"]
+        seqs[name] = m["sequences"]
+    _speculative_figures(out, measured, p, R, draft_model)
+    _match_figures(out, seqs, len(prompts))
+    out |= _exactness(args, target, prompts, seqs, measured["speculative"]["stats"])
+    if p.sweep:
+        out["batch_sweep"] = _sweep(R, prompts, p.sweep, functools.partial(make_proposer, args.draft, p.kind, target),
+                                    p.k, target)
     out["table"] = _table([{"method": n, **{kk: out[n].get(kk) for kk in
                                             ("tokens_per_s", "speedup", "alpha", "tau", "k", "match_rate")}}
-                           for n in ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "speculative", *also)
+                           for n in ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "speculative", *p.also)
                            if n in out])
     return out
 
 
 def _sweep(R: Runner, prompts, sizes, make_proposer, k, target) -> dict:
+    """Plain and speculative decoding at each batch size, in interleaved turns."""
     res = {"sizes": sizes, "rows": []}
     plain_dec = SpeculativeDecoder(target, None)
     spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
     for b in sizes:
-        m = R.measure({"plain": (lambda bb, n: R.dec_call(plain_dec, bb, n), b),
-                       "speculative": (lambda bb, n: R.dec_call(spec_dec, bb, n), b)}, prompts)
+        m = R.measure({"plain": (functools.partial(R.dec_call, plain_dec), b),
+                       "speculative": (functools.partial(R.dec_call, spec_dec), b)}, prompts)
         p, s = m["plain"]["result"], m["speculative"]
-        st = _merge_stats(s["stats"])
+        st = merge_stats(s["stats"])
         sr = s["result"]
         res["rows"].append({"batch_size": b, "plain_tokens_per_s": p["tokens_per_s"],
                             "speculative_tokens_per_s": sr["tokens_per_s"],

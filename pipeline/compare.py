@@ -25,6 +25,7 @@ from pathlib import Path
 
 from eval import speedup
 from eval.datastore import FILE as DATASTORE_FILE
+from eval.draft_dir import KINDS
 
 from .shards import write_json_atomic
 from .tracking import NoOpTracker
@@ -61,10 +62,18 @@ def _link(src: Path, dst: Path) -> None:
         dst.symlink_to(os.path.relpath(src, dst.parent))
 
 
+def _override(section, overrides: dict) -> None:
+    """Set a recipe section's keys; a dict value sets a nested section's keys (e.g. train.medusa)."""
+    for k, v in overrides.items():
+        if isinstance(v, dict):
+            _override(getattr(section, k), v)
+        else:
+            setattr(section, k, v)
+
+
 def _variant_recipe(recipe, overrides: dict, steps: int | None, n_prompts: int | None = None):
     r = copy.deepcopy(recipe)
-    for k, v in overrides.items():
-        setattr(r.train, k, v)
+    _override(r.train, overrides)
     if steps:
         r.train.steps = steps
         r.train.warmup_steps = min(r.train.warmup_steps, max(steps // 10, 1))
@@ -115,15 +124,13 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
 
 def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k: int) -> dict:
     """A proposer without training (ngram) or a served combination (hybrid), cached by name and K."""
-    from eval.decoder import SERVING_REV  # how the decoder serves it: a decoder change measures again
+    from .evaluate import heldout_ids
+    from .measure import MeasurementCache, decode_pairs
 
-    from .evaluate import decode_pairs, heldout_ids, source_fingerprint
-
-    path = run_dir / "compare" / f"{name}-k{k}.json"
-    key = {"src": src, "k": k, "evaluate": recipe.to_dict()["evaluate"], "serving": SERVING_REV,
-           "files": source_fingerprint(src)}
-    prev = json.loads(path.read_text()) if path.exists() else {}
-    if prev.get("key") == key:
+    cache = MeasurementCache(run_dir / "compare", {"evaluate": recipe.to_dict()["evaluate"]})
+    extra = {"src": src, "k": k}
+    prev = cache.read(f"{name}-k{k}", src, extra)
+    if prev is not None:
         return prev["row"]
     from eval.proposers import load_proposer
 
@@ -135,19 +142,98 @@ def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k
            "speedup": s["tokens_per_s"] / plain["tokens_per_s"], "predicted_speedup": s.get("predicted_speedup"),
            "tokens_per_s": s["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
            "train_tokens_per_s": None, "steps": 0}
-    write_json_atomic(path, {"key": key, "row": row})
+    cache.store(f"{name}-k{k}", {"row": row}, src, extra)
     return row
 
 
 def check_choices(methods, divergences) -> list[str]:
+    """--methods and --divergences checked against METHODS and DIVERGENCES; each chosen variant's
+    "method" must be a draft kind (eval.draft_dir.KINDS)."""
     methods = list(methods or METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise CompareError(f"unknown method(s) {unknown} for --methods; choose from {sorted(METHODS)}")
+    for m in methods:
+        if METHODS[m]["method"] not in KINDS:
+            raise CompareError(f"compare variant {m}: method {METHODS[m]['method']!r} is not a draft kind; "
+                               f"choose from {list(KINDS)}")
     bad = [d for d in divergences if d not in DIVERGENCES]
     if bad:
         raise CompareError(f"unknown divergence(s) {bad} for --divergences; choose from {list(DIVERGENCES)}")
     return methods
+
+
+def _method_rows(recipe, run_dir, target, tokenizer, methods, steps) -> list[dict]:
+    """Step 2: every method with the recipe's divergence, on the generated data."""
+    div = recipe.train.divergence
+    return [run_variant(f"{m}-{div}", _variant_recipe(recipe, {**METHODS[m], "divergence": div, "data": "generated"},
+                                                      steps), run_dir, target, tokenizer) for m in methods]
+
+
+def _served_rows(recipe, run_dir, target, tokenizer, rows: list[dict], best: dict, best_m: str) -> list[dict]:
+    """Step 3: the best trained variant as a hybrid (and, with a datastore, without it and the lookups
+    without the draft), the int8 copy with lookups, and the n-gram baseline, at the recipe's K."""
+    k, d = recipe.evaluate.k, best["dir"]
+    served = [("hybrid", f"hybrid:{d}", f"hybrid ({best_m} + ngram)")]
+    if (Path(d) / DATASTORE_FILE).exists():  # what the datastore adds, and what the draft adds
+        served = [("hybrid", f"hybrid:{d}", f"hybrid ({best_m} + ngram + datastore)"),
+                  ("hybrid-nostore", f"hybrid-nostore:{d}", f"hybrid ({best_m} + ngram), no datastore"),
+                  ("ngram+datastore", f"datastore:{d}", "ngram + datastore (no draft)")]
+    int8 = [r for r in rows if r["method"] == "int8"]
+    if int8:  # the int8 copy accepts almost everything but costs much of a target step (docs/reference/kernels.md)
+        served.append(("int8+ngram", f"hybrid:{int8[0]['dir']}", "hybrid (int8 + ngram)"))
+    out = []
+    for name, src, method in served:
+        out.append(_decode_row(name, src, recipe, run_dir, target, tokenizer, k) | {"method": method})
+    return out + [_decode_row("ngram", "ngram", recipe, run_dir, target, tokenizer, k)]
+
+
+def _divergence_rows(recipe, run_dir, target, tokenizer, own: list[dict], best_m: str, divergences, steps):
+    """Step 4: the best method with each other divergence, after its own rows (`own`)."""
+    default = recipe.train.divergence
+    rows = list(own)
+    for d in divergences:
+        if d != default:
+            rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": d, "data": "generated"}, steps)
+            rows.append(run_variant(f"{best_m}-{d}", rv, run_dir, target, tokenizer))
+    return rows
+
+
+def _lift_arm(recipe, run_dir, target, tokenizer, best_m: str, data: str, steps: int, n_prompts: int, tag: str):
+    extra = {"raw_windows": 0} if data == "raw" else {}
+    rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": recipe.train.divergence, "data": data, **extra},
+                         steps, n_prompts)
+    name = f"{best_m}-{recipe.train.divergence}{'-raw' if data == 'raw' else ''}{tag}"
+    return run_variant(name, rv, run_dir, target, tokenizer)
+
+
+def _lift(recipe, run_dir, target, tokenizer, best: dict, best_m: str, steps, lift_steps, lift_prompts):
+    """The lift: the best method on the generated data against the same method on raw text, both at
+    lift_steps and judged on lift_prompts held-out prompts. Given either, both arms are variants of
+    their own ("-s<steps>-p<prompts>"): a short table's steps understate what distillation does at the
+    recipe's, and τ on a handful of prompts moves by more than the lift. Returns (distilled, raw)."""
+    own = lift_steps == (steps or recipe.train.steps) and lift_prompts == recipe.evaluate.n_prompts
+    tag = "" if own else f"-s{lift_steps}-p{lift_prompts}"
+    arm = (recipe, run_dir, target, tokenizer, best_m)
+    dist = best if own else _lift_arm(*arm, "generated", lift_steps, lift_prompts, tag)  # own: the table's row
+    return dist, _lift_arm(*arm, "raw", lift_steps, lift_prompts, tag)
+
+
+def _best_measured(recipe, run_dir, target, tokenizer, served: dict, sweep: list[dict], ngram: dict) -> dict:
+    """The best swept K against the n-gram proposer at its best measured K (the recipe's, the best
+    sweep K's, and 8, the hybrid's lookup length): a hybrid's lookups propose 8 tokens at any K, so
+    "the same K" would not be like with like."""
+    k = recipe.evaluate.k
+    best_sweep = max(sweep, key=lambda r: r["speedup"])
+    ngram_rows = [ngram] + [_decode_row("ngram", "ngram", recipe, run_dir, target, tokenizer, kk)
+                            for kk in sorted({best_sweep["k"], 8} - {k})]
+    ngram_best = max(ngram_rows, key=lambda r: r["speedup"])
+    return {"ngram_by_k": {r["k"]: r["speedup"] for r in ngram_rows},
+            "best_measured": {"name": served["name"], "k": best_sweep["k"], "tau": best_sweep["tau"],
+                              "speedup": best_sweep["speedup"], "ngram_speedup": ngram_best["speedup"],
+                              "ngram_k": ngram_best["k"],
+                              "vs_ngram": best_sweep["speedup"] / ngram_best["speedup"] if ngram_best["speedup"]
+                              else None}}
 
 
 def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergences=DIVERGENCES,
@@ -159,88 +245,43 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
         raise CompareError(f"{run_dir}/generate is missing; run `draftsmith generate` (or distill) first")
     methods = check_choices(methods, divergences)
     (run_dir / "compare").mkdir(exist_ok=True)
-    default_div = recipe.train.divergence
-    rows = []
-    # Step 2: every method with the recipe's divergence
-    for m in methods:
-        rv = _variant_recipe(recipe, {**METHODS[m], "divergence": default_div, "data": "generated"}, steps)
-        rows.append(run_variant(f"{m}-{default_div}", rv, run_dir, target, tokenizer))
+    ctx = (recipe, run_dir, target, tokenizer)
+    rows = _method_rows(*ctx, methods, steps)
     trained = [r for r in rows if r["method"] != "int8"]
     best = max(trained or rows, key=lambda r: r["speedup"])
     best_m = best["name"].rsplit("-", 1)[0]
-    k = recipe.evaluate.k
-    # Step 3: hybrid of the best trained variant, and the n-gram baseline
-    rows.append(_decode_row("hybrid", f"hybrid:{best['dir']}", recipe, run_dir, target, tokenizer, k))
-    rows[-1]["method"] = f"hybrid ({best_m} + ngram)"
-    if (Path(best["dir"]) / DATASTORE_FILE).exists():  # what the datastore adds, and what the draft adds
-        rows[-1]["method"] = f"hybrid ({best_m} + ngram + datastore)"
-        rows.append(_decode_row("hybrid-nostore", f"hybrid-nostore:{best['dir']}", recipe, run_dir, target,
-                                tokenizer, k))
-        rows[-1]["method"] = f"hybrid ({best_m} + ngram), no datastore"
-        rows.append(_decode_row("ngram+datastore", f"datastore:{best['dir']}", recipe, run_dir, target,
-                                tokenizer, k))
-        rows[-1]["method"] = "ngram + datastore (no draft)"
-    int8 = [r for r in rows if r["method"] == "int8"]
-    if int8:  # the int8 copy accepts almost everything but costs half a target step: lookups are free
-        rows.append(_decode_row("int8+ngram", f"hybrid:{int8[0]['dir']}", recipe, run_dir, target, tokenizer, k))
-        rows[-1]["method"] = "hybrid (int8 + ngram)"
-    ngram = _decode_row("ngram", "ngram", recipe, run_dir, target, tokenizer, k)
-    rows.append(ngram)
-    # Step 4: divergences on the best method; the raw-text (undistilled) baseline
-    div_rows = [r for r in rows if r["name"] == f"{best_m}-{default_div}"]
-    for d in divergences:
-        if d == default_div:
-            continue
-        rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": d, "data": "generated"}, steps)
-        div_rows.append(run_variant(f"{best_m}-{d}", rv, run_dir, target, tokenizer))
-    # The lift: the best method on the generated data against the same method on raw text, both at
-    # lift_steps (default: the table's steps) and judged on lift_prompts held-out prompts (default: the
-    # table's). Given either, both arms are variants of their own ("-s<steps>-p<prompts>"): a short
-    # table's steps understate what distillation does at the recipe's, and τ on a handful of prompts
-    # moves by more than the lift (8 prompts gave 10% where 80 gave 15%, the same checkpoints).
-    raw = dist = None
+    rows += _served_rows(*ctx, rows, best, best_m)
+    ngram = rows[-1]
+    own = [r for r in rows if r["name"] == f"{best_m}-{recipe.train.divergence}"]
+    div_rows = _divergence_rows(*ctx, own, best_m, divergences, steps)
+    dist = raw = None
     lift_steps, lift_prompts = lift_steps or steps or recipe.train.steps, lift_prompts or recipe.evaluate.n_prompts
     if raw_baseline and METHODS[best_m]["method"] != "int8":
-        own = lift_steps == (steps or recipe.train.steps) and lift_prompts == recipe.evaluate.n_prompts
-        tag = "" if own else f"-s{lift_steps}-p{lift_prompts}"
-
-        def arm(data: str, extra: dict) -> dict:
-            rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": default_div, "data": data, **extra},
-                                 lift_steps, lift_prompts)
-            name = f"{best_m}-{default_div}{'-raw' if data == 'raw' else ''}{tag}"
-            return run_variant(name, rv, run_dir, target, tokenizer)
-
-        dist = best if own else arm("generated", {})  # own: the table's row is the distilled arm
-        raw = arm("raw", {"raw_windows": 0})
-    # K sweep (measured) on the best served proposer
+        dist, raw = _lift(*ctx, best, best_m, steps, lift_steps, lift_prompts)
+    # K sweep (measured) on the best served proposer: a variant's best/ dir, or "hybrid:<dir>"
     served = max([r for r in rows if r["name"] not in ("ngram", "ngram+datastore")], key=lambda r: r["speedup"])
-    src = served["dir"]  # a variant's best/ dir, or "hybrid:<dir>" for the served combinations
-    sweep = [_decode_row(f"{served['name']}@k", src, recipe, run_dir, target, tokenizer, kk) for kk in k_sweep]
+    sweep = [_decode_row(f"{served['name']}@k", served["dir"], *ctx, kk) for kk in k_sweep]
     out = {"methods": rows, "divergences": div_rows, "raw_baseline": raw, "best_method": best_m,
            "k_sweep": sweep, "served": served["name"], "n_prompts": recipe.evaluate.n_prompts,
            "max_new_tokens": recipe.evaluate.max_new_tokens, "dtype": recipe.dtype,
            "steps": steps or recipe.train.steps,
            "lift": {"steps": lift_steps, "n_prompts": lift_prompts, "distilled": dist} if raw else None,
            "distillation_tau_lift": (dist["tau"] / raw["tau"] - 1) if raw and raw["tau"] else None}
-    best_sweep = max(sweep, key=lambda r: r["speedup"])
-    # The n-gram proposer at its best measured K (the recipe's, the best sweep K's, and 8, the hybrid's
-    # lookup length): a hybrid's lookups propose 8 tokens at any K, so "the same K" would not be like
-    # with like.
-    ngram_rows = [ngram] + [_decode_row("ngram", "ngram", recipe, run_dir, target, tokenizer, kk)
-                            for kk in sorted({best_sweep["k"], 8} - {k})]
-    ngram_best = max(ngram_rows, key=lambda r: r["speedup"])
-    out["ngram_by_k"] = {r["k"]: r["speedup"] for r in ngram_rows}
-    out["best_measured"] = {"name": served["name"], "k": best_sweep["k"], "tau": best_sweep["tau"],
-                            "speedup": best_sweep["speedup"], "ngram_speedup": ngram_best["speedup"],
-                            "ngram_k": ngram_best["k"],
-                            "vs_ngram": best_sweep["speedup"] / ngram_best["speedup"] if ngram_best["speedup"] else None}
+    out |= _best_measured(*ctx, served, sweep, ngram)
     write_json_atomic(run_dir / "compare" / "compare.json", out)
+    _log(tracker, out)
+    return out
+
+
+def _log(tracker, out: dict) -> None:
     cols = ["name", "method", "divergence", "data", "alpha", "tau", "c", "k", "best_k", "speedup",
             "predicted_speedup", "train_tokens_per_s"]
-    tracker.table("compare/methods", cols, [[r.get(c) for c in cols] for r in rows + div_rows[1:] + ([raw] if raw else [])])
-    tracker.summary({"compare/best_speedup": best_sweep["speedup"], "compare/best_tau": best_sweep["tau"],
+    raw = [out["raw_baseline"]] if out["raw_baseline"] else []
+    rows = out["methods"] + out["divergences"][1:] + raw
+    tracker.table("compare/methods", cols, [[r.get(c) for c in cols] for r in rows])
+    b = out["best_measured"]
+    tracker.summary({"compare/best_speedup": b["speedup"], "compare/best_tau": b["tau"],
                      "compare/distillation_tau_lift": out["distillation_tau_lift"] or 0.0})
-    return out
 
 
 def _fmt(v, nd=2):

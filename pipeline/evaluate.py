@@ -1,46 +1,121 @@
 """Stage 3, evaluate: every checkpoint inside the project's speculative decoder, judged by measured speed.
 
-Step 3a: each checkpoint on the held-out prompts, greedy, batch 1: α, τ, acceptance per draft
-position, tokens/s of speculative and of plain decoding in the same decoder (taking turns prompt by
-prompt), speedup, the draft/target cost ratio c and the speedup predicted from α and c.
-Step 3b: the best checkpoint served as a hybrid with n-gram lookups (with and without its datastore),
-its token trees' node budget first fitted to this machine (replayed on validation prompts, costed with
-verify times measured here: eval.replay.fit_budget, after Sequoia's hardware-aware trees), and the
-n-gram baseline at its own K.
-Step 3c: the candidate with the best measured speedup, not the lowest loss, is promoted to best/;
-its greedy output is checked equal to plain greedy output exactly in fp32 on a subset of prompts. A
-promoted hybrid keeps its fitted budget in best/draftsmith_draft.json ("serve"), so it serves as measured.
-Every candidate's greedy output is compared with plain greedy output on every prompt in the
-recipe's dtype (bf16: match rate, and every divergence must be a near-tie of the target's top two
-logits; fp32: exact).
+The steps of `run_evaluate`:
+1. measure the checkpoints: each on the held-out prompts, greedy, batch 1, against plain decoding in
+   the same decoder (taking turns prompt by prompt): α, τ, acceptance per draft position, tokens/s,
+   speedup, the draft/target cost ratio c and the speedup predicted from α and c;
+2. fit the tree budget: the hybrid's node budget is fitted to this machine (replayed on validation
+   prompts, costed with verify times measured here: eval.replay.fit_budget, after Sequoia's
+   hardware-aware trees; docs/reference/replay.md);
+3. measure the served forms: the best checkpoint served as a hybrid with n-gram lookups (with and
+   without its datastore), and the n-gram baseline at its own K, all taking turns on each prompt;
+4. promote the candidate with the best measured speedup, not the lowest loss, to best/; its greedy
+   output is checked equal to plain greedy output exactly in fp32 on a subset of prompts. A promoted
+   hybrid keeps its fitted budget in best/draftsmith_draft.json ("serve"), so it serves as measured;
+5. write metrics.json.
+Every candidate's greedy output is compared with plain greedy output on every prompt in the recipe's
+dtype (bf16: match rate, and every divergence must be a near-tie of the target's top two logits;
+fp32: exact). Measurements are cached in run_dir/eval/ (pipeline.measure.MeasurementCache).
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import functools
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from eval import draft_dir
 from eval.datastore import FILE as DATASTORE_FILE
-from eval.decoder import SERVING_REV, SpeculativeDecoder
+from eval.draft_dir import SERVED_AS
 from eval.exactness import compare_greedy, exactness_rule
-from eval.proposers import SERVED_AS, load_proposer, serve_with
+from eval.proposers import load_proposer
 from eval.replay import fit_budget
-from eval.speedup import expected_speedup
 
 from .data import encode_prompt, read_jsonl
+from .measure import MeasurementCache, decode_pairs, decode_together, proposer_for
 from .models import check_tokenizers
 from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
+
+CHECKPOINT, SERVED, BASELINE = "checkpoint", "served", "baseline"
 
 
 class EvaluateError(ValueError):
     pass
 
+
+@dataclass(frozen=True)
+class Candidate:
+    """One thing evaluate measures and may promote."""
+
+    name: str = field(metadata={"help": "Its name in eval/<name>.json and metrics.json."})
+    source: str = field(metadata={"help": "What load_proposer loads: a draft directory, 'hybrid:<dir>', 'ngram'."})
+    k: int = field(metadata={"help": "Draft tokens proposed per round."})
+    role: str = field(metadata={"help": "checkpoint (a trained draft alone), served (a checkpoint served "
+                                        "another way) or baseline (no training, never promoted)."})
+    max_nodes: int | None = field(default=None, metadata={"help": "A served form's tree node budget."})
+
+    @property
+    def files(self) -> str | None:
+        """The source whose files its measurement depends on; a baseline has no directory."""
+        return None if self.role == BASELINE else self.source
+
+    @property
+    def settings(self) -> dict | None:
+        """Serving settings its measurement depends on, beyond the evaluate section."""
+        return {"max_nodes": self.max_nodes} if self.max_nodes else None
+
+
+@dataclass
+class HeldOut:
+    """The held-out prompts every candidate is judged on, with the decoding settings and the cache."""
+
+    target: object
+    prompts: list[list[int]]
+    cfg: object  # the recipe's EvaluateConfig
+    eos: int | None
+    cache: MeasurementCache
+
+    @classmethod
+    def open(cls, recipe, run_dir: Path, target, tokenizer) -> "HeldOut":
+        cache_dir = Path(run_dir) / "eval"
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        prompts = heldout_ids(recipe, run_dir, tokenizer)
+        settings = {"evaluate": recipe.to_dict()["evaluate"], "dtype": recipe.dtype, "n": len(prompts)}
+        return cls(target, prompts, recipe.evaluate, tokenizer.eos_token_id, MeasurementCache(cache_dir, settings))
+
+    def measure(self, cands: list[Candidate]) -> dict[str, dict]:
+        """{name: result} for `cands`: read back from the cache, or measured together (taking turns with
+        plain decoding on each prompt) and stored."""
+        done = {c.name: self.cache.read(c.name, c.files, c.settings) for c in cands}
+        todo = [c for c in cands if done[c.name] is None]
+        if todo:
+            props = {c.name: (proposer_for(c.source, self.target, c.max_nodes), c.k) for c in todo}
+            plain_seqs, plain, outs = decode_together(self.target, props, self.prompts, self.cfg.max_new_tokens,
+                                                      self.eos, "+".join(props))
+            for c in todo:
+                result = self.judge(c, plain_seqs, plain, *outs[c.name])
+                done[c.name] = self.cache.store(c.name, result, c.files, c.settings)
+        return done
+
+    def judge(self, c: Candidate, plain_seqs, plain: dict, seqs, stats: dict) -> dict:
+        """A candidate's result: its stats, its speedup over the plain runs it took turns with, and its
+        greedy output against plain decoding's."""
+        match = compare_greedy(self.target, self.prompts, plain_seqs, seqs, tol=self.cfg.near_tie_tol)
+        out = {"name": c.name, "source": c.source, "stats": stats, "plain_stats": plain,
+               "speedup": stats["tokens_per_s"] / plain["tokens_per_s"],
+               "match_rate": match["match_rate"], "exact_match": bool(match["exact"]),
+               "divergences": match["divergences"], "all_near_ties": bool(match["all_near_ties"])}
+        if c.role != CHECKPOINT:
+            out["max_nodes"] = c.max_nodes
+        return out
+
+
+# ------------------------------------------------------------------------------- inputs
 
 def heldout_ids(recipe, run_dir: Path, tokenizer) -> list[list[int]]:
     path = Path(run_dir) / "prompts" / "heldout.jsonl"
@@ -63,95 +138,6 @@ def fit_prompt_ids(recipe, run_dir: Path, tokenizer) -> tuple[str, list[list[int
                         f"run the generate stage first, or set evaluate.tree_budgets to one value")
 
 
-def proposer_for(src: str, target, max_nodes: int | None = None):
-    """load_proposer(src), its tree's node budget set when given (a hybrid's fitted budget)."""
-    return serve_with(load_proposer(src, target), None if max_nodes is None else {"max_nodes": max_nodes}, src)
-
-
-def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos, desc: str):
-    """Batch 1, prompt by prompt: plain decoding and speculative decoding take turns on each prompt,
-    both in our decoder, so the speed drift of a shared machine (tens of percent over minutes here)
-    falls on both alike and their ratio holds. Returns (plain seqs, plain stats, spec seqs, spec stats)."""
-    plain_seqs, plain, out = decode_together(target, {desc: (proposer, k)}, prompts, max_new_tokens, eos, desc)
-    return plain_seqs, plain, *out[desc]
-
-
-def decode_together(target, proposers: dict, prompts: list[list[int]], max_new_tokens: int, eos, desc: str):
-    """decode_pairs for several proposers at once ({name: (proposer, k)}): on each prompt plain decoding
-    and every proposer take a turn, in an order that rotates by prompt, so candidates that evaluate
-    compares with each other meet the same minutes of machine drift, not only their own plain runs.
-    Returns (plain seqs, plain stats, {name: (seqs, stats)})."""
-    decs = [(None, SpeculativeDecoder(target, None))] + [
-        (name, SpeculativeDecoder(target, prop, k=k)) for name, (prop, k) in proposers.items()]
-    for _, dec in decs:  # warm-up, not timed
-        dec.generate([prompts[0][:16]], max_new_tokens=4, eos_token_id=eos)
-    seqs = {name: [] for name, _ in decs}
-    stats = {name: [] for name, _ in decs}
-    for i, p in enumerate(tqdm(prompts, desc=desc, leave=False)):
-        r = i % len(decs)
-        for name, dec in decs[r:] + decs[:r]:
-            res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
-            seqs[name].append(res.sequences[0])
-            stats[name].append(res.stats)
-    return seqs[None], aggregate(stats[None]), {n: (seqs[n], aggregate(stats[n])) for n in proposers}
-
-
-def aggregate(per: list[dict]) -> dict:
-    """Sum counters over batch-1 runs; rates are recomputed from the sums, not averaged."""
-    tot = lambda key: sum(s.get(key, 0) or 0 for s in per)  # noqa: E731
-    n_tokens, wall = tot("n_tokens"), tot("wall_s")
-    out = {"n_tokens": n_tokens, "wall_s": wall, "tokens_per_s": n_tokens / wall if wall else 0.0,
-           "target_forwards": tot("target_forwards"), "proposed": tot("proposed"), "accepted": tot("accepted"),
-           "tree_rounds": tot("tree_rounds"),
-           "draft_time_s": tot("draft_time_s"), "verify_time_s": tot("verify_time_s"),
-           "peak_mem_bytes": max((s.get("peak_mem_bytes") or 0) for s in per),
-           "row_invariant": bool(per) and all(s.get("row_invariant", False) for s in per)}
-    # τ here: the emitted tokens per target forward, each prompt's prefill included. The decoder's own
-    # stats (and eval.replay) count verify rounds only and each round's a + 1 uncapped, so they read a
-    # little higher on the same run (1.636 against 1.62 on 80 prompts: docs/compare.md).
-    out["tau"] = n_tokens / out["target_forwards"] if out["target_forwards"] else 0.0
-    out["alpha"] = out["accepted"] / out["proposed"] if out["proposed"] else 0.0
-    hists = [s.get("accept_len_hist") or [] for s in per]
-    width = max((len(h) for h in hists), default=0)
-    hist = [sum(h[j] if j < len(h) else 0 for h in hists) for j in range(width)]
-    out["accept_len_hist"] = hist
-    # P(draft position i accepted | position i reached), from the summed histogram.
-    out["accept_per_pos"] = [sum(hist[i + 1:]) / sum(hist[i:]) if sum(hist[i:]) else 0.0
-                             for i in range(max(width - 1, 0))]
-    cs = [(s["c"], s.get("proposed", 0)) for s in per if s.get("c") is not None]
-    w = sum(x[1] for x in cs)
-    out["c"] = sum(c * n for c, n in cs) / w if w else None
-    ks = [s.get("k") for s in per if s.get("k") is not None]
-    out["k"] = sum(ks) / len(ks) if ks else None
-    # The formula's α is the per-token acceptance of a geometric run (accepted / reached), as in the
-    # decoder's own `alpha_hat`; accepted / proposed would count the drafts after a rejection too.
-    K = width - 1
-    reached = sum(n * min(j + 1, K) for j, n in enumerate(hist))
-    out["alpha_hat"] = out["accepted"] / reached if reached else 0.0
-    if out["c"] is not None and out["k"]:
-        out["predicted_speedup"] = expected_speedup(out["alpha_hat"], out["k"], out["c"])
-    return out
-
-
-def _fp32_check(target, proposer_src, prompts, k, max_new_tokens, eos, max_nodes=None) -> bool:
-    """Greedy speculative == plain greedy, token for token, with the target (and draft) in fp32."""
-    t32 = copy.deepcopy(target).float()
-    plain, _, spec, _ = decode_pairs(t32, proposer_for(proposer_src, t32, max_nodes), prompts, k, max_new_tokens, eos,
-                                     "fp32 check")
-    del t32
-    return plain == spec
-
-
-def source_fingerprint(src: str) -> list:
-    """What a cached measurement of `src` ("ngram", a draft directory, "hybrid:<dir>", ...) depends on
-    besides the decoder: the draft directory's file names and sizes, so that e.g. a datastore added to
-    a checkpoint later measures again instead of reading back the result without it."""
-    d = Path(str(src).split(":", 1)[-1])
-    if not d.is_dir():
-        return []
-    return sorted([p.name, p.stat().st_size] for p in d.iterdir() if p.is_file() and p.name != "trainer_state.pt")
-
-
 def checkpoints(run_dir: Path) -> list[Path]:
     m = read_manifest(Path(run_dir) / "train")
     names = m.get("checkpoints") or []
@@ -160,172 +146,219 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return [Path(run_dir) / "train" / n for n in names]
 
 
-def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict:
-    """Evaluate every checkpoint (resumable: finished ones are read back), promote the best, write
-    metrics.json and return it."""
-    tracker = tracker or NoOpTracker()
-    cfg = recipe.evaluate
-    run_dir = Path(run_dir)
-    out_dir = run_dir / "eval"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    eos = tokenizer.eos_token_id
-    prompts = heldout_ids(recipe, run_dir, tokenizer)
-    key = {"evaluate": recipe.to_dict()["evaluate"], "dtype": recipe.dtype, "n": len(prompts),
-           "serving": SERVING_REV}  # a decoder change measures again
-
-    def cache_key(src, extra=None) -> dict:
-        return (key | {"files": source_fingerprint(src)} if src is not None else key) | (extra or {})
-
-    def read_cached(name: str, src=None, extra=None) -> dict | None:
-        path = out_dir / f"{name}.json"
-        if path.exists():
-            prev = json.loads(path.read_text())
-            if prev.get("key") == cache_key(src, extra):
-                return prev
-        return None
-
-    def store(name: str, result: dict, src=None, extra=None) -> dict:
-        result["key"] = cache_key(src, extra)
-        write_json_atomic(out_dir / f"{name}.json", result)
-        return result
-
-    def cached(name: str, fn, src=None) -> dict:
-        prev = read_cached(name, src)
-        return prev if prev is not None else store(name, fn(), src)
-
-    def judged(name, src, plain_seqs, plain, seqs, stats) -> dict:
-        match = compare_greedy(target, prompts, plain_seqs, seqs, tol=cfg.near_tie_tol)
-        return {"name": name, "source": str(src), "stats": stats, "plain_stats": plain,
-                "speedup": stats["tokens_per_s"] / plain["tokens_per_s"],
-                "match_rate": match["match_rate"], "exact_match": bool(match["exact"]),
-                "divergences": match["divergences"], "all_near_ties": bool(match["all_near_ties"])}
-
-    def evaluate_one(name: str, src) -> dict:
-        plain_seqs, plain, seqs, stats = decode_pairs(target, load_proposer(src, target), prompts, cfg.k,
-                                                      cfg.max_new_tokens, eos, name)
-        return judged(name, src, plain_seqs, plain, seqs, stats)
-
-    # Step 3a: every checkpoint, alone, against plain decoding in the same decoder. A draft LM must
-    # share the target's tokenizer (its ids must mean the same tokens): checked before any decoding.
-    ckpts = checkpoints(run_dir)
+def check_draft_tokenizers(ckpts: list[Path], tokenizer) -> None:
+    """A draft LM must share the target's tokenizer (its ids must mean the same tokens): checked
+    before any decoding."""
     for ck in ckpts:
         if draft_dir.read_meta(ck)["kind"] == "draft_lm":
             from transformers import AutoTokenizer
 
             check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(ck), f"draft {ck}")
+
+
+# ------------------------------------------------------------------------------- steps
+
+def measure_checkpoints(held: HeldOut, ckpts: list[Path]) -> list[dict]:
+    """Step 1: every checkpoint, alone, against plain decoding in the same decoder."""
     results = []
     for ck in tqdm(ckpts, desc="evaluate checkpoints"):
-        results.append(cached(ck.name, lambda ck=ck: evaluate_one(ck.name, ck), ck))
-    # Step 3b: the best checkpoint served with n-gram lookups (hybrid), with and without its datastore
-    # when it has one (its extra tree nodes pay on some outputs and not on others: measured, not
-    # assumed), and the n-gram baseline at its own K.
-    # These candidates are measured together, taking turns prompt by prompt (decode_together): the
-    # hybrid forms measured one after the other differed by more than their paired runs did (1.69x
-    # and 1.55x, against 1.78x and 1.92x when interleaved on 24 prompts).
-    # The checkpoint served as the hybrid is the one with the highest tau: checkpoints of one run share
-    # the draft's architecture, so a round costs the same with each and tau orders their speed without
-    # the timing noise (checkpoints 300/600/900 alone measured 1.19x/1.18x/1.18x on 16 prompts while
-    # their tau rose 1.46/1.51/1.52). Promotion below is still by measured speedup.
-    best_ck = max(results, key=lambda r: (r["stats"].get("tau", 1.0), r["speedup"]))
-    # (name, source, K, the files its cached figures depend on: None for the n-gram baseline, max_nodes)
-    jobs = []
-    fit = None
-    if cfg.hybrid:
-        forms = [("+ngram", "hybrid:")]
-        if (Path(best_ck["source"]) / DATASTORE_FILE).exists():
-            forms.append(("+ngram-nostore", "hybrid-nostore:"))
-        srcs = [f"{prefix}{best_ck['source']}" for _, prefix in forms]
-        budgets = {src: cfg.tree_budgets[0] for src in srcs}
-        if len(cfg.tree_budgets) > 1:
-            # What a tree node costs is this machine's (a 9-row verify cost 1.4x a one-token step on
-            # one VM and 1.6x on another, whose best budget was 4-6 nodes instead of 10): fitted here.
-            def do_fit():
-                split, fit_ids = fit_prompt_ids(recipe, run_dir, tokenizer)
-                out = fit_budget(target, {src: lambda src=src: load_proposer(src, target) for src in srcs},
-                                 fit_ids, cfg.k, cfg.max_new_tokens, eos, cfg.tree_budgets)
-                return out | {"prompts": split, "n_prompts": len(fit_ids)}
-            fit = cached(f"{best_ck['name']}.tree-budget", do_fit, best_ck["source"])
-            budgets = {src: fit["fits"][src]["max_nodes"] for src in srcs}
-        for (suffix, _), src in zip(forms, srcs):
-            jobs.append((f"{best_ck['name']}{suffix}", src, cfg.k, src, budgets[src]))
-    if cfg.baselines:
-        jobs.append(("ngram", "ngram", cfg.ngram_k, None, None))
-    done = {name: read_cached(name, files, {"max_nodes": n} if n else None) for name, _, _, files, n in jobs}
-    todo = [j for j in jobs if done[j[0]] is None]
-    if todo:
-        plain_seqs, plain, outs = decode_together(target, {name: (proposer_for(src, target, n), k) for name, src, k, _, n in todo},
-                                                  prompts, cfg.max_new_tokens, eos, "+".join(j[0] for j in todo))
-        for name, src, _, files, n in todo:
-            res = judged(name, src, plain_seqs, plain, *outs[name]) | {"max_nodes": n}
-            done[name] = store(name, res, files, {"max_nodes": n} if n else None)
-    results += [done[name] for name, *_ in jobs if name != "ngram"]
-    baseline = done.get("ngram")
+        c = Candidate(ck.name, str(ck), held.cfg.k, CHECKPOINT)
+        results.append(held.measure([c])[c.name])
+    return results
 
-    for r in results + ([baseline] if baseline else []):
+
+def served_sources(ck_dir: str) -> list[tuple[str, str]]:
+    """(name suffix, source) for each way the checkpoint is served: a hybrid with n-gram lookups, and
+    the same without its datastore when it has one (what the datastore adds is measured, not assumed)."""
+    forms = [("+ngram", f"hybrid:{ck_dir}")]
+    if (Path(ck_dir) / DATASTORE_FILE).exists():
+        forms.append(("+ngram-nostore", f"hybrid-nostore:{ck_dir}"))
+    return forms
+
+
+def fit_tree_budget(held: HeldOut, recipe, run_dir: Path, tokenizer, best_ck: dict, sources: list[str]) -> dict | None:
+    """Step 2: the node budget each served form runs fastest with on this machine, replayed on the
+    validation prompts (cached under the checkpoint's name); None when the recipe fixes one budget."""
+    cfg = recipe.evaluate
+    if len(cfg.tree_budgets) <= 1:
+        return None
+    name = f"{best_ck['name']}.tree-budget"
+    fit = held.cache.read(name, best_ck["source"])
+    if fit is None:
+        split, fit_ids = fit_prompt_ids(recipe, run_dir, tokenizer)
+        makers = {src: functools.partial(load_proposer, src, held.target) for src in sources}
+        fit = fit_budget(held.target, makers, fit_ids, cfg.k, cfg.max_new_tokens, held.eos, cfg.tree_budgets)
+        fit = held.cache.store(name, fit | {"prompts": split, "n_prompts": len(fit_ids)}, best_ck["source"])
+    return fit
+
+
+def served_candidates(cfg, best_ck: dict, fit: dict | None) -> list[Candidate]:
+    """Step 3's candidates: the best checkpoint's served forms at their budgets, then the n-gram baseline."""
+    cands = []
+    if cfg.hybrid:
+        for suffix, src in served_sources(best_ck["source"]):
+            n = fit["fits"][src]["max_nodes"] if fit else cfg.tree_budgets[0]
+            cands.append(Candidate(f"{best_ck['name']}{suffix}", src, cfg.k, SERVED, n))
+    if cfg.baselines:
+        cands.append(Candidate("ngram", "ngram", cfg.ngram_k, BASELINE))
+    return cands
+
+
+def log_results(tracker, results: list[dict]) -> None:
+    for r in results:
         s = r["stats"]
         tracker.log({f"eval/{r['name']}/{k}": s[k] for k in ("alpha", "tau", "tokens_per_s") if k in s}
                     | {f"eval/{r['name']}/speedup": r["speedup"]})
         tracker.table(f"eval/{r['name']}/per_position", ["position", "acceptance"],
                       [[i + 1, a] for i, a in enumerate(s["accept_per_pos"])])
 
-    # Step 3c: promote by measured speedup; prove exactness of the promoted draft in fp32.
-    best = max(results, key=lambda r: r["speedup"])
-    how, sep, rest = best["source"].partition(":")  # "<how>:<draft dir>" for a served form (SERVED_AS)
-    served = how if sep and how in SERVED_AS else None
-    hybrid = served is not None
-    src_dir = Path(rest if hybrid else best["source"])
-    n32 = min(cfg.fp32_prompts, len(prompts))
-    max_nodes = best.get("max_nodes") if hybrid else None
-    fp32_exact = (_fp32_check(target, best["source"], prompts[:n32], cfg.k, cfg.max_new_tokens, eos, max_nodes)
-                  if n32 else None)
-    for r in results + ([baseline] if baseline else []):
-        r["exactness_rule"] = exactness_rule(recipe.dtype, r["stats"].get("row_invariant", False))
+
+def served_as(source: str) -> tuple[str | None, Path]:
+    """("hybrid" or "hybrid-nostore", its draft directory) for a served form's "<how>:<dir>" source
+    (SERVED_AS); (None, the directory) for a checkpoint."""
+    how, sep, rest = source.partition(":")
+    return (how, Path(rest)) if sep and how in SERVED_AS else (None, Path(source))
+
+
+def check_fp32(held: HeldOut, best: dict) -> tuple[bool | None, int]:
+    """Greedy speculative == plain greedy, token for token, with the target (and draft) in fp32, on the
+    first fp32_prompts prompts. Returns (exact, or None when no prompt is checked; prompts checked)."""
+    cfg = held.cfg
+    n = min(cfg.fp32_prompts, len(held.prompts))
+    if not n:
+        return None, n
+    served, _ = served_as(best["source"])
+    max_nodes = best.get("max_nodes") if served else None
+    t32 = copy.deepcopy(held.target).float()
+    plain, _, spec, _ = decode_pairs(t32, proposer_for(best["source"], t32, max_nodes), held.prompts[:n], cfg.k,
+                                     cfg.max_new_tokens, held.eos, "fp32 check")
+    del t32
+    return plain == spec, n
+
+
+def mark_exactness(results: list[dict], best: dict, dtype: str, exact32: bool | None) -> None:
+    """Each result's exactness rule and verdict; the promoted one must also pass the fp32 check."""
+    for r in results:
+        r["exactness_rule"] = exactness_rule(dtype, r["stats"].get("row_invariant", False))
         ok = r["exact_match"] if r["exactness_rule"] == "exact" else r["all_near_ties"]
-        r["greedy_exact"] = bool(ok) and (fp32_exact is not False if r is best else True)
-    best_dir = run_dir / "best"
+        r["greedy_exact"] = bool(ok) and (exact32 is not False if r is best else True)
+
+
+def copy_best(best: dict, run_dir: Path) -> dict:
+    """The promoted candidate's draft directory copied to best/ (through a temporary directory) with how
+    it serves in its metadata; returns that metadata."""
+    served, src_dir = served_as(best["source"])
     tmp = run_dir / ".best-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     # A hybrid promoted without its datastore is promoted without the file: best/ serves as measured.
     skip = ("trainer_state.pt",) + ((DATASTORE_FILE,) if served == "hybrid-nostore" else ())
     shutil.copytree(src_dir, tmp, ignore=shutil.ignore_patterns(*skip))
     meta = draft_dir.read_meta(tmp)
-    meta["proposer"] = "hybrid" if hybrid else "draft"
+    meta["proposer"] = "hybrid" if served else "draft"
     meta.pop("serve", None)
-    if max_nodes is not None:
-        meta["serve"] = {"max_nodes": max_nodes}  # eval.proposers applies it when it loads best/
+    if served and best.get("max_nodes") is not None:
+        meta["serve"] = {"max_nodes": best["max_nodes"]}  # eval.proposers applies it when it loads best/
     draft_dir.write_meta(tmp, meta)
-    shutil.rmtree(best_dir, ignore_errors=True)
-    tmp.rename(best_dir)
+    shutil.rmtree(run_dir / "best", ignore_errors=True)
+    tmp.rename(run_dir / "best")
+    return meta
 
-    draft_meta = meta
-    s = best["stats"]
+
+@dataclass
+class Promotion:
+    """The candidate promoted to best/ and what was checked of it."""
+
+    result: dict  # its measurement
+    meta: dict  # best/'s draft metadata
+    served: str | None  # "hybrid" or "hybrid-nostore" for a served form, None for a bare checkpoint
+    fp32_exact: bool | None
+    fp32_prompts: int
+    datastore: bool  # best/ holds a datastore
+
+
+def promote(held: HeldOut, results: list[dict], every: list[dict], run_dir: Path, dtype: str) -> Promotion:
+    """Step 4: the result with the best measured speedup (baselines excluded) goes to best/, its
+    exactness proven in fp32; every result gets its exactness verdict."""
+    best = max(results, key=lambda r: r["speedup"])
+    exact32, n32 = check_fp32(held, best)
+    mark_exactness(every, best, dtype, exact32)
+    meta = copy_best(best, run_dir)
+    return Promotion(best, meta, served_as(best["source"])[0], exact32, n32,
+                     (run_dir / "best" / DATASTORE_FILE).exists())
+
+
+def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict:
+    """Evaluate every checkpoint (resumable: finished ones are read back), promote the best, write
+    metrics.json and return it."""
+    tracker = tracker or NoOpTracker()
+    run_dir = Path(run_dir)
+    cfg = recipe.evaluate
+    held = HeldOut.open(recipe, run_dir, target, tokenizer)
+    ckpts = checkpoints(run_dir)
+    check_draft_tokenizers(ckpts, tokenizer)
+    results = measure_checkpoints(held, ckpts)
+    # The checkpoint served in step 3 is the one with the highest τ: checkpoints of one run share the
+    # draft's architecture, so a round costs the same with each and τ orders their speed without the
+    # timing noise. Promotion is still by measured speedup.
+    best_ck = max(results, key=lambda r: (r["stats"].get("tau", 1.0), r["speedup"]))
+    fit = None
+    if cfg.hybrid:
+        fit = fit_tree_budget(held, recipe, run_dir, tokenizer, best_ck,
+                              [src for _, src in served_sources(best_ck["source"])])
+    cands = served_candidates(cfg, best_ck, fit)
+    measured = held.measure(cands)
+    results += [measured[c.name] for c in cands if c.role == SERVED]
+    baseline = measured.get("ngram")
+    every = results + ([baseline] if baseline else [])
+    log_results(tracker, every)
+
+    promoted = promote(held, results, every, run_dir, recipe.dtype)
+    metrics = metrics_for(recipe, held, results, baseline, fit, promoted)
+    write_json_atomic(run_dir / "metrics.json", metrics)
+    tracker.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))})
+    return metrics
+
+
+# ------------------------------------------------------------------------------- metrics
+
+def _brief(r: dict) -> dict:
+    s = r["stats"]
+    return {"alpha": s["alpha"], "tau": s["tau"], "tokens_per_s": s["tokens_per_s"], "speedup": r["speedup"],
+            "greedy_exact": r["greedy_exact"]}
+
+
+def _budget_fit(fit: dict | None, p: Promotion) -> dict | None:
+    """The fit behind a promoted hybrid's budget, for the report."""
+    if fit is None or p.served is None:
+        return None
+    return {"prompts": fit["prompts"], "n_prompts": fit["n_prompts"], "verify_ms": fit["verify_ms"],
+            "budgets": fit["fits"][p.result["source"]]["budgets"]}
+
+
+def metrics_for(recipe, held: HeldOut, results: list[dict], baseline: dict | None, fit: dict | None,
+                p: Promotion) -> dict:
+    """metrics.json: the promoted candidate's figures, every candidate's summary and the n-gram baseline."""
+    cfg, best, s = recipe.evaluate, p.result, p.result["stats"]
+    hybrid = p.served is not None
     plain_tps = sum(r["plain_stats"]["n_tokens"] for r in results) / sum(r["plain_stats"]["wall_s"] for r in results)
-    metrics = {
-        "domain": recipe.domain, "target": recipe.target, "draft_method": draft_meta.get("method", draft_meta["kind"])
-        + ("+ngram" if hybrid else "") + ("+datastore" if hybrid and (best_dir / DATASTORE_FILE).exists() else ""),
-        "divergence": draft_meta.get("divergence"), "checkpoint": best["name"], "k": cfg.k, "ngram_k": cfg.ngram_k,
+    return {
+        "domain": recipe.domain, "target": recipe.target,
+        "draft_method": p.meta.get("method", p.meta["kind"]) + ("+ngram" if hybrid else "")
+        + ("+datastore" if hybrid and p.datastore else ""),
+        "divergence": p.meta.get("divergence"), "checkpoint": best["name"], "k": cfg.k, "ngram_k": cfg.ngram_k,
         "alpha": s["alpha"], "tau": s["tau"], "accept_per_pos": s["accept_per_pos"],
         # Plain tokens/s over every candidate's paired runs; the speedup is the promoted candidate's
         # own paired ratio (its plain runs interleaved with its speculative runs).
         "tokens_per_s_plain": plain_tps, "tokens_per_s_spec": s["tokens_per_s"],
-        "speedup": best["speedup"], "c": s.get("c"), "alpha_hat": s.get("alpha_hat"), "predicted_speedup": s.get("predicted_speedup"),
-        "tree_rounds": s.get("tree_rounds", 0), "max_nodes": max_nodes,
-        "tree_budget_fit": None if fit is None or not hybrid else {
-            "prompts": fit["prompts"], "n_prompts": fit["n_prompts"], "verify_ms": fit["verify_ms"],
-            "budgets": fit["fits"][best["source"]]["budgets"]},
-        "greedy_exact": best["greedy_exact"], "exactness_rule": best["exactness_rule"], "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
-        "fp32_exact": fp32_exact, "fp32_prompts": n32, "n_divergences": len(best["divergences"]),
+        "speedup": best["speedup"], "c": s.get("c"), "alpha_hat": s.get("alpha_hat"),
+        "predicted_speedup": s.get("predicted_speedup"), "tree_rounds": s.get("tree_rounds", 0),
+        "max_nodes": best.get("max_nodes") if hybrid else None, "tree_budget_fit": _budget_fit(fit, p),
+        "greedy_exact": best["greedy_exact"], "exactness_rule": best["exactness_rule"],
+        "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
+        "fp32_exact": p.fp32_exact, "fp32_prompts": p.fp32_prompts, "n_divergences": len(best["divergences"]),
         "max_divergence_margin": max((d["margin"] for d in best["divergences"]), default=None),
-        "near_tie_tol": cfg.near_tie_tol, "n_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
-        "dtype": recipe.dtype, "device": str(next(target.parameters()).device),
-        "checkpoints": [{"name": r["name"], "alpha": r["stats"]["alpha"], "tau": r["stats"]["tau"],
-                         "tokens_per_s": r["stats"]["tokens_per_s"], "speedup": r["speedup"],
-                         "greedy_exact": r["greedy_exact"]} for r in results],
-        "ngram_baseline": None if baseline is None else {
-            "alpha": baseline["stats"]["alpha"], "tau": baseline["stats"]["tau"],
-            "tokens_per_s": baseline["stats"]["tokens_per_s"], "speedup": baseline["speedup"],
-            "greedy_exact": baseline["greedy_exact"]},
+        "near_tie_tol": cfg.near_tie_tol, "n_prompts": len(held.prompts), "max_new_tokens": cfg.max_new_tokens,
+        "dtype": recipe.dtype, "device": str(next(held.target.parameters()).device),
+        "checkpoints": [{"name": r["name"], **_brief(r)} for r in results],
+        "ngram_baseline": None if baseline is None else _brief(baseline),
     }
-    write_json_atomic(run_dir / "metrics.json", metrics)
-    tracker.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))})
-    return metrics

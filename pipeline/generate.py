@@ -91,11 +91,10 @@ def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
 def make_decoder(model):
     """This project's decoder (eval/decoder.py, plain decoding) for the generate stage where the target
     runs on its lean forward (Llama-family), else None: HF `generate` then. Why not HF `generate` for
-    all: on this project's CPU it decoded 215 tok/s at batch 32 (bf16, SmolLM2-135M) against 337-354
-    for the lean forward at batch 16-32, and its bf16 greedy tokens are not the ones the served decoder
-    produces (they differ at near-ties: HF's attention runs in bf16, ours in fp32), while drafts are
-    judged against the served decoder's. The decoder's batches are ragged: each row at its own
-    positions, so a row's tokens do not depend on the batch it is in."""
+    all: it is slower on CPU (docs/reference/kernels.md), and its bf16 greedy tokens are not the ones
+    the served decoder produces (they differ at near-ties: HF's attention runs in bf16, ours in fp32),
+    while drafts are judged against the served decoder's. The decoder's batches are ragged: each row
+    at its own positions, so a row's tokens do not depend on the batch it is in."""
     from eval.decoder import SpeculativeDecoder
     from eval.target import lean_supported
 
@@ -178,8 +177,6 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
     Reads `run_dir/prompts/train.jsonl` (built from the recipe by the main process when missing).
     Shards already complete are kept; missing or corrupted ones are logged and regenerated."""
     from accelerate import Accelerator
-    from datasets import Dataset
-    from tqdm.auto import tqdm
 
     from .models import load_target
 
@@ -215,6 +212,20 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
               "engine": "draftsmith-decoder" if lean_supported(model) else "transformers-generate",
               "complete": False}
 
+    done = _keep_finished_shards(stage, header, n_shards, accelerator)
+    todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done]
+    _write_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids, is_main)
+    print(f"[generate] process {p}/{n_proc} wrote shards {[shards.shard_name(i) for i in todo]}", file=sys.stderr)
+    accelerator.wait_for_everyone()
+    if is_main:
+        _mark_complete(stage, header, n_shards)
+    accelerator.wait_for_everyone()
+    return stage
+
+
+def _keep_finished_shards(stage: Path, header: dict, n_shards: int, accelerator) -> dict:
+    """The manifest keeps the shards still complete on disk (the main process rewrites it, naming the
+    missing or corrupted ones); returns {shard name: entry} of those."""
     old = shards.read_manifest(stage)
     if old.get("generate_hash") not in (None, header["generate_hash"]):
         raise shards.ShardError(f"{stage} was generated with different data/generate settings "
@@ -222,7 +233,7 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
                                 f"use a new run id or delete {stage}")
     done = shards.complete_shards(stage)
     accelerator.wait_for_everyone()  # everyone has read the old state before the main process rewrites it
-    if is_main:
+    if accelerator.is_main_process:
         with _manifest_lock(stage):
             m = shards.read_manifest(stage)
             for name in sorted(set(m.get("shards", {})) - set(done)):
@@ -232,8 +243,16 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
             m["shards"] = {k: v for k, v in done.items() if int(k.split("-")[1]) < n_shards}
             shards.write_json_atomic(stage / shards.MANIFEST, m)
     accelerator.wait_for_everyone()
+    return done
 
-    todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done]
+
+def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: dict, pad_id, eos_ids,
+                  is_main: bool) -> None:
+    """Generate this process's shards `todo`, each saved and recorded in the manifest when done."""
+    from datasets import Dataset
+    from tqdm.auto import tqdm
+
+    g = recipe.generate
     n_todo_batches = sum(len(batches[i * g.batches_per_shard:(i + 1) * g.batches_per_shard]) for i in todo)
     bar = tqdm(total=n_todo_batches, desc="generate", unit="batch", disable=not is_main)
     decoder = make_decoder(model) if todo else None
@@ -249,22 +268,20 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
         with _manifest_lock(stage):
             shards.record_shard(stage, i, entry, header)
     bar.close()
-    print(f"[generate] process {p}/{n_proc} wrote shards {[shards.shard_name(i) for i in todo]}", file=sys.stderr)
 
-    accelerator.wait_for_everyone()
-    if is_main:
-        with _manifest_lock(stage):
-            ok = shards.complete_shards(stage)
-            missing = [shards.shard_name(i) for i in range(n_shards) if shards.shard_name(i) not in ok]
-            if missing:
-                raise shards.ShardError(f"{stage}: shards {', '.join(missing)} are missing after generation; "
-                                        f"rerun the generate stage (same run id) to resume")
-            m = shards.read_manifest(stage)
-            m.update(header)
-            m["complete"] = True
-            shards.write_json_atomic(stage / shards.MANIFEST, m)
-    accelerator.wait_for_everyone()
-    return stage
+
+def _mark_complete(stage: Path, header: dict, n_shards: int) -> None:
+    """Main process, after every process finished: every shard present, or a ShardError naming the missing."""
+    with _manifest_lock(stage):
+        ok = shards.complete_shards(stage)
+        missing = [shards.shard_name(i) for i in range(n_shards) if shards.shard_name(i) not in ok]
+        if missing:
+            raise shards.ShardError(f"{stage}: shards {', '.join(missing)} are missing after generation; "
+                                    f"rerun the generate stage (same run id) to resume")
+        m = shards.read_manifest(stage)
+        m.update(header)
+        m["complete"] = True
+        shards.write_json_atomic(stage / shards.MANIFEST, m)
 
 
 def main(argv=None) -> int:

@@ -74,33 +74,44 @@ def test_draft_lm_includes_hf_assisted(tiny, tmp_path):
 
 
 def _err(capsys):
+    """The one `bench: ...` line a bad input prints (the last line of stderr)."""
     err = capsys.readouterr().err.strip().splitlines()
-    return err[-1] if err else ""
+    assert err and err[-1].startswith("bench: ") and sum(e.startswith("bench: ") for e in err) == 1, err
+    return err[-1]
 
 
 def test_bad_inputs_fail_with_one_line(tiny, tmp_path, capsys):
     base = ["--target", tiny["target"], "--draft", "ngram"]
-    assert bench.main(base + ["--prompts", str(tmp_path / "nope.jsonl")]) != 0
+    assert bench.main(base + ["--prompts", str(tmp_path / "nope.jsonl")]) == 2
     assert "does not exist" in _err(capsys)
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    assert bench.main(base + ["--prompts", str(empty)]) != 0
+    assert bench.main(base + ["--prompts", str(empty)]) == 2
     assert "is empty" in _err(capsys)
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "w1"}\n{"prompt": \n')
-    assert bench.main(base + ["--prompts", str(bad)]) != 0
+    assert bench.main(base + ["--prompts", str(bad)]) == 2
     assert f"{bad}:2" in _err(capsys)
 
     assert bench.main(["--target", tiny["target"], "--draft", str(tmp_path / "no_draft"),
-                       "--prompts", tiny["prompts"]]) != 0
+                       "--prompts", tiny["prompts"]]) == 2
     assert "does not exist" in _err(capsys)
 
     assert bench.main(["--target", tiny["target"], "--draft", tiny["bad_draft"],
-                       "--prompts", tiny["prompts"]]) != 0
+                       "--prompts", tiny["prompts"]]) == 2
     line = _err(capsys)
     assert "tokenizer differs" in line
+
+    ok = base + ["--prompts", tiny["prompts"]]
+    for extra, msg in ((["--k", "0"], "--k must be >= 1"), (["--k", "two"], "--k must be a positive integer"),
+                       (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+                       (["--batch-size", "0"], "--batch-size must be >= 1"),
+                       (["--batch-sweep", "1,x"], "--batch-sweep must be comma-separated integers"),
+                       (["--batch-sweep", "0"], "--batch-sweep needs positive batch sizes")):
+        assert bench.main(ok + extra) == 2
+        assert msg in _err(capsys)
 
 
 def test_missing_draft_dir_message(tiny, tmp_path, capsys):
@@ -112,12 +123,12 @@ def test_missing_draft_dir_message(tiny, tmp_path, capsys):
 
 def test_match_rate_and_merge():
     assert bench.match_rate([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
-    merged = bench._merge_stats([{"alpha": 1.0, "accept_per_pos": [1.0, 1.0], "_n": 10},
+    merged = bench.merge_stats([{"alpha": 1.0, "accept_per_pos": [1.0, 1.0], "_n": 10},
                                  {"alpha": 0.0, "accept_per_pos": [0.0], "_n": 30}])
     assert merged["alpha"] == pytest.approx(0.25)
     assert merged["accept_per_pos"] == [pytest.approx(0.25), pytest.approx(1.0)]
     # with counts, rates come from the sums: a long repetitive output must not dominate τ
-    merged = bench._merge_stats([{"tau": 8.0, "rounds": 10, "proposed": 40, "accepted": 35, "_n": 80},
+    merged = bench.merge_stats([{"tau": 8.0, "rounds": 10, "proposed": 40, "accepted": 35, "_n": 80},
                                  {"tau": 1.0, "rounds": 30, "proposed": 120, "accepted": 5, "_n": 30}])
     assert merged["tau"] == pytest.approx((80 + 30) / 40) and merged["alpha"] == pytest.approx(40 / 160)
     assert merged["rounds"] == 40 and merged["proposed"] == 160

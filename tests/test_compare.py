@@ -33,10 +33,16 @@ def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
     names = [r["name"] for r in out["methods"]]
     assert names == [f"{m}-fkl" for m in METHODS] + ["hybrid", "hybrid-nostore", "ngram+datastore", "int8+ngram",
                                                      "ngram"]
-    for r in out["methods"]:
-        assert 0.0 <= r["alpha"] <= 1.0 and r["tau"] >= 1.0 and r["speedup"] > 0, r
-        assert r["c"] is not None and r["best_k"] is not None or r["alpha"] == 0.0
     served = ("hybrid", "hybrid-nostore", "ngram+datastore", "int8+ngram", "ngram", "int8-fkl")
+    decoded = ("hybrid", "hybrid-nostore", "ngram+datastore", "int8+ngram", "ngram")
+    for r in out["methods"]:  # each row's figures are its own measurement's
+        if r["name"] in decoded:
+            cached = json.loads((run / "compare" / f"{r['name']}-k{r['k']}.json").read_text())["row"]
+            assert {k: v for k, v in r.items() if k != "method"} == {k: v for k, v in cached.items() if k != "method"}
+        else:
+            m = json.loads((run / "compare" / r["name"] / "metrics.json").read_text())
+            assert (r["alpha"], r["tau"], r["speedup"]) == (m["alpha"], m["tau"], m["speedup"]), r["name"]
+        assert r["c"] is not None and r["best_k"] is not None or r["alpha"] == 0.0
     trained = [r for r in out["methods"] if r["name"] not in served]
     assert all(r["steps"] == 2 and r["train_tokens_per_s"] > 0 for r in trained)
     best = out["best_method"]
@@ -60,10 +66,41 @@ def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
     assert {p: p.stat().st_mtime for p in run.glob("compare/*/train/manifest.json")} == stamp
 
 
-def test_compare_rejects_unknown_method(tiny_target, tmp_path):  # noqa: F811
+def test_compare_rejects_unknown_method(tiny_target, tmp_path, capsys):  # noqa: F811
     args = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
             f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "--methods", "eagle,warp"]
     assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "['warp']" in err[0] and all(m in err[0] for m in METHODS)
+    assert not (tmp_path / "code").exists()  # refused before any run opens
+
+
+def test_every_variant_is_a_draft_kind(monkeypatch):
+    """Each METHODS variant trains one of the draft kinds (eval.draft_dir.KINDS); a variant naming
+    another is refused with the kinds listed."""
+    from eval.draft_dir import KINDS
+    from pipeline import compare
+
+    assert {v["method"] for v in METHODS.values()} <= set(KINDS)
+    monkeypatch.setitem(compare.METHODS, "warp", {"method": "warp"})
+    with pytest.raises(compare.CompareError, match="warp") as e:
+        compare.check_choices(["eagle", "warp"], ["fkl"])
+    assert all(k in str(e.value) for k in KINDS)
+    with pytest.raises(compare.CompareError, match=r"\['kl'\].*" + ".*".join(compare.DIVERGENCES)):
+        compare.check_choices(["eagle"], ["kl"])
+
+
+def test_compare_cache_files_written_before_still_read(tmp_path):
+    """compare/<name>-k<K>.json as compare wrote it before it shared evaluate's cache: {"key": {src, k,
+    evaluate, serving, files}, "row": ...}."""
+    from eval.decoder import SERVING_REV
+    from pipeline.measure import MeasurementCache
+
+    key = {"src": "ngram", "k": 4, "evaluate": {"k": 2}, "serving": SERVING_REV, "files": []}
+    (tmp_path / "ngram-k4.json").write_text(json.dumps({"key": key, "row": {"name": "ngram", "k": 4}}))
+    cache = MeasurementCache(tmp_path, {"evaluate": {"k": 2}})
+    assert cache.read("ngram-k4", "ngram", {"src": "ngram", "k": 4})["row"] == {"name": "ngram", "k": 4}
+    assert cache.read("ngram-k4", "ngram", {"src": "ngram", "k": 8}) is None
 
 
 def test_compare_reuses_the_distills_target_features(tiny_target, tmp_path):  # noqa: F811

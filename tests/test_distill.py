@@ -1,82 +1,245 @@
-"""End to end through the CLI: a tiny target built from a config, then the real embedded target
-with a tiny budget (generate -> train -> evaluate), checking the files a user relies on."""
+"""End to end through the CLI: a tiny target built from a config, distilled once for the module
+(generate -> train -> evaluate -> report, W&B offline), then each file a user relies on checked on
+its own; and the real embedded target with a tiny budget."""
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 from pipeline.cli import main
 
+from helpers import TINY_BUDGET
+
 METRIC_KEYS = {"domain", "target", "draft_method", "checkpoint", "k", "alpha", "tau", "tokens_per_s_plain",
                "tokens_per_s_spec", "speedup", "greedy_exact", "n_prompts", "max_new_tokens"}
 
-from helpers import TINY_BUDGET
+
+def _args(tiny_target, runs_dir, wandb="offline") -> list[str]:
+    return ["distill", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={runs_dir}", f"wandb.mode={wandb}", *TINY_BUDGET]
 
 
 def _wandb_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
 
 
-def test_distill_tiny_target_end_to_end(tiny_target, tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    args = ["distill", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
-            f"runs_dir={tmp_path}", "wandb.mode=offline", *TINY_BUDGET]
-    assert main(args) == 0
-    latest = tmp_path / "code" / "latest"
-    assert latest.is_symlink()
-    m = json.loads((latest / "metrics.json").read_text())
+def _logged(path: Path) -> dict:
+    """{key: value} of the scalars a W&B run file records (history and summary items: a protobuf
+    key field, 1 or 2, followed by its `value_json`), read from the bytes: wandb ships no Python reader."""
+    blob = path.read_bytes()
+    out = {}
+    for m in re.finditer(rb"[\x0a\x12]([\x01-\x7f])", blob):
+        n, start = m.group(1)[0], m.end()
+        key, rest = blob[start:start + n], blob[start + n:start + n + 3]
+        if rest[:2] == b"\x82\x01" and rest[2] < 0x80 and re.fullmatch(rb"[\x20-\x7e]+", key):
+            value = blob[start + n + 3:start + n + 3 + rest[2]]
+            try:
+                out[key.decode()] = json.loads(value)
+            except ValueError:
+                pass
+    return out
+
+
+def _metrics(run: Path) -> dict:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def _evaluate_args(tiny_target, run: Path) -> list[str]:
+    return ["evaluate", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={run.parent.parent}", "wandb.mode=disabled", *TINY_BUDGET, "--run-id", run.name]
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_target, tmp_path_factory):
+    """One tiny distill, W&B offline: (runs_dir, the run directory)."""
+    runs = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("WANDB_API_KEY", raising=False)
+        mp.delenv("WANDB_MODE", raising=False)
+        assert main(_args(tiny_target, runs)) == 0
+    return runs, (runs / "code" / "latest").resolve()
+
+
+def test_distill_writes_the_run_files(distilled):
+    runs, run = distilled
+    assert (runs / "code" / "latest").is_symlink()
+    for name in ("metrics.json", "report.md", "acceptance_per_position.png", "speedup.png", "recipe.yaml",
+                 "best/draftsmith_draft.json"):
+        assert (run / name).is_file(), name
+    assert json.loads((run / "status.json").read_text())["complete"] is True
+    gen = json.loads((run / "generate" / "manifest.json").read_text())
+    assert gen["complete"] and sum(s["rows"] for s in gen["shards"].values()) > 0
+
+
+def test_metrics_are_the_promoted_candidates_measurement(distilled):
+    """metrics.json holds the promised keys, and its figures are those of the candidate it names, as
+    measured in eval/; fp32 speculative output equals plain greedy output."""
+    _, run = distilled
+    m = _metrics(run)
     assert METRIC_KEYS <= set(m)
-    assert m["greedy_exact"] is True, "fp32 speculative output must equal plain greedy output"
-    assert m["n_prompts"] == 2 and m["max_new_tokens"] == 12
-    assert 0.0 <= m["alpha"] <= 1.0 and m["tau"] >= 1.0
-    assert (latest / "best" / "draftsmith_draft.json").exists()
-    assert (latest / "report.md").exists() and (latest / "acceptance_per_position.png").exists()
-    # Real W&B offline run files, one per stage, holding what was logged.
-    files = _wandb_files(latest)
-    assert len(files) == 3
-    blob = b"".join(f.read_bytes() for f in files)
-    for key in (b"alpha", b"tau", b"speedup", b"loss"):
-        assert key in blob
-    # The promoted draft loads in the decoder with the target alone.
-    from eval.proposers import load_proposer
+    assert m["greedy_exact"] is True and m["fp32_exact"] is True and m["fp32_prompts"] == 1
+    assert m["n_prompts"] == 2 and m["max_new_tokens"] == 12 and m["k"] == 2
+    assert m["ngram_k"] == 8  # the n-gram baseline at its own K, not the draft's
+    measured = json.loads((run / "eval" / f"{m['checkpoint']}.json").read_text())
+    assert (m["alpha"], m["tau"], m["speedup"]) == (measured["stats"]["alpha"], measured["stats"]["tau"],
+                                                    measured["speedup"])
+    baseline = json.loads((run / "eval" / "ngram.json").read_text())
+    assert m["ngram_baseline"]["speedup"] == baseline["speedup"] and baseline["stats"]["k"] == 8
+
+
+def test_served_forms_of_the_best_checkpoint_and_promotion_by_speedup(distilled):
+    """The checkpoint with the highest τ is served as a hybrid with and without its datastore; the
+    candidate with the best measured speedup is promoted, and best/ carries the datastore exactly
+    when the promoted form used it."""
+    _, run = distilled
+    m = _metrics(run)
+    ckpts = json.loads((run / "train" / "manifest.json").read_text())["checkpoints"]
+    measured = [json.loads((run / "eval" / f"{c}.json").read_text()) for c in ckpts]
+    best_ck = max(measured, key=lambda r: (r["stats"]["tau"], r["speedup"]))["name"]
+    names = [c["name"] for c in m["checkpoints"]]
+    assert names == ckpts + [f"{best_ck}+ngram", f"{best_ck}+ngram-nostore"]
+    assert m["checkpoint"] == max(m["checkpoints"], key=lambda c: c["speedup"])["name"]
+    nostore = m["checkpoint"].endswith("+ngram-nostore")
+    assert (run / "best" / "datastore.npy").exists() == (not nostore)
+    meta = json.loads((run / "best" / "draftsmith_draft.json").read_text())
+    assert meta["proposer"] == ("hybrid" if "+ngram" in m["checkpoint"] else "draft")
+    assert m["draft_method"] == meta["method"] + ("+ngram" if "+ngram" in m["checkpoint"] else "") + \
+        ("+datastore" if "+ngram" in m["checkpoint"] and not nostore else "")
+
+
+def test_best_loads_and_serves_as_measured(distilled, tiny_target):
+    """The promoted draft loads in the decoder with the target alone, at its fitted tree budget, and
+    reproduces plain greedy decoding in fp32."""
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(tiny_target)
-    prop = load_proposer(str(latest / "best"), target)
-    # The best checkpoint was served as a hybrid with and without its datastore, and the faster form
-    # promoted as measured: best/ carries the datastore exactly when the promoted form used it.
-    names = [c["name"] for c in m["checkpoints"]]
-    assert any(n.endswith("+ngram") for n in names) and any(n.endswith("+ngram-nostore") for n in names)
-    nostore = m["checkpoint"].endswith("+ngram-nostore")
-    assert (latest / "best" / "datastore.npy").exists() == (not nostore)
-    assert m["draft_method"].endswith("+ngram+datastore") == (getattr(prop, "datastore", None) is not None)
-    assert m["ngram_k"] == 8  # the n-gram baseline at its own K, not the draft's
-    # The hybrid's tree budget was fitted on this machine among the recipe's budgets, and a promoted
-    # hybrid serves from best/ with the fitted one.
-    fits = list((latest / "eval").glob("*.tree-budget.json"))
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import load_proposer
+
+    _, run = distilled
+    m = _metrics(run)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).float().eval()
+    prop = load_proposer(str(run / "best"), target)
+    meta = json.loads((run / "best" / "draftsmith_draft.json").read_text())
+    if "+ngram" in m["checkpoint"]:
+        assert meta["serve"] == {"max_nodes": m["max_nodes"]} and prop.max_nodes == m["max_nodes"]
+        assert (prop.datastore is not None) == m["draft_method"].endswith("+datastore")
+    else:  # a bare checkpoint won: it serves no trees
+        assert "serve" not in meta and m["max_nodes"] is None
+    prompt = [[1, 5, 9, 3, 5, 9, 4, 1, 5, 9]]
+    plain = SpeculativeDecoder(target, None).generate(prompt, max_new_tokens=12).sequences
+    assert SpeculativeDecoder(target, prop, k=m["k"]).generate(prompt, max_new_tokens=12).sequences == plain
+
+
+def test_tree_budget_fitted_on_validation_prompts(distilled):
+    """The hybrid's tree budget was fitted on this machine among the recipe's budgets, on validation
+    prompts, and a promoted hybrid serves with the fitted one."""
+    _, run = distilled
+    m = _metrics(run)
+    fits = list((run / "eval").glob("*.tree-budget.json"))
     assert len(fits) == 1
     fit = json.loads(fits[0].read_text())
-    n_val = len((latest / "prompts" / "val.jsonl").read_text().splitlines())
+    n_val = len((run / "prompts" / "val.jsonl").read_text().splitlines())
     assert (fit["prompts"], fit["n_prompts"]) == (("val", min(2, n_val)) if n_val else ("train", 2))
     for f in fit["fits"].values():
         assert sorted(int(n) for n in f["budgets"]) == [4, 6, 8, 10, 12]
         assert str(f["max_nodes"]) == max(f["budgets"], key=lambda n: f["budgets"][n]["est_speedup"])
+    for c in m["checkpoints"][-2:]:  # the served forms, each measured at its own fitted budget
+        measured = json.loads((run / "eval" / f"{c['name']}.json").read_text())
+        assert measured["max_nodes"] == fit["fits"][measured["source"]]["max_nodes"]
     if "+ngram" in m["checkpoint"]:
-        promoted = [f for f in fit["fits"].values() if f["budgets"] == m["tree_budget_fit"]["budgets"]]
-        assert m["max_nodes"] == prop.max_nodes == promoted[0]["max_nodes"]
-        assert f"at most **{m['max_nodes']} nodes**" in (latest / "report.md").read_text()
-    else:  # a bare checkpoint won: it serves no trees
-        assert m["max_nodes"] is None and m["tree_budget_fit"] is None
+        promoted = json.loads((run / "eval" / f"{m['checkpoint']}.json").read_text())
+        assert m["max_nodes"] == promoted["max_nodes"]
+        assert m["tree_budget_fit"]["budgets"] == fit["fits"][promoted["source"]]["budgets"]
+    else:
+        assert m["tree_budget_fit"] is None
 
-    # Running the same command again on a finished run starts a new run (the old one is kept).
-    first = latest.resolve().name
+
+def test_report_shows_the_promoted_draft(distilled):
+    _, run = distilled
+    m = _metrics(run)
+    report = (run / "report.md").read_text()
+    assert f"**{m['draft_method']}**" in report and f"`{m['checkpoint']}`" in report
+    assert f"| **measured speedup** | **{m['speedup']:.2f}×** |" in report
+    assert all(f"| {c['name']} |" in report for c in m["checkpoints"])
+    assert f"speedup {m['ngram_baseline']['speedup']:.2f}×" in report
+    if m["max_nodes"] is not None:
+        assert f"at most **{m['max_nodes']} nodes**" in report
+
+
+def test_wandb_offline_runs_hold_the_logged_metrics(distilled):
+    """One W&B offline run file per stage, holding what each stage logged: the generate summary, the
+    training loss, and every evaluated candidate's α, τ, tokens/s and speedup as measured."""
+    _, run = distilled
+    files = _wandb_files(run)
+    assert len(files) == 3
+    logged = {}
+    for f in files:
+        logged |= _logged(f)
+    assert logged["generate/rows"] > 0 and "train/loss" in logged and "train/tokens_per_s" in logged
+    m = _metrics(run)
+    for c in m["checkpoints"] + [dict(m["ngram_baseline"], name="ngram")]:
+        for key in ("alpha", "tau", "tokens_per_s", "speedup"):
+            assert logged[f"eval/{c['name']}/{key}"] == pytest.approx(c[key]), (c["name"], key)
+
+
+def test_evaluate_again_reads_every_measurement_back(distilled, tiny_target, monkeypatch):
+    """The evaluate stage rerun on the finished run measures nothing again (every candidate and the
+    fit are read back from eval/) and writes the same metrics.json and best/."""
+    import pipeline.evaluate as evaluate
+
+    _, run = distilled
+    before = _metrics(run)
+    best = {p.name: p.read_bytes() for p in (run / "best").iterdir()}
+
+    def measured(*a, **kw):
+        raise AssertionError("a cached candidate was measured again")
+
+    monkeypatch.setattr(evaluate, "decode_together", measured)
+    monkeypatch.setattr(evaluate, "fit_budget", measured)
+    assert main(_evaluate_args(tiny_target, run)) == 0
+    assert _metrics(run) == before
+    assert {p.name: p.read_bytes() for p in (run / "best").iterdir()} == best
+
+
+def test_served_forms_and_baseline_are_measured_together(distilled, tiny_target, tmp_path, monkeypatch):
+    """Without their cached results, the served forms and the n-gram baseline are measured in one
+    interleaved run, in that order and each at its own K and budget, and the checkpoints are not."""
+    import pipeline.evaluate as evaluate
+
+    _, src = distilled
+    run = tmp_path / "code" / src.name
+    shutil.copytree(src, run, symlinks=True)
+    m = _metrics(run)
+    served = [c["name"] for c in m["checkpoints"][-2:]]
+    for name in served + ["ngram"]:
+        (run / "eval" / f"{name}.json").unlink()
+    calls, real = [], evaluate.decode_together
+
+    def recording(target, proposers, *a, **kw):
+        calls.append([(name, k, p.max_nodes) for name, (p, k) in proposers.items()])
+        return real(target, proposers, *a, **kw)
+
+    monkeypatch.setattr(evaluate, "decode_together", recording)
+    assert main(_evaluate_args(tiny_target, run)) == 0
+    fit = json.loads(next((run / "eval").glob("*.tree-budget.json")).read_text())
+    budget = [fit["fits"][json.loads((run / "eval" / f"{n}.json").read_text())["source"]]["max_nodes"] for n in served]
+    assert len(calls) == 1 and calls[0][:2] == [(served[0], 2, budget[0]), (served[1], 2, budget[1])]
+    assert calls[0][2][:2] == ("ngram", 8)
+
+
+def test_distill_again_on_a_finished_run_starts_a_new_one(distilled, tiny_target, monkeypatch):
+    """Running the same command again on a finished run starts a new run; the old one is kept."""
     import time
 
-    time.sleep(1.1)
-    assert main(args + ["train.steps=2"]) == 0
-    assert latest.resolve().name != first and (tmp_path / "code" / first / "metrics.json").exists()
+    runs, first = distilled
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    time.sleep(1.1)  # run ids are timestamps to the second
+    assert main(_args(tiny_target, runs, wandb="disabled") + ["train.steps=2"]) == 0
+    latest = (runs / "code" / "latest").resolve()
+    assert latest != first and (first / "metrics.json").exists() and (latest / "metrics.json").exists()
 
 
 @pytest.mark.integration
@@ -104,8 +267,7 @@ def test_interrupted_distill_resumes_the_same_run(tiny_target, tmp_path, monkeyp
     import pipeline.cli as cli
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    args = ["distill", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
-            f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET]
+    args = _args(tiny_target, tmp_path, wandb="disabled")
     real_train = cli.stage_train
 
     def interrupted(*a, **kw):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pipeline.config import load_recipe
-from pipeline.evaluate import aggregate, run_evaluate
+from pipeline.evaluate import run_evaluate
+from pipeline.measure import aggregate
 from pipeline.models import ModelError
 
 
@@ -60,7 +61,7 @@ def test_decode_pairs_reports_whether_verifies_were_row_invariant(dtype):
 
     from eval.kernels import small_gemm
     from eval.proposers import NgramProposer
-    from pipeline.evaluate import decode_pairs
+    from pipeline.measure import decode_pairs
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -81,7 +82,7 @@ def test_decode_together_rotates_turns_and_matches_separate_runs(monkeypatch):
 
     from eval.decoder import SpeculativeDecoder
     from eval.proposers import NgramProposer
-    from pipeline.evaluate import decode_pairs, decode_together
+    from pipeline.measure import decode_pairs, decode_together
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -105,3 +106,46 @@ def test_decode_together_rotates_turns_and_matches_separate_runs(monkeypatch):
         p2, _, seqs, stats = decode_pairs(target, prop, prompts, k, 8, None, name)
         assert outs[name][0] == seqs == plain == p2
         assert (outs[name][1]["tau"], outs[name][1]["alpha"]) == (stats["tau"], stats["alpha"])
+
+
+def test_measurement_cache_reads_back_only_under_the_same_key(tmp_path):
+    """A measurement is read back under the key it was stored with (settings, serving revision, the
+    source's files, extra settings) and missed when any of them changes, e.g. a datastore added to
+    the checkpoint later."""
+    from pipeline.measure import MeasurementCache
+
+    ck = tmp_path / "checkpoint-000002"
+    ck.mkdir()
+    (ck / "head.safetensors").write_bytes(b"x" * 10)
+    cache = MeasurementCache(tmp_path / "eval", {"n": 2})
+    cache.store("a+ngram", {"speedup": 1.5}, f"hybrid:{ck}", {"max_nodes": 6})
+    assert cache.read("a+ngram", f"hybrid:{ck}", {"max_nodes": 6})["speedup"] == 1.5
+    assert cache.read("a+ngram", f"hybrid:{ck}", {"max_nodes": 8}) is None
+    assert MeasurementCache(tmp_path / "eval", {"n": 3}).read("a+ngram", f"hybrid:{ck}", {"max_nodes": 6}) is None
+    (ck / "trainer_state.pt").write_bytes(b"y")  # not part of what is served
+    assert cache.read("a+ngram", f"hybrid:{ck}", {"max_nodes": 6}) is not None
+    (ck / "datastore.npy").write_bytes(b"z")
+    assert cache.read("a+ngram", f"hybrid:{ck}", {"max_nodes": 6}) is None
+    assert cache.read("missing") is None
+
+
+def test_evaluate_cache_files_written_before_still_read(tmp_path):
+    """eval/<name>.json as evaluate wrote it before the cache was a class: the result with its key,
+    {evaluate, dtype, n, serving, files[, max_nodes]} for a checkpoint or a served form and no
+    files for the n-gram baseline."""
+    from eval.decoder import SERVING_REV
+    from pipeline.evaluate import BASELINE, SERVED, Candidate
+    from pipeline.measure import MeasurementCache, source_fingerprint
+
+    ck = tmp_path / "train" / "checkpoint-000002"
+    ck.mkdir(parents=True)
+    (ck / "head.safetensors").write_bytes(b"x" * 10)
+    settings = {"evaluate": {"k": 2}, "dtype": "float32", "n": 2}
+    old = settings | {"serving": SERVING_REV}
+    served = Candidate("checkpoint-000002+ngram", f"hybrid:{ck}", 2, SERVED, 6)
+    baseline = Candidate("ngram", "ngram", 8, BASELINE)
+    (tmp_path / "eval").mkdir()
+    for c, key in ((served, old | {"files": source_fingerprint(ck), "max_nodes": 6}), (baseline, old)):
+        (tmp_path / "eval" / f"{c.name}.json").write_text(json.dumps({"name": c.name, "key": key}))
+    cache = MeasurementCache(tmp_path / "eval", settings)
+    assert all(cache.read(c.name, c.files, c.settings) is not None for c in (served, baseline))
