@@ -19,6 +19,7 @@ the variant's measured α (per-token, accepted/reached) and c; the sweep measure
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -35,12 +36,12 @@ from .tracking import NoOpTracker
 # and "medusa_indep" Medusa-1's independent ones.
 METHODS = {
     "eagle": {"method": "eagle"},
-    "medusa": {"method": "medusa", "medusa_recurrent": True},
-    "medusa_indep": {"method": "medusa", "medusa_recurrent": False},
-    "self_spec": {"method": "self_spec", "num_layers": 6, "adapter_rank": 128, "lr": 1e-2},
+    "medusa": {"method": "medusa", "medusa": {"recurrent": True}},
+    "medusa_indep": {"method": "medusa", "medusa": {"recurrent": False}},
+    "self_spec": {"method": "self_spec", "self_spec": {"num_layers": 6, "adapter_rank": 128}, "lr": 1e-2},
     "int8": {"method": "int8"},
-    "lora": {"method": "draft_lm", "num_layers": 2, "lora_rank": 16, "lora_alpha": 32, "lr": 1e-3},
-    "draft_lm": {"method": "draft_lm", "num_layers": 2, "lora_rank": 0, "lr": 3e-4},
+    "lora": {"method": "draft_lm", "draft_lm": {"num_layers": 2, "lora_rank": 16, "lora_alpha": 32}, "lr": 1e-3},
+    "draft_lm": {"method": "draft_lm", "draft_lm": {"num_layers": 2, "lora_rank": 0}, "lr": 3e-4},
     "eagle_fullvocab": {"method": "eagle", "draft_vocab_size": 0},
 }
 DIVERGENCES = ("fkl", "rkl", "jsd", "tv")
@@ -63,8 +64,11 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def _override(section, overrides: dict) -> None:
-    """Set a recipe section's keys; a dict value sets a nested section's keys (e.g. train.medusa)."""
+    """Set a recipe section's keys; a dict value sets a nested section's keys (e.g. train.medusa).
+    An unknown key is an error, not a new attribute nobody reads."""
     for k, v in overrides.items():
+        if k not in {f.name for f in dataclasses.fields(section)}:
+            raise CompareError(f"compare variant sets {type(section).__name__}.{k}, which is no recipe key")
         if isinstance(v, dict):
             _override(getattr(section, k), v)
         else:
@@ -88,11 +92,13 @@ def _variant_recipe(recipe, overrides: dict, steps: int | None, n_prompts: int |
 
 def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
     from .evaluate import run_evaluate
-    from .train import FEATURES_FILE, RAW_TEACHER_FILE, run_train
+    from .features import FEATURES_FILE, RAW_TEACHER_FILE
+    from .train import run_train
 
     L = target.config.num_hidden_layers
-    if recipe.train.method in ("self_spec", "draft_lm") and recipe.train.num_layers > max(L // 2, 1):
-        recipe.train.num_layers = max(L // 2, 1)  # a small target: keep the draft a fraction of it
+    own = getattr(recipe.train, recipe.train.method, None)  # the method's own section, train.<method>
+    if recipe.train.method in ("self_spec", "draft_lm") and own.num_layers > max(L // 2, 1):
+        own.num_layers = max(L // 2, 1)  # a small target: keep the draft a fraction of it
     vdir = run_dir / "compare" / name
     (vdir / "train").mkdir(parents=True, exist_ok=True)
     _link(run_dir / "generate", vdir / "generate")

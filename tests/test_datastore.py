@@ -134,7 +134,7 @@ def test_train_stage_writes_the_datastore_and_the_hybrid_loads_it(tmp_path):
     train_dir = run_train(_recipe(method="medusa", steps=2, save_every=2, medusa={"heads": 2}), d2, target=tgt)
     assert Datastore.load(train_dir / "checkpoint-000002").flat == want
     # a finished run whose datastore went missing writes it again; cached measurements see the change
-    from pipeline.evaluate import source_fingerprint
+    from pipeline.measure import source_fingerprint
 
     ck = train_dir / "checkpoint-000002"
     before = source_fingerprint(f"hybrid:{ck}")
