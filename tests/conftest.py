@@ -59,3 +59,20 @@ def tiny_target(tmp_path_factory, real_tokenizer):
     LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def trained(target):
+    """Independent Medusa heads trained on the module's `target`'s greedy continuations, so that their
+    drafts are accepted: (heads, metrics before, metrics after, items)."""
+    from helpers import train_medusa_heads
+
+    return train_medusa_heads(target, recurrent=False)
+
+
+@pytest.fixture(scope="module")
+def trained_rec(target):
+    """Recurrent Medusa heads trained like `trained`."""
+    from helpers import train_medusa_heads
+
+    return train_medusa_heads(target, recurrent=True)

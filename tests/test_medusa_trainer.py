@@ -9,7 +9,7 @@ from eval.decoder import SpeculativeDecoder
 from eval.heads import MedusaHeads
 from eval.proposers import MedusaProposer
 from helpers import (MEDUSA_NH as NH, TOPK, TRAIN_V as V, medusa_rows, medusa_target,
-                     medusa_tc, perturbed_recurrent_heads, train_medusa_heads)
+                     medusa_tc, perturbed_recurrent_heads)
 from pipeline.methods.medusa import MedusaTrainer
 from pipeline.train_data import collate
 
@@ -19,18 +19,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def target():
     return medusa_target()
-
-
-@pytest.fixture(scope="module")
-def trained(target):
-    """Independent heads trained by train_medusa_heads: (heads, metrics before, metrics after, items)."""
-    return train_medusa_heads(target, recurrent=False)
-
-
-@pytest.fixture(scope="module")
-def trained_rec(target):
-    """Recurrent heads trained like `trained`: (heads, metrics before, metrics after, items)."""
-    return train_medusa_heads(target, recurrent=True)
 
 
 # ------------------------------------------------------------------------------------ training

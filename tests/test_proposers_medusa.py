@@ -11,7 +11,7 @@ from eval.decoder import SpeculativeDecoder
 from eval.heads import MedusaHeads
 from eval.proposers import HybridProposer, MedusaProposer, NoDraft, Sampling, load_proposer
 from helpers import (MEDUSA_NH as NH, PROMPTS as ALL_PROMPTS, TRAIN_V as V, medusa_target,
-                     perturbed_recurrent_heads, train_medusa_heads)
+                     perturbed_recurrent_heads)
 
 PROMPTS = ALL_PROMPTS[:3]
 N_NEW = 16
@@ -22,18 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def target():
     return medusa_target()
-
-
-@pytest.fixture(scope="module")
-def trained(target):
-    """Independent heads trained on the target's greedy continuations (their drafts are accepted)."""
-    return train_medusa_heads(target, recurrent=False)
-
-
-@pytest.fixture(scope="module")
-def trained_rec(target):
-    """Recurrent heads trained alike."""
-    return train_medusa_heads(target, recurrent=True)
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +103,21 @@ def test_alternatives_are_the_heads_runners_up_and_keep_the_tree_exact(target, t
 
 
 @torch.no_grad()
-def test_drafts_are_the_heads_on_the_true_feature(target, trained):
-    """Every round, draft i of row b is head i's argmax on the target feature at (current position - 1),
-    recomputed from scratch on the final sequence: the proposer's begin/accept pick the right feature."""
-    heads = trained[0]
-    prop = MedusaProposer(heads, target)
+def _decode_recording(prop, target):
+    """Decode PROMPTS with `prop` at K=NH -> (result, the drafts of every round, n_acc of every round)."""
     rounds, accepts = [], []
     propose, accept = prop.propose, prop.accept
     prop.propose = lambda k: rounds.append(propose(k)[0].clone()) or (rounds[-1], None)
     prop.accept = lambda tokens, start, n_acc, bonus, features=None: (
         accepts.append(n_acc.clone()), accept(tokens, start, n_acc, bonus, features))
-    res = SpeculativeDecoder(target, prop, k=NH).generate(PROMPTS, max_new_tokens=N_NEW)
+    return SpeculativeDecoder(target, prop, k=NH).generate(PROMPTS, max_new_tokens=N_NEW), rounds, accepts
+
+
+def test_drafts_are_the_heads_on_the_true_feature(target, trained):
+    """Every round, draft i of row b is head i's argmax on the target feature at (current position - 1),
+    recomputed from scratch on the final sequence: the proposer's begin/accept pick the right feature."""
+    heads = trained[0]
+    res, rounds, accepts = _decode_recording(MedusaProposer(heads, target), target)
     for b, p in enumerate(PROMPTS):
         seq = torch.tensor([p + res.sequences[b]])
         feats = target.model(seq).last_hidden_state[0]  # [S, H]
@@ -212,13 +204,7 @@ def test_recurrent_drafts_read_the_current_token_and_the_drafts(target, trained_
     state and draft i-1."""
     heads = trained_rec[0]
     emb = target.get_input_embeddings()
-    prop = MedusaProposer(heads, target)
-    rounds, accepts = [], []
-    propose, accept = prop.propose, prop.accept
-    prop.propose = lambda k: rounds.append(propose(k)[0].clone()) or (rounds[-1], None)
-    prop.accept = lambda tokens, start, n_acc, bonus, features=None: (
-        accepts.append(n_acc.clone()), accept(tokens, start, n_acc, bonus, features))
-    res = SpeculativeDecoder(target, prop, k=NH).generate(PROMPTS, max_new_tokens=N_NEW)
+    res, rounds, accepts = _decode_recording(MedusaProposer(heads, target), target)
     for b, p in enumerate(PROMPTS):
         seq = p + res.sequences[b]
         feats = target.model(torch.tensor([seq])).last_hidden_state[0]  # [S, H]
