@@ -407,7 +407,7 @@ static inline __m512 bf16_round(__m512 v) {  // v rounded to bf16 (nearest even)
 // It writes k and v at `slots` (widened to fp32, exactly), then runs `attend`'s per-head loop with q
 // widened from bf16 and the output rounded to bf16 (round to nearest even, as .to(bf16)): the same
 // numbers as cache.write + attend + the casts and transposes around them, which were ~12 ATen ops a
-// layer whose copies grew with the rows (~0.9 ms of a 11-row verify forward here, measured).
+// layer whose copies grew with the rows (docs/reference/kernels.md).
 torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, torch::Tensor kc, torch::Tensor vc,
                          torch::Tensor slots, torch::Tensor vis, int64_t nh, double scale) {
   TORCH_CHECK(qk.dim() == 3 && qk.scalar_type() == at::kBFloat16 && qk.is_contiguous() &&
@@ -574,7 +574,7 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
 // x [R, V] bf16 (contiguous rows) -> [R] int64, each row's index of its first maximum: the answer of
 // torch's max(-1).indices, NaN included (a row holding a NaN answers its first NaN, as torch's max
 // propagates it). Why by hand: the verify reads the argmax of every node's 49,152 logits, and ATen's
-// bf16 max(-1) took ~90 us a row here (~0.45 ms for a 10-node tree, ~2% of a round), for 98 KB a row.
+// bf16 max(-1) is several times slower than a read of a row's 98 KB (docs/reference/kernels.md).
 // Each of the 16 lanes keeps its own maximum and the index where it first appeared (strictly greater
 // replaces), then the lanes reduce to the largest value at the smallest index.
 torch::Tensor argmax_rows(torch::Tensor x) {
@@ -629,7 +629,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 // One layer of the fused bf16 forward (eval/target.py `LeanLlama._forward_fused`) in one call: the same
 // kernels in the same order, so the same numbers; what it saves is Python, ~10 calls and views a layer
-// (~1 ms a forward here). x [B, T, H] the residual stream (updated in place), h [B, T, H] the input
+// (docs/reference/kernels.md). x [B, T, H] the residual stream (updated in place), h [B, T, H] the input
 // norm's output; w: (packed, bias) of q|k|v, o, gate|up and down from `pack` (bias fp32 or empty);
 // cos/sin [B, T, hd]; the layer's caches, slots and vis as attend_qkv takes them; n1/n2: the
 // post-attention norm and the next norm (the next layer's input norm, or the final one) -> their output.
