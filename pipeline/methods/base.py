@@ -10,6 +10,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ..losses import divergence
+
 
 class DraftMethod:
     """One draft method. The loop owns the optimizer, schedule, data order and checkpoints; it asks
@@ -50,6 +52,30 @@ class DraftMethod:
         """Token-level methods: `n` tokens sampled at temperature 1 (seeded by `seed`) after each
         prompt + its first completion token."""
         raise NotImplementedError(f"{self.name} drafts cannot sample their own continuations")
+
+
+def next_token_distillation(tc, batch: dict, hidden: torch.Tensor, head=None, d2t: torch.Tensor | None = None):
+    """The token-level drafts' loss (draft_lm, self_spec): the output at position p predicts token p + 1,
+    whose teacher is row p + 1 of the batch's top-k, present where `has_t` (completion positions).
+    hidden [B, L, X] is the draft's output at every position; `head` maps the kept rows [N, X] to draft
+    logits [N, Vd] (after the mask, so prompt positions never reach a large LM head; None: hidden holds
+    the logits); d2t maps draft rows to target ids. -> (divergence, {"div", "acc_0"})."""
+    x = hidden[:, :-1]  # [B, L-1, X]: position p -> token p+1
+    B, T = x.shape[:2]
+    m = batch["has_t"][:, 1:].reshape(-1)  # [B*T] teacher exists for token p+1
+    if not bool(m.any()):  # no completion token in this batch: nothing to distil
+        return x.sum() * 0, {"div": 0.0, "acc_0": 0.0}
+    rows = x.reshape(B * T, -1)[m]  # [N, X]
+    logits = rows if head is None else head(rows)  # [N, Vd]
+    tk_ids = batch["tk_ids"][:, 1:].reshape(B * T, -1)[m]  # [N, k] target ids
+    tk_lp = batch["tk_lp"][:, 1:].reshape(B * T, -1)[m]
+    div = divergence(tc.divergence, logits, topk_ids=tk_ids, topk_logprobs=tk_lp, d2t=d2t, beta=tc.jsd_beta)
+    with torch.no_grad():
+        top = logits.argmax(-1)
+        if d2t is not None:
+            top = d2t[top]
+        acc = (top == tk_ids[:, 0]).float().mean()
+    return div, {"div": float(div.detach()), "acc_0": float(acc)}
 
 
 def draft_vocab(rows, V: int, size: int) -> torch.Tensor:

@@ -19,10 +19,9 @@ import torch.nn as nn
 
 from eval import draft_dir
 
-from ..losses import divergence
 from ..options import option, positive
 from ..train_data import TrainError
-from .base import DraftMethod, evaluating
+from .base import DraftMethod, evaluating, next_token_distillation
 
 
 @dataclass
@@ -49,17 +48,8 @@ class DraftLMTrainer(nn.Module):
         self.model, self.tc, self.tokenizer = model, tc, tokenizer
 
     def forward(self, batch):
-        ids, valid = batch["ids"], batch["valid"]
-        logits = self.model(input_ids=ids, attention_mask=valid.long()).logits[:, :-1]  # [B, L-1, V] -> tok[p+1]
-        B, T, V = logits.shape
-        m = batch["has_t"][:, 1:].reshape(-1)
-        lg = logits.reshape(B * T, V)[m]  # [N, V]
-        tk_ids = batch["tk_ids"][:, 1:].reshape(B * T, -1)[m]  # [N, k]
-        tk_lp = batch["tk_lp"][:, 1:].reshape(B * T, -1)[m]
-        div = divergence(self.tc.divergence, lg, topk_ids=tk_ids, topk_logprobs=tk_lp, beta=self.tc.jsd_beta)
-        with torch.no_grad():
-            acc = (lg.argmax(-1) == tk_ids[:, 0]).float().mean() if len(lg) else torch.tensor(0.0)
-        return div, {"div": float(div.detach()), "acc_0": float(acc)}
+        logits = self.model(input_ids=batch["ids"], attention_mask=batch["valid"].long()).logits  # [B, L, V]
+        return next_token_distillation(self.tc, batch, logits)
 
 
 def build_draft_lm(target, num_layers: int):

@@ -20,9 +20,8 @@ import torch.nn as nn
 
 from eval.drafts import SelfSpecDraft
 
-from ..losses import divergence
 from ..options import option, positive
-from .base import DraftMethod, draft_ids, evaluating
+from .base import DraftMethod, draft_ids, evaluating, next_token_distillation
 
 
 @dataclass
@@ -52,24 +51,9 @@ class SelfSpecTrainer(nn.Module):
         self.draft, self.tc = draft, tc
 
     def forward(self, batch):
-        ids, valid = batch["ids"], batch["valid"]
         draft = self.draft
-        feats = draft.features(ids, valid.long())[:, :-1]  # [B, L-1, H]: position p -> token p+1
-        B, T, H = feats.shape
-        m = batch["has_t"][:, 1:].reshape(-1)  # [B*T] teacher exists for token p+1
-        if not bool(m.any()):  # no completion token in this batch: nothing to distil
-            return feats.sum() * 0, {"div": 0.0, "acc_0": 0.0}
-        logits = draft.logits(feats.reshape(B * T, H)[m])  # [N, Vd]
-        tk_ids = batch["tk_ids"][:, 1:].reshape(B * T, -1)[m]  # [N, k] target ids
-        tk_lp = batch["tk_lp"][:, 1:].reshape(B * T, -1)[m]
-        div = divergence(self.tc.divergence, logits, topk_ids=tk_ids, topk_logprobs=tk_lp, d2t=draft.d2t,
-                         beta=self.tc.jsd_beta)
-        with torch.no_grad():
-            top = logits.argmax(-1)
-            if draft.d2t is not None:
-                top = draft.d2t[top]
-            acc = (top == tk_ids[:, 0]).float().mean() if len(top) else torch.tensor(0.0)
-        return div, {"div": float(div.detach()), "acc_0": float(acc)}
+        feats = draft.features(batch["ids"], batch["valid"].long())  # [B, L, H]
+        return next_token_distillation(self.tc, batch, feats, head=draft.logits, d2t=draft.d2t)
 
 
 class SelfSpec(DraftMethod):
