@@ -50,7 +50,7 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     meta = draft_dir.read_meta(d)
     dtype = dtype or target.get_output_embeddings().weight.dtype
     if meta.get("proposer") == "hybrid":  # a promoted draft that is served with n-gram lookups
-        return _served("hybrid", d, target, dtype)
+        return _hybrid(d, meta, Datastore.from_dir(d), target, dtype)
     return _model_proposer(d, meta, target, dtype)
 
 
@@ -68,9 +68,13 @@ def _served(how: str, src, target, dtype) -> HybridProposer:
         return HybridProposer(NoDraft(), datastore=store)
     if not is_draft:  # "ngram", "int8", or load_proposer's error for a directory that is no draft
         return HybridProposer(load_proposer(str(src), target, dtype))
-    meta = draft_dir.read_meta(d)
+    return _hybrid(d, draft_dir.read_meta(d), store, target, dtype)
+
+
+def _hybrid(d: Path, meta: dict, store, target, dtype) -> HybridProposer:
+    """The draft directory's own model with n-gram lookups (and `store`), with its "serve" settings:
+    what evaluate fitted for serving it on its machine (the tree's node budget)."""
     dtype = dtype or target.get_output_embeddings().weight.dtype
-    # "serve": what evaluate fitted for serving this draft on its machine (the tree's node budget)
     return serve_with(HybridProposer(_model_proposer(d, meta, target, dtype), datastore=store),
                       meta.get("serve"), d / draft_dir.FILE)
 
@@ -108,5 +112,4 @@ def _model_proposer(d: Path, meta: dict, target, dtype) -> Proposer:
         return _int8_proposer(target)
     if kind == "medusa":
         return MedusaProposer(MedusaHeads.load(d, dtype=dtype, device=p.device), target)
-    raise ValueError(f"{d}: unknown draft kind {kind!r} (expected 'eagle', 'medusa', 'draft_lm', "
-                     f"'self_spec' or 'int8')")
+    raise ValueError(f"{d}: unknown draft kind {kind!r} (expected one of {', '.join(draft_dir.KINDS)})")
