@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layers import KVCache, RMSNorm, apply_rope, rope_cos_sin
-from .io import read_head, save_head
+from .io import load_head, save_head
 
 
 @dataclass
@@ -161,7 +161,5 @@ class EagleHead(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, dtype=None, device=None) -> "EagleHead":
-        meta, state = read_head(directory, "eagle", "an eagle head")
-        head = cls(HeadConfig(**meta["head_config"]), state["d2t"])
-        head.load_state_dict(state)
-        return head.to(device=device, dtype=dtype) if dtype is not None else head.to(device=device)
+        return load_head(directory, "eagle", "an eagle head",
+                         lambda meta, d2t: cls(HeadConfig(**meta["head_config"]), d2t), dtype, device)

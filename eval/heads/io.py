@@ -33,3 +33,12 @@ def read_head(directory: str | Path, kind: str, what: str) -> tuple[dict, dict]:
     if meta.get("kind") != kind:
         raise ValueError(f"{d} holds a {meta.get('kind')!r} draft, not {what}")
     return meta, load_file(str(d / HEAD_FILE))
+
+
+def load_head(directory: str | Path, kind: str, what: str, build, dtype=None, device=None) -> nn.Module:
+    """A head saved by `save_head`: build(meta, d2t) makes the module, which then takes the saved
+    weights and moves to `device` (and `dtype`, when given)."""
+    meta, state = read_head(directory, kind, what)
+    head = build(meta, state["d2t"])
+    head.load_state_dict(state)
+    return head.to(device=device, dtype=dtype) if dtype is not None else head.to(device=device)

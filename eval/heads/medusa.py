@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .io import read_head, save_head
+from .io import load_head, save_head
 
 
 @dataclass
@@ -172,7 +172,5 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, dtype=None, device=None) -> "MedusaHeads":
-        meta, state = read_head(directory, "medusa", "medusa heads")
-        heads = cls(MedusaConfig(**meta["medusa_config"]), state["d2t"])
-        heads.load_state_dict(state)
-        return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device=device)
+        return load_head(directory, "medusa", "medusa heads",
+                         lambda meta, d2t: cls(MedusaConfig(**meta["medusa_config"]), d2t), dtype, device)
