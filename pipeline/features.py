@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .config import stable_hash
+from .train_data import right_padded
 
 FEATURES_FILE = "features.safetensors"
 RAW_TEACHER_FILE = "raw-teacher.safetensors"
@@ -36,12 +37,7 @@ def padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     for s in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
         idx = order[s:s + batch_size]
-        L = max(len(seqs[i]) for i in idx)
-        ids = torch.zeros(len(idx), L, dtype=torch.long)
-        am = torch.zeros(len(idx), L, dtype=torch.long)
-        for b, i in enumerate(idx):
-            ids[b, :len(seqs[i])], am[b, :len(seqs[i])] = torch.tensor(seqs[i]), 1
-        yield idx, ids, am
+        yield (idx, *right_padded([seqs[i] for i in idx]))
 
 
 @torch.no_grad()

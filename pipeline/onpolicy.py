@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from .train_data import collate
+from .train_data import collate, right_padded
 
 SEED_STRIDE = 1_000_003  # step s of a run seeded r draws from seed r * SEED_STRIDE + s
 
@@ -33,11 +33,7 @@ def teacher_topk(target, seqs: list[list[int]], P: list[int], k: int):
     """Score sequences with the target (teacher-forced, right-padded): per row, the target's top-k
     log-probs for the tokens at positions P..len-1 -> (tk_ids, tk_lp) lists."""
     dev = next(target.parameters()).device
-    L = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), L, dtype=torch.long)
-    am = torch.zeros(len(seqs), L, dtype=torch.long)
-    for b, sq in enumerate(seqs):
-        ids[b, :len(sq)], am[b, :len(sq)] = torch.tensor(sq), 1
+    ids, am = right_padded(seqs)  # [B, L] each
     logits = target(input_ids=ids.to(dev), attention_mask=am.to(dev)).logits  # [B, L, V]
     out = []
     for b, (sq, p) in enumerate(zip(seqs, P)):

@@ -99,6 +99,17 @@ class Sequences(torch.utils.data.Dataset):
         return out
 
 
+
+def right_padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> (ids [B, L] zero-padded on the right, attention mask [B, L]), L the longest."""
+    L = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    am = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, sq in enumerate(seqs):
+        ids[b, :len(sq)], am[b, :len(sq)] = torch.tensor(sq), 1
+    return ids, am
+
+
 def collate(items) -> dict:
     """Right-padded batch: ids [B,L], valid [B,L], teacher topk at *token* positions [B,L,k], has_t [B,L],
     P [B], and feat [B,L,H] when the items carry features."""
