@@ -35,7 +35,6 @@ from .decoder import SpeculativeDecoder
 from .exactness import compare_greedy, exactness_rule
 from .loading import LoadError, convert_embedded, tokenizers_match
 from . import draft_dir
-from .draft_dir import SERVED_AS
 from .proposers import NgramProposer, load_proposer
 
 EMBEDDED = "embedded"
@@ -103,8 +102,8 @@ def resolve_target(spec: str) -> str:
 def draft_kind(draft: str) -> str:
     if draft in ("ngram", "int8"):  # need no directory: prompt lookup, an int8 copy of the target
         return draft
-    how, _, src = draft.partition(":")
-    if src and how in SERVED_AS:  # a draft directory served another way (load_proposer)
+    how, src = draft_dir.served_form(draft)
+    if how and src:  # a draft directory served another way (load_proposer)
         draft_kind(src)  # the directory must be a draft directory
         return how
     try:

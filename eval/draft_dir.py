@@ -30,6 +30,12 @@ class DraftDirError(ValueError):
     """Not a usable draft directory; the message names the path and what is wrong."""
 
 
+def served_form(source: str) -> tuple[str | None, str]:
+    """"<how>:<draft dir>" (how in SERVED_AS) -> (how, the directory); any other source -> (None, source)."""
+    how, sep, rest = source.partition(":")
+    return (how, rest) if sep and how in SERVED_AS else (None, source)
+
+
 def is_draft_dir(directory: str | Path) -> bool:
     return (Path(directory) / FILE).is_file()
 

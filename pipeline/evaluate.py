@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 
 from eval import draft_dir
 from eval.datastore import FILE as DATASTORE_FILE
-from eval.draft_dir import SERVED_AS
 from eval.exactness import compare_greedy, exactness_rule
 from eval.proposers import load_proposer
 from eval.replay import fit_budget
@@ -216,8 +215,8 @@ def log_results(tracker, results: list[dict]) -> None:
 def served_as(source: str) -> tuple[str | None, Path]:
     """("hybrid" or "hybrid-nostore", its draft directory) for a served form's "<how>:<dir>" source
     (SERVED_AS); (None, the directory) for a checkpoint."""
-    how, sep, rest = source.partition(":")
-    return (how, Path(rest)) if sep and how in SERVED_AS else (None, Path(source))
+    how, directory = draft_dir.served_form(source)
+    return how, Path(directory)
 
 
 def check_fp32(held: HeldOut, best: dict) -> tuple[bool | None, int]:

@@ -45,3 +45,11 @@ def test_best_k_trades_acceptance_against_draft_cost():
     k, v = speedup.best_k(0.6, 0.1, 6)
     assert v == max(speedup.expected_speedup(0.6, kk, 0.1) for kk in range(1, 7))
     assert v == speedup.expected_speedup(0.6, k, 0.1)
+
+
+def test_served_form_splits_only_the_known_ways_of_serving():
+    assert draft_dir.served_form("hybrid:runs/x/best") == ("hybrid", "runs/x/best")
+    assert draft_dir.served_form("hybrid-nostore:d") == ("hybrid-nostore", "d")
+    assert draft_dir.served_form("datastore:d") == ("datastore", "d")
+    assert draft_dir.served_form("ngram") == (None, "ngram")
+    assert draft_dir.served_form("runs/a:b/best") == (None, "runs/a:b/best")  # a path holding a colon

@@ -8,7 +8,7 @@ import torch
 
 from .. import draft_dir
 from ..datastore import Datastore, DatastoreError
-from ..draft_dir import SERVE_KEYS, SERVED_AS
+from ..draft_dir import SERVE_KEYS
 from ..drafts import SelfSpecDraft, int8_draft
 from ..heads import EagleHead, MedusaHeads
 from .base import NoDraft, Proposer
@@ -43,8 +43,8 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
         return NgramProposer()
     if path_or_kind == "int8":
         return _int8_proposer(target)
-    if isinstance(path_or_kind, str) and path_or_kind.split(":", 1)[0] in SERVED_AS:
-        how, src = path_or_kind.split(":", 1)
+    how, src = draft_dir.served_form(path_or_kind) if isinstance(path_or_kind, str) else (None, None)
+    if how:
         return _served(how, src, target, dtype)
     d = Path(path_or_kind)
     meta = draft_dir.read_meta(d)
