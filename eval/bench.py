@@ -35,7 +35,7 @@ from .decoder import SpeculativeDecoder
 from .exactness import compare_greedy, exactness_rule
 from .loading import LoadError, convert_embedded, tokenizers_match
 from . import draft_dir
-from .proposers import NgramProposer, load_proposer
+from .proposers import load_proposer
 
 EMBEDDED = "embedded"
 
@@ -426,8 +426,10 @@ def load_models(args, kind: str):
     return device, tpath, tok, target, draft_model
 
 
-def make_proposer(draft: str, kind: str, target):
-    return NgramProposer() if kind == "ngram" else load_proposer(draft, target)
+def draft_proposer(args, target, draft_model=None):
+    """The proposer for --draft (load_proposer: "ngram" is prompt lookup); a draft LM already loaded for
+    HF assisted generation is served as it is, not read from disk a second time."""
+    return load_proposer(draft_model if draft_model is not None else args.draft, target)
 
 
 def _header(args, device, tpath: str, kind: str, n_prompts: int) -> dict:
@@ -461,7 +463,7 @@ def bench_methods(R: Runner, p: Plan, draft_model) -> dict:
     assisted and prompt lookup run at batch 1 only (transformers refuses larger batches)."""
     B, target = R.args.batch_size, R.target
     plain = SpeculativeDecoder(target, None)
-    spec = SpeculativeDecoder(target, make_proposer(R.args.draft, p.kind, target), k=p.k)
+    spec = SpeculativeDecoder(target, draft_proposer(R.args, target, draft_model), k=p.k)
     methods = {"plain": (functools.partial(R.dec_call, plain), B), "hf_generate": (R.hf_run, B),
                "speculative": (functools.partial(R.dec_call, spec), B)}
     if p.kind == "draft_lm":
@@ -535,8 +537,7 @@ def run(args) -> dict:
     _match_figures(out, seqs, len(prompts))
     out |= _exactness(args, target, prompts, seqs, measured["speculative"]["stats"])
     if p.sweep:
-        out["batch_sweep"] = _sweep(R, prompts, p.sweep, functools.partial(make_proposer, args.draft, p.kind, target),
-                                    p.k, target)
+        out["batch_sweep"] = _sweep(R, prompts, p.sweep, draft_proposer(args, target, draft_model), p.k, target)
     out["table"] = _table([{"method": n, **{kk: out[n].get(kk) for kk in
                                             ("tokens_per_s", "speedup", "alpha", "tau", "k", "match_rate")}}
                            for n in ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "speculative", *p.also)
@@ -544,11 +545,11 @@ def run(args) -> dict:
     return out
 
 
-def _sweep(R: Runner, prompts, sizes, make_proposer, k, target) -> dict:
+def _sweep(R: Runner, prompts, sizes, proposer, k, target) -> dict:
     """Plain and speculative decoding at each batch size, in interleaved turns."""
     res = {"sizes": sizes, "rows": []}
     plain_dec = SpeculativeDecoder(target, None)
-    spec_dec = SpeculativeDecoder(target, make_proposer(), k=k)
+    spec_dec = SpeculativeDecoder(target, proposer, k=k)
     for b in sizes:
         m = R.measure({"plain": (functools.partial(R.dec_call, plain_dec), b),
                        "speculative": (functools.partial(R.dec_call, spec_dec), b)}, prompts)
