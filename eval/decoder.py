@@ -112,7 +112,7 @@ class SpeculativeDecoder:
             self._fwd = torch.compile(self.runner.__call__, dynamic=False)
         # Token trees (eval/tree.py) for proposers that offer them, under greedy decoding: they need
         # the lean runner's slots/mask/move, and their shapes vary, so not with the compiled step.
-        self.tree = tree and hasattr(self.runner, "move") and not self.static
+        self.tree = tree and self.runner.trees and not self.static
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -327,7 +327,7 @@ class SpeculativeDecoder:
     def _finish(self, s: "_Batch", ctl: "KController | None") -> dict:
         # Every verify forward of this call rounded each row like a one-token step (eval/kernels.py):
         # greedy output must then equal plain decoding's bit for bit, in bf16 too.
-        row_invariant = bool(getattr(self.runner, "row_invariant", False)) and s.stats.max_verify <= MAX_ROWS
+        row_invariant = self.runner.row_invariant and s.stats.max_verify <= MAX_ROWS
         choices, expected = (ctl.choices, ctl.expected_speedup) if ctl is not None else ([], None)
         return s.stats.finish(s.out, self.k, self.device, choices, expected) | {"row_invariant": row_invariant}
 

@@ -168,6 +168,8 @@ class LeanLlama:
     fuse=False calls the model's own q/k/v/gate/up modules: no copy, for drafts that share their
     layers with the target (eval.drafts.SelfSpecDraft); five projection calls per layer instead of two."""
 
+    trees = True  # slots/mask/move(): a token tree's nodes verified in one forward
+
     def __init__(self, model, fuse: bool = True):
         if not _is_llama_like(model):
             raise TypeError(f"{type(model).__name__} is not a Llama-family decoder")
@@ -379,6 +381,9 @@ class LeanLlama:
 class HFFallback:
     """Any HF causal LM with a `.model` body and an LM head, batch 1: DynamicCache cropped to the
     position being written before each forward."""
+
+    trees = False  # no slots/mask/move(): chains only
+    row_invariant = False  # ATen's matmuls: a row's numbers may depend on the others in the forward
 
     def __init__(self, model):
         from transformers import DynamicCache
