@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 FILE = "draftsmith_draft.json"
-KINDS = ("eagle", "medusa", "draft_lm", "self_spec", "int8")
+KINDS = ("eagle", "medusa", "draft_lm", "self_spec", "int8", "eagle3")
 SERVED_AS = ("hybrid", "hybrid-nostore", "datastore")  # "<how>:<draft dir>": a directory served another way
 SERVE_KEYS = ("max_nodes",)  # the serving settings a draft's "serve" may fix
 

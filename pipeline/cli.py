@@ -6,6 +6,8 @@
                        [--lift-steps N] [--lift-prompts P]
     draftsmith bench --draft runs/code/latest/best --prompts prompts.jsonl [...]
     draftsmith prompts --out data/code/humaneval_prompts.jsonl
+    draftsmith export --draft runs/code/latest/best --format speculators|eagle3|medusa|hf --out DIR
+                      [--verifier TARGET] [--k K] [--force]
     draftsmith recipe-help
 
 Errors a user can fix (a bad recipe key, a missing model, empty data, a corrupted shard...) print
@@ -246,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prompts", help="write held-out prompts as JSONL (for bench)")
     pr.add_argument("--out", required=True, help="JSONL path to write HumanEval's 164 prompts to")
     sub.add_parser("recipe-help", help="every recipe key with its default and meaning")
+    from .export import FORMATS
+
+    e = sub.add_parser("export", help="write a draft in a format vLLM, SGLang or HF loads")
+    e.add_argument("--draft", required=True, help="draft directory (a checkpoint or best/)")
+    e.add_argument("--format", required=True, help=f"what to write: {', '.join(FORMATS)} (pipeline/export.py)")
+    e.add_argument("--out", required=True, help="output directory (must be new or empty unless --force)")
+    e.add_argument("--verifier", help="the target it will be served with (default: the target the draft records)")
+    e.add_argument("--k", type=int, help="speculative tokens per round written into the serve commands (default 2)")
+    e.add_argument("--force", action="store_true", help="replace a non-empty --out")
     return p
 
 
@@ -273,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
             from .data import export_heldout_jsonl
 
             export_heldout_jsonl(args.out)
+            return 0
+        if args.cmd == "export":
+            from .export import MANIFEST, export_draft
+
+            out = export_draft(args.draft, args.format, args.out, args.verifier, args.k, args.force)
+            serve = json.loads((out / MANIFEST).read_text())["serve"]
+            print(f"draftsmith: {args.format} export in {out}; serve with:\n" + "\n".join(serve.values()))
             return 0
         recipe = _recipe_from(args)
         if args.cmd == "distill":

@@ -188,8 +188,14 @@ class EvaluateConfig:
                                  "times measured on this machine, and the best is served and promoted. "
                                  "One value fixes the budget without a fit.")
     fit_prompts: int = _f(16, "Validation prompts (never held-out ones) replayed to fit the tree budget.")
+    serve: str = _f("draftsmith", "Where the promoted draft will be served: 'draftsmith' (our decoder: the fastest "
+                                  "candidate, with the best exportable one reported beside it), or 'vllm', "
+                                  "'sglang', 'hf': only a checkpoint that exports to that engine is promoted "
+                                  "(vllm: eagle3 or independent medusa; sglang: eagle3; hf: draft_lm), its export "
+                                  "is written to best/export-<format>/ and the report gives the serve command.")
 
     def __post_init__(self):
+        _one_of("evaluate.serve", self.serve, {"draftsmith", "vllm", "sglang", "hf"})
         for k in ("max_new_tokens", "k", "ngram_k"):
             _positive(f"evaluate.{k}", getattr(self, k))
         _positive("evaluate.n_prompts", self.n_prompts, zero_ok=True)
@@ -199,6 +205,28 @@ class EvaluateConfig:
         if not self.tree_budgets or any(n < 1 or n > 32 for n in self.tree_budgets):
             raise RecipeError(f"evaluate.tree_budgets={self.tree_budgets!r} must list node counts from 1 to 32, "
                               f"e.g. [4, 6, 8, 10, 12]")
+
+
+EXPORT_FORMATS = ("speculators", "eagle3", "medusa", "hf")  # pipeline/export.py's FORMATS
+
+
+@dataclass
+class ExportConfig:
+    formats: list[str] = _f([], "Formats the promoted draft is also written in, each to best/export-<format>/ "
+                                "(pipeline/export.py): speculators, eagle3 (EAGLE-3 drafts), medusa (independent "
+                                "Medusa heads), hf (draft LMs). [] = none.")
+    k: typing.Optional[int] = _f(None, "Speculative tokens per round written into the exports' serve commands "
+                                       "(None = evaluate.k).")
+    verifier: typing.Optional[str] = _f(None, "The target the exports name as verifier (None = the recipe's target, "
+                                              "the embedded default resolved to its local HF directory).")
+
+    def __post_init__(self):
+        for f in self.formats:
+            _one_of("export.formats", f, set(EXPORT_FORMATS))
+        if len(set(self.formats)) != len(self.formats):
+            raise RecipeError(f"export.formats={self.formats!r} names a format twice")
+        if self.k is not None:
+            _positive("export.k", self.k)
 
 
 @dataclass
@@ -224,6 +252,7 @@ class Recipe:
     generate: GenerateConfig = field(default_factory=GenerateConfig, metadata={"help": "Stage 1."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Stage 2."})
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig, metadata={"help": "Stage 3."})
+    export: ExportConfig = field(default_factory=ExportConfig, metadata={"help": "The promoted draft in engine formats."})
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "Stage 4: tracking."})
 
     def __post_init__(self):
@@ -243,6 +272,8 @@ class Recipe:
         """Stable hash of everything that changes outputs (run_id, runs_dir and wandb excluded)."""
         d = self.to_dict()
         d.pop("run_id"), d.pop("runs_dir"), d.pop("wandb")
+        # Where the draft is served and what it is exported as change no stage's output that resumes on this hash.
+        d.pop("export"), d["evaluate"].pop("serve")
         d["train"] = flat_train(self.train)
         return stable_hash(d)
 

@@ -11,7 +11,9 @@ The steps of `run_evaluate`:
    without its datastore), and the n-gram baseline at its own K, all taking turns on each prompt;
 4. promote the candidate with the best measured speedup, not the lowest loss, to best/; its greedy
    output is checked equal to plain greedy output exactly in fp32 on a subset of prompts. A promoted
-   hybrid keeps its fitted budget in best/draftsmith_draft.json ("serve"), so it serves as measured;
+   hybrid keeps its fitted budget in best/draftsmith_draft.json ("serve"), so it serves as measured.
+   With evaluate.serve naming an engine, only a checkpoint that exports to it may be promoted; its
+   export (and those of export.formats) is written to best/export-<format>/ (pipeline/export.py);
 5. write metrics.json.
 Every candidate's greedy output is compared with plain greedy output on every prompt in the recipe's
 dtype (bf16: match rate, and every divergence must be a near-tie of the target's top two logits;
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +38,7 @@ from eval.proposers import load_proposer
 from eval.replay import fit_budget
 
 from .data import encode_prompt, read_jsonl
+from .export import MANIFEST, SERVE_FORMATS, engine_format, export_draft, kind_problem
 from .measure import MeasurementCache, decode_pairs, decode_together, proposer_for
 from .models import check_tokenizers
 from .shards import read_manifest, write_json_atomic
@@ -84,7 +88,9 @@ class HeldOut:
         cache_dir = Path(run_dir) / "eval"
         cache_dir.mkdir(parents=True, exist_ok=True)
         prompts = heldout_ids(recipe, run_dir, tokenizer)
-        settings = {"evaluate": recipe.to_dict()["evaluate"], "dtype": recipe.dtype, "n": len(prompts)}
+        ev = recipe.to_dict()["evaluate"]
+        ev.pop("serve")  # picks among the measurements, changes none of them
+        settings = {"evaluate": ev, "dtype": recipe.dtype, "n": len(prompts)}
         return cls(target, prompts, recipe.evaluate, tokenizer.eos_token_id, MeasurementCache(cache_dir, settings))
 
     def measure(self, cands: list[Candidate]) -> dict[str, dict]:
@@ -153,6 +159,47 @@ def check_draft_tokenizers(ckpts: list[Path], tokenizer) -> None:
             from transformers import AutoTokenizer
 
             check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(ck), f"draft {ck}")
+
+
+def check_exports(recipe, ckpts: list[Path]) -> None:
+    """The run's draft kind can be served where evaluate.serve says and written in every export.formats
+    (checked before any decoding; a run's checkpoints share one kind)."""
+    meta, serve = draft_dir.read_meta(ckpts[-1]), recipe.evaluate.serve
+    kind = meta["kind"]
+    if serve != "draftsmith" and engine_format(meta, serve) is None:
+        fmt = SERVE_FORMATS[serve].get(kind)
+        why = kind_problem(meta, fmt) if fmt else f"{serve} loads {' or '.join(SERVE_FORMATS[serve])} drafts"
+        raise EvaluateError(f"evaluate.serve={serve}: this run's {kind} checkpoints cannot be served there ({why}); "
+                            f"train a draft {serve} loads or set evaluate.serve=draftsmith")
+    for fmt in recipe.export.formats:
+        problem = kind_problem(meta, fmt)
+        if problem:
+            raise EvaluateError(f"export.formats: this run's {kind} checkpoints cannot be exported: {problem}; "
+                                f"or drop {fmt!r} from export.formats")
+
+
+def export_format(r: dict, engine: str) -> str | None:
+    """The format a measured candidate is served in by `engine`: only a bare checkpoint (an engine
+    serves the draft alone, not our hybrid with lookups) of a kind the engine loads; else None."""
+    how, directory = served_as(r["source"])
+    return None if how or not draft_dir.is_draft_dir(directory) else engine_format(draft_dir.read_meta(directory), engine)
+
+
+def promotable(results: list[dict], serve: str) -> list[dict]:
+    """The candidates evaluate.serve allows to be promoted: all of them for our decoder, else those
+    that export to the engine."""
+    return results if serve == "draftsmith" else [r for r in results if export_format(r, serve)]
+
+
+def best_exportable(results: list[dict]) -> dict:
+    """{engine: (the fastest candidate it can serve: name, format, speedup, τ) or None}, for the report."""
+    out = {}
+    for engine in SERVE_FORMATS:
+        pool = promotable(results, engine)
+        b = max(pool, key=lambda r: r["speedup"]) if pool else None
+        out[engine] = None if b is None else {"name": b["name"], "source": b["source"], "speedup": b["speedup"],
+                                              "tau": b["stats"]["tau"], "format": export_format(b, engine)}
+    return out
 
 
 # ------------------------------------------------------------------------------- steps
@@ -275,15 +322,31 @@ class Promotion:
     datastore: bool  # best/ holds a datastore
 
 
-def promote(held: HeldOut, results: list[dict], every: list[dict], run_dir: Path, dtype: str) -> Promotion:
-    """Step 4: the result with the best measured speedup (baselines excluded) goes to best/, its
-    exactness proven in fp32; every result gets its exactness verdict."""
-    best = max(results, key=lambda r: r["speedup"])
+def promote(held: HeldOut, results: list[dict], every: list[dict], run_dir: Path, dtype: str,
+            serve: str = "draftsmith") -> Promotion:
+    """Step 4: the result with the best measured speedup (baselines excluded; with an engine named in
+    `serve`, among those it can serve) goes to best/, its exactness proven in fp32; every result gets
+    its exactness verdict."""
+    best = max(promotable(results, serve), key=lambda r: r["speedup"])
     exact32, n32 = check_fp32(held, best)
     mark_exactness(every, best, dtype, exact32)
     meta = copy_best(best, run_dir)
     return Promotion(best, meta, served_as(best["source"])[0], exact32, n32,
                      (run_dir / "best" / DATASTORE_FILE).exists())
+
+
+def write_exports(recipe, run_dir: Path, p: Promotion) -> dict:
+    """best/ in evaluate.serve's engine format and in every export.formats, each to best/export-<format>/:
+    {format: {"dir", "serve": {engine: command}}}."""
+    fmts = list(recipe.export.formats)
+    if recipe.evaluate.serve != "draftsmith":
+        fmts = [engine_format(p.meta, recipe.evaluate.serve)] + fmts
+    out = {}
+    for fmt in dict.fromkeys(fmts):
+        d = export_draft(run_dir / "best", fmt, run_dir / "best" / f"export-{fmt}",
+                         recipe.export.verifier or recipe.target, recipe.export.k or recipe.evaluate.k, force=True)
+        out[fmt] = {"dir": f"best/export-{fmt}", "serve": json.loads((d / MANIFEST).read_text())["serve"]}
+    return out
 
 
 def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict:
@@ -295,6 +358,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     held = HeldOut.open(recipe, run_dir, target, tokenizer)
     ckpts = checkpoints(run_dir)
     check_draft_tokenizers(ckpts, tokenizer)
+    check_exports(recipe, ckpts)
     results = measure_checkpoints(held, ckpts)
     # The checkpoint served in step 3 is the one with the highest τ: checkpoints of one run share the
     # draft's architecture, so a round costs the same with each and τ orders their speed without the
@@ -311,8 +375,10 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     every = results + ([baseline] if baseline else [])
     log_results(tracker, every)
 
-    promoted = promote(held, results, every, run_dir, recipe.dtype)
-    metrics = metrics_for(recipe, held, results, baseline, fit, promoted)
+    promoted = promote(held, results, every, run_dir, recipe.dtype, cfg.serve)
+    exports = write_exports(recipe, run_dir, promoted)
+    metrics = metrics_for(recipe, held, results, baseline, fit, promoted) | {
+        "serve": cfg.serve, "exports": exports, "best_exportable": best_exportable(results)}
     write_json_atomic(run_dir / "metrics.json", metrics)
     tracker.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))})
     return metrics

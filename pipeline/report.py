@@ -89,6 +89,27 @@ def compare_section(run_dir: Path) -> list[str]:
     return lines
 
 
+def serve_section(m: dict) -> list[str]:
+    """How to serve the promoted draft in an engine (its exports in best/), and, when our decoder is
+    the target, the fastest candidate each engine could serve."""
+    if "serve" not in m:  # metrics.json written before evaluate.serve
+        return []
+    lines = ["", "## Serving it in an engine", ""]
+    if m["serve"] != "draftsmith":
+        lines.append(f"Promoted for **{m['serve']}** (evaluate.serve): only a checkpoint {m['serve']} loads was "
+                     f"eligible; the figures above are our decoder's for that draft.")
+    for fmt, e in (m.get("exports") or {}).items():
+        lines += ["", f"`{e['dir']}/` ({fmt} format, K={m['k']}):", "", "```"] + list(e["serve"].values()) + ["```"]
+    if m["serve"] == "draftsmith":
+        lines += ["", "The fastest candidate each engine can load (a bare checkpoint; the hybrid's lookups and "
+                      "tree are our decoder's), measured in our decoder; write it with `draftsmith export`:", ""]
+        for engine, b in (m.get("best_exportable") or {}).items():
+            lines.append(f"- {engine}: " + ("none of this run's drafts" if b is None else
+                         f"`{b['name']}`, speedup {b['speedup']:.2f}×, τ {b['tau']:.2f}: `draftsmith export --draft "
+                         f"{b['source']} --format {b['format']} --out DIR`"))
+    return lines
+
+
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     m = json.loads((run_dir / "metrics.json").read_text())
@@ -141,6 +162,7 @@ def write_report(run_dir: Path) -> Path:
     lines += ["", "Acceptance per draft position (P(accepted | reached)): "
               + ", ".join(f(a, 3) for a in m.get("accept_per_pos", [])), ""]
     lines += [f"![{p}]({p})" for p in plots]
+    lines += serve_section(m)
     lines += compare_section(run_dir)
     out = run_dir / "report.md"
     out.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,411 @@
+"""`draftsmith export`: each format written from a tiny draft and read back the way its engine reads it
+(config fields by the names vLLM's readers use, every tensor mapped back to the source exactly, the HF
+draft through transformers), every refusal (one line, exit 2, no output), the recipe's export section and
+evaluate.serve's promotion filter."""
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eval import draft_dir
+from pipeline.cli import main
+from pipeline.config import EXPORT_FORMATS, Recipe, RecipeError, load_recipe
+from pipeline.export import FORMATS, MANIFEST, export_draft
+
+V, VD, H, NH, NKV, HD, I = 128, 48, 32, 4, 2, 8, 64  # the tiny EAGLE-3 head over medusa_target's shape
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """The verifier: helpers' medusa_target (Llama, 2 layers, H=32, V=128) as an HF directory."""
+    from helpers import medusa_target
+
+    d = tmp_path_factory.mktemp("verifier")
+    medusa_target().save_pretrained(d)
+    return d
+
+
+def eagle3_draft(d, target_dir, aux=(0, 1, 2), norm_before_residual=False, **meta):
+    """An EAGLE-3 draft directory by the contract: head.safetensors with its keys and shapes (random
+    weights, a truncated vocabulary of VD ids), the metadata with head_config and the target's config."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    ids = torch.randperm(V, generator=g)[:VD].sort().values  # [VD] target ids of the draft vocabulary
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    sd = {"embed_tokens.weight": r(V, H), "fc.weight": r(H, 3 * H), "layers.0.hidden_norm.weight": r(H),
+          "layers.0.input_layernorm.weight": r(H), "layers.0.self_attn.q_proj.weight": r(NH * HD, 2 * H),
+          "layers.0.self_attn.k_proj.weight": r(NKV * HD, 2 * H), "layers.0.self_attn.v_proj.weight": r(NKV * HD, 2 * H),
+          "layers.0.self_attn.o_proj.weight": r(H, NH * HD), "layers.0.post_attention_layernorm.weight": r(H),
+          "layers.0.mlp.gate_proj.weight": r(I, H), "layers.0.mlp.up_proj.weight": r(I, H),
+          "layers.0.mlp.down_proj.weight": r(H, I), "norm.weight": r(H), "lm_head.weight": r(VD, H),
+          "d2t": ids - torch.arange(VD), "t2d": t2d}
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(d / "head.safetensors"))
+    tc = json.loads((target_dir / "config.json").read_text())
+    hc = {"hidden_size": H, "num_attention_heads": NH, "num_key_value_heads": NKV, "head_dim": HD,
+          "intermediate_size": I, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+          "vocab_size": V, "draft_vocab_size": VD, "target_hidden_size": H,
+          "norm_before_residual": norm_before_residual, "aux_layers": list(aux)}
+    draft_dir.write_meta(d, {"kind": "eagle3", "head_config": hc, "target": str(target_dir), "target_config": tc,
+                             "step": 7, "train_key": "k123", **meta})
+    return d, sd
+
+
+def medusa_draft(d, target_dir, draft_ids=None, recurrent=False, layers=1):
+    """Medusa heads on medusa_target with random residual blocks (fresh ones are the identity)."""
+    from helpers import MEDUSA_NH, medusa_target
+
+    from eval.heads import MedusaHeads
+
+    torch.manual_seed(1)
+    heads = MedusaHeads.from_target(medusa_target(), MEDUSA_NH, draft_ids=draft_ids, num_layers=layers,
+                                    recurrent=recurrent)
+    with torch.no_grad():
+        for p in heads.blocks.parameters():
+            p.normal_(0, 0.3)
+    heads.save(d, extra={"target": str(target_dir), "step": 3, "train_key": "m1"})
+    return heads.eval()
+
+
+def refused(capsys, argv, out, match):
+    """The CLI refuses: exit 2, one line on stderr matching `match`, nothing at `out`."""
+    capsys.readouterr()  # what the test wrote before
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.count("\n") == 0 and re.search(match, err), err
+    assert not out.exists() or not any(out.iterdir())
+    assert not [p for p in out.parent.iterdir() if ".export-" in p.name]  # no temporary left behind
+
+
+# ------------------------------------------------------------------------------- eagle3 kind
+
+def vllm_speculators_config(config: dict) -> dict:
+    """What vLLM's SpeculatorsConfig builds from config.json (transformers_utils/configs/speculators/
+    base.py + algos.py update_eagle3), read by the same keys."""
+    sc = config["speculators_config"]
+    assert sc["proposal_methods"][0]["speculative_tokens"] and sc["verifier"]["name_or_path"]
+    assert isinstance(config["transformer_layer_config"], dict)
+    pre = dict(config["transformer_layer_config"])
+    pre["draft_vocab_size"] = config.get("draft_vocab_size")
+    pre["target_hidden_size"] = config["target_hidden_size"]
+    pre["norm_before_residual"] = config.get("norm_before_residual", True)
+    assert pre.get("model_type", "llama") == "llama"
+    pre["architectures"] = ["Eagle3LlamaForCausalLM"]
+    pre["eagle_aux_hidden_state_layer_ids"] = config["eagle_aux_hidden_state_layer_ids"]
+    return pre
+
+
+@pytest.mark.parametrize("nbr", [False, True])
+def test_speculators_export_reads_back_as_vllm_reads_it(tmp_path, target_dir, nbr):
+    from transformers import LlamaConfig
+
+    src, sd = eagle3_draft(tmp_path / "draft", target_dir, norm_before_residual=nbr)
+    out = export_draft(src, "speculators", tmp_path / "out", k=3)
+    config = json.loads((out / "config.json").read_text())
+    assert "model_type" not in config  # vLLM picks the speculators reader only without one
+    assert config["speculators_model_type"] == "eagle3" and config["speculators_config"]["algorithm"] == "eagle3"
+    sc = config["speculators_config"]
+    assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}]
+    assert sc["default_proposal_method"] == "greedy"
+    assert sc["verifier"] == {"name_or_path": str(target_dir.resolve()), "architectures": ["LlamaForCausalLM"]}
+    pre = vllm_speculators_config(config)
+    assert pre["norm_before_residual"] is nbr  # written even when false (vLLM's default is true)
+    assert pre["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    lc = LlamaConfig(**{k: v for k, v in pre.items() if k != "architectures"})
+    assert (lc.hidden_size, lc.num_attention_heads, lc.num_key_value_heads, lc.head_dim, lc.intermediate_size,
+            lc.vocab_size, lc.num_hidden_layers, lc.max_position_embeddings) == (H, NH, NKV, HD, I, V, 1, 256)
+    assert lc.rope_parameters["rope_theta"] == 10000.0 and lc.rms_norm_eps == 1e-6
+    assert (pre["draft_vocab_size"], pre["target_hidden_size"]) == (VD, H)
+    w = load_file(str(out / "model.safetensors"))
+    assert w.keys() == sd.keys() and all(torch.equal(w[k], sd[k]) for k in sd)
+    assert torch.equal((torch.arange(VD) + w["d2t"]).sort().values, w["t2d"].nonzero()[:, 0])  # offsets, as vLLM adds them
+
+
+def test_eagle3_export_midlayer_names_and_both_engines_aux_ids(tmp_path, target_dir):
+    src, sd = eagle3_draft(tmp_path / "draft", target_dir, aux=(1, 1, 2))
+    out = export_draft(src, "eagle3", tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert (config["num_hidden_layers"], config["draft_vocab_size"], config["norm_before_residual"]) == (1, VD, False)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]  # vLLM: the stream entering layer i
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 0, 1], "use_aux_hidden_state": True}
+    w = load_file(str(out / "model.safetensors"))
+    assert not [k for k in w if k.startswith("layers.")]
+    back = {k.replace("midlayer.", "layers.0."): t for k, t in w.items()}  # vLLM's hf_to_vllm_mapper
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["serve"]["sglang"].endswith(f"--speculative-algorithm EAGLE3 --speculative-draft-model-path "
+                                         f"{out.resolve()} --speculative-num-steps 2 --speculative-eagle-topk 1 "
+                                         f"--speculative-num-draft-tokens 3")
+    assert json.loads(m["serve"]["vllm"].split("'")[1]) == {"method": "eagle3", "model": str(out.resolve()),
+                                                           "num_speculative_tokens": 2}
+
+
+def test_manifest_records_source_verifier_k_and_every_file(tmp_path, target_dir):
+    import hashlib
+
+    src, _ = eagle3_draft(tmp_path / "draft", target_dir)
+    out = export_draft(src, "speculators", tmp_path / "out", verifier=str(target_dir), k=4)
+    m = json.loads((out / MANIFEST).read_text())
+    assert (m["format"], m["kind"], m["source"], m["step"], m["train_key"], m["k"]) == (
+        "speculators", "eagle3", str(src.resolve()), 7, "k123", 4)
+    assert m["verifier"] == str(target_dir.resolve()) and m["serve"] == {"vllm": f"vllm serve {out.resolve()}"}
+    files = sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
+    assert sorted(m["files"]) == files == ["config.json", "model.safetensors"]
+    assert all(hashlib.sha256((out / f).read_bytes()).hexdigest() == h for f, h in m["files"].items())
+
+
+# ------------------------------------------------------------------------------- medusa kind
+
+def vllm_medusa_logits(out, feat):
+    """vLLM's Medusa forward and compute_logits (model_executor/models/medusa.py) over the exported
+    files: per head x + SiLU(W x + b) per layer, its LM head, logits scattered to token_map's ids."""
+    config = json.loads((out / "config.json").read_text())
+    for k in list(config):  # MedusaConfig.from_pretrained's renaming
+        if "num" in k:
+            config["num_heads" if "heads" in k else "num_hidden_layers" if "layers" in k else k] = config.pop(k)
+    w = load_file(str(out / "model.safetensors"))
+    token_map = w.get("token_map") if config["truncated_vocab_size"] < config["vocab_size"] else None
+    logits = []
+    for i in range(config["num_heads"]):
+        x = feat
+        for j in range(config["num_hidden_layers"]):
+            bias = w[f"blocks.{i}.layers.{j}.bias"] if config.get("medusa_fc_bias") else 0
+            x = x + torch.nn.functional.silu(x @ w[f"blocks.{i}.layers.{j}.weight"].T + bias)
+        lg = x @ w[f"lm_heads.{i}.weight"].T
+        if token_map is not None:
+            full = torch.full((*lg.shape[:-1], config["vocab_size"]), -torch.inf)
+            full[..., token_map] = lg
+            lg = full
+        logits.append(lg)
+    return config, torch.stack(logits, -2)  # [N, heads, V]
+
+
+def our_medusa_logits(heads, feat):
+    """Our heads' logits placed at target ids (d2t), -inf elsewhere: [N, heads, V]."""
+    lg = heads.logits(heads(feat))  # [N, heads, Vd]
+    full = torch.full((*lg.shape[:-1], heads.config.vocab_size), -torch.inf)
+    full[..., heads.d2t] = lg
+    return full
+
+
+@pytest.mark.parametrize("truncated", [True, False])
+def test_medusa_export_scores_every_target_id_as_our_heads(tmp_path, target_dir, truncated):
+    g = torch.Generator().manual_seed(2)
+    # truncated: 40 of the 128 ids; full: every id in a shuffled order (row r of our LM head scores d2t[r])
+    ids = torch.randperm(V, generator=g)[:40] if truncated else torch.randperm(V, generator=g)
+    heads = medusa_draft(tmp_path / "draft", target_dir, draft_ids=ids, layers=2)
+    out = export_draft(tmp_path / "draft", "medusa", tmp_path / "out", k=3)
+    feat = torch.randn(5, H, generator=g)
+    config, theirs = vllm_medusa_logits(out, feat)
+    assert (config["model_type"], config["architectures"], config["num_heads"], config["num_hidden_layers"]) == (
+        "medusa", ["MedusaModel"], 3, 2)
+    assert (config["vocab_size"], config["truncated_vocab_size"], config["hidden_size"]) == (V, 40 if truncated else V, H)
+    with torch.no_grad():
+        ours = our_medusa_logits(heads, feat)
+    if truncated:
+        assert torch.equal(theirs, ours)
+        assert torch.equal(load_file(str(out / "model.safetensors"))["token_map"], ids)
+    else:  # no token_map: rows permuted into target order
+        assert "token_map" not in load_file(str(out / "model.safetensors"))
+        assert torch.allclose(theirs, ours, atol=1e-5, rtol=0) and torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+# ------------------------------------------------------------------------------- draft_lm kind
+
+@pytest.fixture(scope="module")
+def lora_draft(tmp_path_factory):
+    """A draft_lm checkpoint with LoRA as pipeline/methods/draft_lm.py saves it, and its verifier (same
+    word tokenizer): (draft dir, verifier dir, the PEFT model)."""
+    from helpers import save_word_llama, word_tokenizer
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.methods import METHODS
+
+    root = tmp_path_factory.mktemp("hf")
+    tok = word_tokenizer()
+    verifier = save_word_llama(root / "verifier", tok, layers=2)
+    base = AutoModelForCausalLM.from_pretrained(save_word_llama(root / "base", tok, layers=1, seed=1))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # fresh B is zero: the adapter would change nothing
+    tc = SimpleNamespace(draft_lm=SimpleNamespace(lora_rank=4))
+    module = SimpleNamespace(model=model, tc=tc, tokenizer=tok)
+    METHODS["draft_lm"].save(module, root / "draft", {"target": str(verifier)}, 5)
+    return root / "draft", verifier, model.eval()
+
+
+def test_hf_export_loads_in_transformers_with_the_drafts_logits(tmp_path, lora_draft):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, verifier, peft_model = lora_draft
+    out = export_draft(src, "hf", tmp_path / "out", verifier=str(verifier))
+    assert not (out / draft_dir.FILE).exists() and (out / "adapter" / "adapter_config.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    saved = AutoModelForCausalLM.from_pretrained(src).eval()
+    ids = torch.tensor([[1, 5, 9, 3, 22, 40, 7]])
+    with torch.no_grad():
+        lg = exported(ids).logits
+        assert torch.equal(lg, saved(ids).logits)
+        assert torch.allclose(lg, peft_model(input_ids=ids).logits, atol=1e-5)  # the merge is the adapter's
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(verifier).get_vocab()
+    m = json.loads((out / MANIFEST).read_text())
+    assert "adapter/adapter_model.safetensors" in m["files"] and "assistant_model=" in m["serve"]["hf"]
+
+
+# ------------------------------------------------------------------------------- refusals
+
+def test_refuses_a_kind_the_format_cannot_hold(tmp_path, target_dir, capsys):
+    medusa_draft(tmp_path / "medusa", target_dir)
+    out = tmp_path / "out"
+    refused(capsys, ["export", "--draft", str(tmp_path / "medusa"), "--format", "speculators", "--out", str(out)],
+            out, r"--format speculators holds eagle3 drafts, not 'medusa': use --format medusa")
+    for kind in ("eagle", "int8", "self_spec"):
+        d = tmp_path / kind
+        draft_dir.write_meta(d, {"kind": kind, "target": str(target_dir)})
+        refused(capsys, ["export", "--draft", str(d), "--format", "eagle3", "--out", str(out)],
+                out, rf"not '{kind}': no engine format holds this kind; train train.method=eagle3")
+
+
+def test_refuses_recurrent_medusa_naming_independent_heads(tmp_path, target_dir, capsys):
+    medusa_draft(tmp_path / "draft", target_dir, recurrent=True)
+    out = tmp_path / "out"
+    refused(capsys, ["export", "--draft", str(tmp_path / "draft"), "--format", "medusa", "--out", str(out)],
+            out, r"recurrent Medusa heads .* no engine format holds them; .*train\.medusa\.recurrent=false")
+
+
+@pytest.mark.parametrize("key,value", [("vocab_size", 100), ("num_hidden_layers", 3), ("model_type", "qwen2"),
+                                       ("hidden_size", 64)])
+def test_refuses_a_verifier_the_draft_was_not_trained_for(tmp_path, target_dir, capsys, key, value):
+    """The verifier's config differs from the target's in one field the draft depends on."""
+    other = tmp_path / "other-target"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(json.loads((target_dir / "config.json").read_text()) | {key: value}))
+    out = tmp_path / "out"
+    src, _ = eagle3_draft(tmp_path / "draft", target_dir)
+    medusa_draft(tmp_path / "medusa", target_dir)
+    for d, fmt in ((src, "speculators"), (tmp_path / "medusa", "medusa")):
+        was = json.loads((target_dir / "config.json").read_text())[key]
+        if fmt == "medusa" and key in ("num_hidden_layers", "model_type"):
+            continue  # Medusa heads record only the hidden size and vocabulary they read
+        refused(capsys, ["export", "--draft", str(d), "--format", fmt, "--out", str(out), "--verifier", str(other)],
+                out, rf"was trained for a target with {key}={was!r}, but verifier .*other-target has "
+                     rf"{key}={value!r}; pass the --verifier it was trained for \(.*verifier")
+    src2, _ = eagle3_draft(tmp_path / "far", target_dir, aux=(0, 1, 9))
+    refused(capsys, ["export", "--draft", str(src2), "--format", "speculators", "--out", str(out)],
+            out, r"aux_layers \[9\] are not layers of verifier .* \(2 layers\)")
+
+
+def test_refuses_an_hf_draft_whose_tokenizer_differs(tmp_path, capsys):
+    from helpers import save_word_llama, word_tokenizer
+
+    verifier = save_word_llama(tmp_path / "verifier", word_tokenizer("zz"))
+    draft = save_word_llama(tmp_path / "draft", word_tokenizer("yy"), kind="draft_lm")  # same size, other words
+    out = tmp_path / "out"
+    refused(capsys, ["export", "--draft", str(draft), "--format", "hf", "--out", str(out), "--verifier", str(verifier)],
+            out, r"its tokenizer differs from verifier .*'s \(vocab 65 vs 65\)")
+
+
+def test_refuses_missing_files_targets_and_bad_arguments(tmp_path, target_dir, capsys):
+    src, _ = eagle3_draft(tmp_path / "draft", target_dir)
+    out = tmp_path / "out"
+    argv = ["export", "--draft", str(src), "--out", str(out), "--format"]
+    refused(capsys, argv + ["onnx"], out, r"unknown export format 'onnx'; use one of speculators, eagle3, medusa, hf")
+    refused(capsys, argv + ["eagle3", "--k", "0"], out, r"--k 0")
+    (src / "head.safetensors").unlink()
+    refused(capsys, argv + ["eagle3"], out, r"has no head\.safetensors")
+    refused(capsys, ["export", "--draft", str(tmp_path / "nope"), "--format", "hf", "--out", str(out)],
+            out, r"draft directory .*nope does not exist")
+    medusa_draft(tmp_path / "m", target_dir)
+    refused(capsys, ["export", "--draft", str(tmp_path / "m"), "--format", "medusa", "--out", str(out), "--k", "4"],
+            out, r"K=4 needs 4 Medusa heads, the draft has 3; pass --k 3 or fewer")
+    meta = draft_dir.read_meta(tmp_path / "m")
+    meta.pop("target")
+    draft_dir.write_meta(tmp_path / "m", meta)
+    refused(capsys, ["export", "--draft", str(tmp_path / "m"), "--format", "medusa", "--out", str(out)],
+            out, r"records no target; pass --verifier")
+
+
+def test_refuses_a_non_empty_out_unless_forced(tmp_path, target_dir, capsys):
+    src, _ = eagle3_draft(tmp_path / "draft", target_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["export", "--draft", str(src), "--format", "eagle3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "exists and is not empty" in err and "--force" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert main(["export", "--draft", str(src), "--format", "eagle3", "--out", str(out), "--force"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", MANIFEST, "model.safetensors"]
+    assert main(["export", "--draft", str(src), "--format", "speculators", "--out", str(tmp_path / "empty")]) == 0
+
+
+# ------------------------------------------------------------------------------- recipe and evaluate
+
+def test_recipe_export_section_is_checked_and_leaves_the_hash_alone():
+    assert set(EXPORT_FORMATS) == set(FORMATS)
+    r = load_recipe(domain="code")
+    assert r == Recipe() and r.export.formats == [] and r.export.k is None and r.evaluate.serve == "draftsmith"
+    assert r.hash() == "6e56496bbbb8a0a8"  # the default recipe's hash before the export section existed
+    other = load_recipe(domain="code", overrides=["export.formats=[speculators, hf]", "export.k=3",
+                                                  "evaluate.serve=vllm"])
+    assert other.hash() == r.hash() and other.export.formats == ["speculators", "hf"]
+    for bad, msg in (("export.formats=[onnx]", "export.formats='onnx' is not one of"),
+                     ("export.formats=[hf, hf]", "names a format twice"), ("export.k=0", "export.k=0 must be > 0"),
+                     ("evaluate.serve=trt", "evaluate.serve='trt' is not one of"),
+                     ("export.formats=hf", "must be a list")):
+        with pytest.raises(RecipeError, match=re.escape(msg)):
+            load_recipe(domain="code", overrides=[bad])
+
+
+def _result(name, source, speedup, tau=2.0):
+    return {"name": name, "source": str(source), "speedup": speedup, "stats": {"tau": tau}}
+
+
+def test_evaluate_serve_promotes_only_what_the_engine_loads(tmp_path, target_dir):
+    from helpers import save_word_llama, word_tokenizer
+
+    from pipeline.evaluate import best_exportable, promotable
+
+    eagle3_draft(tmp_path / "e3", target_dir)
+    medusa_draft(tmp_path / "ind", target_dir)
+    medusa_draft(tmp_path / "rec", target_dir, recurrent=True)
+    save_word_llama(tmp_path / "lm", word_tokenizer(), kind="draft_lm")
+    res = [_result("e3", tmp_path / "e3", 1.2), _result("ind", tmp_path / "ind", 1.4),
+           _result("rec", tmp_path / "rec", 2.0), _result("rec+ngram", f"hybrid:{tmp_path / 'rec'}", 2.5),
+           _result("ind+ngram", f"hybrid:{tmp_path / 'ind'}", 2.6), _result("lm", tmp_path / "lm", 1.1)]
+    names = lambda rs: [r["name"] for r in rs]  # noqa: E731
+    assert promotable(res, "draftsmith") == res
+    assert names(promotable(res, "vllm")) == ["e3", "ind"]  # a hybrid is our decoder's way of serving
+    assert names(promotable(res, "sglang")) == ["e3"] and names(promotable(res, "hf")) == ["lm"]
+    best = best_exportable(res)
+    assert {e: (b["name"], b["format"]) for e, b in best.items()} == {
+        "vllm": ("ind", "medusa"), "sglang": ("e3", "eagle3"), "hf": ("lm", "hf")}
+    assert best_exportable(res[2:4]) == {"vllm": None, "sglang": None, "hf": None}
+
+
+def test_evaluate_refuses_serve_or_formats_the_runs_kind_cannot_meet(tmp_path, target_dir, real_tokenizer):
+    """Before any decoding: the run's recurrent Medusa checkpoints cannot go to vLLM nor be exported."""
+    from pipeline.evaluate import EvaluateError, run_evaluate
+
+    run = tmp_path / "run"
+    (run / "prompts").mkdir(parents=True)
+    (run / "prompts" / "heldout.jsonl").write_text(json.dumps({"id": "a", "prompt": "def f():"}) + "\n")
+    medusa_draft(run / "train" / "checkpoint-000001", target_dir, recurrent=True)
+    (run / "train" / "manifest.json").write_text(json.dumps({"checkpoints": ["checkpoint-000001"]}))
+    for over, msg in ((["evaluate.serve=vllm"], r"evaluate.serve=vllm: this run's medusa checkpoints cannot be "
+                                                r"served there \(recurrent Medusa heads"),
+                      (["evaluate.serve=sglang"], r"sglang loads eagle3 drafts"),
+                      (["export.formats=[medusa]"], r"export.formats: .*train\.medusa\.recurrent=false")):
+        with pytest.raises(EvaluateError, match=msg):
+            run_evaluate(load_recipe(domain="code", overrides=over), run, target=None, tokenizer=real_tokenizer)
