@@ -6,8 +6,9 @@ FORMATS maps each format to the draft kinds it holds:
   speculators  eagle3    vLLM's native format: `vllm serve <out>` alone (verifier and K in config.json)
   eagle3       eagle3    the EAGLE-3 checkpoint layout (LlamaForCausalLMEagle3, midlayer.*) that SGLang
                          (--speculative-algorithm EAGLE3) and vLLM (method "eagle3") load
-  medusa       medusa    vLLM's MedusaModel; independent heads only (recurrent heads read tokens, which
-                         no engine's Medusa does)
+  medusa       medusa    vLLM's MedusaModel; independent heads over the full vocabulary only (recurrent
+                         heads read tokens, which no engine's Medusa does; vLLM 0.32 cannot load
+                         truncated LM heads)
   hf           draft_lm  an ordinary HF causal LM with the tokenizer (HF assistant_model, vLLM draft_model)
 The final-feature EAGLE head, self_spec and int8 have no engine format. The draft must have been trained
 for the verifier (vocabulary, hidden size, layers checked against its config.json). The output is written
@@ -60,9 +61,14 @@ def engine_format(meta: dict, engine: str) -> str | None:
 
 def kind_problem(meta: dict, fmt: str) -> str | None:
     kind = meta.get("kind")
-    if kind == "medusa" and (meta.get("medusa_config") or {}).get("recurrent"):
+    mc = meta.get("medusa_config") or {}
+    if kind == "medusa" and mc.get("recurrent"):
         return ("recurrent Medusa heads read the drafted tokens, which no engine's Medusa does: no engine "
                 "format holds them; train independent heads (train.medusa.recurrent=false)")
+    if kind == "medusa" and fmt == "medusa" and mc["draft_vocab_size"] < mc["vocab_size"]:
+        return (f"Medusa heads over a truncated draft vocabulary ({mc['draft_vocab_size']} of {mc['vocab_size']} "
+                f"ids) do not load in vLLM 0.32: its LM-head loader asserts the full vocabulary, token_map or not "
+                f"(vocab_parallel_embedding.py weight_loader); train them with train.draft_vocab_size=0")
     if kind not in FORMATS[fmt]:
         holders = [f for f, kinds in FORMATS.items() if kind in kinds]
         fix = (f"use --format {' or '.join(holders)}" if holders else
@@ -196,7 +202,7 @@ def llama_layer_config(hc: dict, v: Verifier) -> dict:
             "rms_norm_eps": hc["rms_norm_eps"], "rope_theta": hc["rope_theta"], "rope_parameters": rope,
             "max_position_embeddings": hc["max_position_embeddings"], "vocab_size": hc["vocab_size"],
             "num_hidden_layers": 1, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-            "torch_dtype": "float32", "bos_token_id": v.config.get("bos_token_id"),
+            "bos_token_id": v.config.get("bos_token_id"),
             "eos_token_id": v.config.get("eos_token_id"), "pad_token_id": v.config.get("pad_token_id")}
 
 
@@ -217,7 +223,7 @@ def write_speculators(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> 
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": v.name_or_path, "architectures": v.config.get("architectures") or []},
         },
-        "speculators_version": "0.9.0", "torch_dtype": "float32",
+        "speculators_version": "0.9.0",
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _save(_load(src), tmp / "model.safetensors")  # the contract's names are the speculators names
@@ -252,24 +258,19 @@ def write_medusa(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
         raise ExportError(f"K={k} needs {k} Medusa heads, the draft has {mc['num_heads']}; pass --k {mc['num_heads']} "
                           f"or fewer")
     state = _load(src)
-    V, Vd = mc["vocab_size"], mc["draft_vocab_size"]
-    d2t = state["d2t"].long()  # [Vd] absolute target ids (eval/heads/medusa.py)
+    d2t = state["d2t"].long()  # [V] absolute target ids (eval/heads/medusa.py); full vocabulary (kind_problem)
     out = {}
     for i in range(mc["num_heads"]):
         for j in range(mc["num_layers"]):  # ResBlock x + SiLU(W x + b) == vLLM's ResidualBlock layer
             out[f"blocks.{i}.layers.{j}.weight"] = state[f"blocks.{i}.{j}.linear.weight"]
             out[f"blocks.{i}.layers.{j}.bias"] = state[f"blocks.{i}.{j}.linear.bias"]
-        W = state[f"lm_heads.{i}.weight"]  # [Vd, H]
-        if Vd == V:  # full vocabulary: row t must score target token t
-            W = torch.zeros_like(W).index_copy_(0, d2t, W)
-        out[f"lm_heads.{i}.weight"] = W
-    if Vd < V:  # vLLM scatters the Vd logits to token_map's target ids: token_map == our d2t
-        out["token_map"] = d2t
+        W = state[f"lm_heads.{i}.weight"]  # [V, H]: our row r scores target id d2t[r], vLLM's row t id t
+        out[f"lm_heads.{i}.weight"] = torch.zeros_like(W).index_copy_(0, d2t, W)
     # Only "num_heads" and "num_hidden_layers" may contain "num": MedusaConfig.from_pretrained renames
     # any key holding "num" and "heads"/"layers" to them.
     config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": mc["hidden_size"],
-              "vocab_size": V, "truncated_vocab_size": Vd, "num_heads": mc["num_heads"],
-              "num_hidden_layers": mc["num_layers"], "medusa_fc_bias": True, "torch_dtype": "float32"}
+              "vocab_size": mc["vocab_size"], "truncated_vocab_size": mc["vocab_size"], "num_heads": mc["num_heads"],
+              "num_hidden_layers": mc["num_layers"], "medusa_fc_bias": True}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _save(out, tmp / "model.safetensors")
 

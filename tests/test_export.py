@@ -195,26 +195,21 @@ def our_medusa_logits(heads, feat):
     return full
 
 
-@pytest.mark.parametrize("truncated", [True, False])
-def test_medusa_export_scores_every_target_id_as_our_heads(tmp_path, target_dir, truncated):
+def test_medusa_export_scores_every_target_id_as_our_heads(tmp_path, target_dir):
+    """Full vocabulary in a shuffled order (our LM head's row r scores d2t[r]): vLLM's rows are in
+    target order, so every target id gets our logit."""
     g = torch.Generator().manual_seed(2)
-    # truncated: 40 of the 128 ids; full: every id in a shuffled order (row r of our LM head scores d2t[r])
-    ids = torch.randperm(V, generator=g)[:40] if truncated else torch.randperm(V, generator=g)
-    heads = medusa_draft(tmp_path / "draft", target_dir, draft_ids=ids, layers=2)
+    heads = medusa_draft(tmp_path / "draft", target_dir, draft_ids=torch.randperm(V, generator=g), layers=2)
     out = export_draft(tmp_path / "draft", "medusa", tmp_path / "out", k=3)
     feat = torch.randn(5, H, generator=g)
     config, theirs = vllm_medusa_logits(out, feat)
     assert (config["model_type"], config["architectures"], config["num_heads"], config["num_hidden_layers"]) == (
         "medusa", ["MedusaModel"], 3, 2)
-    assert (config["vocab_size"], config["truncated_vocab_size"], config["hidden_size"]) == (V, 40 if truncated else V, H)
+    assert (config["vocab_size"], config["truncated_vocab_size"], config["hidden_size"]) == (V, V, H)
+    assert "token_map" not in load_file(str(out / "model.safetensors"))
     with torch.no_grad():
         ours = our_medusa_logits(heads, feat)
-    if truncated:
-        assert torch.equal(theirs, ours)
-        assert torch.equal(load_file(str(out / "model.safetensors"))["token_map"], ids)
-    else:  # no token_map: rows permuted into target order
-        assert "token_map" not in load_file(str(out / "model.safetensors"))
-        assert torch.allclose(theirs, ours, atol=1e-5, rtol=0) and torch.equal(theirs.argmax(-1), ours.argmax(-1))
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0) and torch.equal(theirs.argmax(-1), ours.argmax(-1))
 
 
 # ------------------------------------------------------------------------------- draft_lm kind
@@ -282,6 +277,15 @@ def test_refuses_recurrent_medusa_naming_independent_heads(tmp_path, target_dir,
     out = tmp_path / "out"
     refused(capsys, ["export", "--draft", str(tmp_path / "draft"), "--format", "medusa", "--out", str(out)],
             out, r"recurrent Medusa heads .* no engine format holds them; .*train\.medusa\.recurrent=false")
+
+
+def test_refuses_medusa_over_a_truncated_vocabulary(tmp_path, target_dir, capsys):
+    """vLLM 0.32's Medusa asserts full-vocabulary LM heads when it loads them (tried: AssertionError in
+    vocab_parallel_embedding.py's weight_loader), so a token_map export would not load."""
+    medusa_draft(tmp_path / "draft", target_dir, draft_ids=torch.arange(40))
+    out = tmp_path / "out"
+    refused(capsys, ["export", "--draft", str(tmp_path / "draft"), "--format", "medusa", "--out", str(out)],
+            out, r"truncated draft vocabulary \(40 of 128 ids\) do not load in vLLM 0.32.*train\.draft_vocab_size=0")
 
 
 @pytest.mark.parametrize("key,value", [("vocab_size", 100), ("num_hidden_layers", 3), ("model_type", "qwen2"),
@@ -409,3 +413,39 @@ def test_evaluate_refuses_serve_or_formats_the_runs_kind_cannot_meet(tmp_path, t
                       (["export.formats=[medusa]"], r"export.formats: .*train\.medusa\.recurrent=false")):
         with pytest.raises(EvaluateError, match=msg):
             run_evaluate(load_recipe(domain="code", overrides=over), run, target=None, tokenizer=real_tokenizer)
+
+
+@pytest.mark.parametrize("serve", ["vllm", "draftsmith"])
+def test_evaluate_writes_the_export_with_best_and_the_report_says_how_to_serve(tmp_path, tiny_target, serve,
+                                                                                real_tokenizer, one_thread):
+    """A run of independent Medusa heads on the tiny target: with evaluate.serve=vllm the checkpoint is
+    promoted, exported to best/export-medusa/ and the report gives vLLM's command with K; with our
+    decoder the report names the best exportable candidate per engine."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.heads import MedusaHeads
+    from pipeline.evaluate import run_evaluate
+    from pipeline.report import write_report
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).float().eval()
+    run = tmp_path / "run"
+    (run / "prompts").mkdir(parents=True)
+    (run / "prompts" / "heldout.jsonl").write_text(
+        "".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(["def f(x):", "import os\n"])))
+    ck = run / "train" / "checkpoint-000002"
+    MedusaHeads.from_target(target, 2).save(ck, {"target": str(tiny_target), "step": 2})
+    (run / "train" / "manifest.json").write_text(json.dumps({"checkpoints": [ck.name]}))
+    recipe = load_recipe(domain="code", overrides=[
+        f"target={tiny_target}", "dtype=float32", "device=cpu", "evaluate.n_prompts=2", "evaluate.max_new_tokens=6",
+        "evaluate.fp32_prompts=1", "evaluate.hybrid=false", "evaluate.baselines=false", f"evaluate.serve={serve}",
+        "export.formats=[medusa]"])
+    metrics = run_evaluate(recipe, run, target, real_tokenizer)
+    assert metrics["serve"] == serve and metrics["checkpoint"] == ck.name
+    m = json.loads((run / "best" / "export-medusa" / MANIFEST).read_text())
+    assert m["k"] == 2 and m["verifier"] == str(tiny_target.resolve()) and m["source"] == str((run / "best").resolve())
+    assert metrics["exports"] == {"medusa": {"dir": "best/export-medusa", "serve": m["serve"]}}
+    assert metrics["best_exportable"]["vllm"]["name"] == ck.name and metrics["best_exportable"]["sglang"] is None
+    report = write_report(run).read_text()
+    assert m["serve"]["vllm"] in report and '"num_speculative_tokens": 2' in report
+    assert ("Promoted for **vllm**" in report) == (serve == "vllm")
+    assert (f"`{ck.name}`, speedup" in report) == (serve == "draftsmith")
