@@ -191,8 +191,9 @@ class EvaluateConfig:
     serve: str = _f("draftsmith", "Where the promoted draft will be served: 'draftsmith' (our decoder: the fastest "
                                   "candidate, with the best exportable one reported beside it), or 'vllm', "
                                   "'sglang', 'hf': only a checkpoint that exports to that engine is promoted "
-                                  "(vllm: eagle3 or independent medusa; sglang: eagle3; hf: draft_lm), its export "
-                                  "is written to best/export-<format>/ and the report gives the serve command.")
+                                  "(vllm: eagle3, or independent full-vocabulary medusa; sglang: eagle3; hf: "
+                                  "draft_lm), its export is written to best/export-<format>/ and the report gives "
+                                  "the serve command.")
 
     def __post_init__(self):
         _one_of("evaluate.serve", self.serve, {"draftsmith", "vllm", "sglang", "hf"})
@@ -214,7 +215,7 @@ EXPORT_FORMATS = ("speculators", "eagle3", "medusa", "hf")  # pipeline/export.py
 class ExportConfig:
     formats: list[str] = _f([], "Formats the promoted draft is also written in, each to best/export-<format>/ "
                                 "(pipeline/export.py): speculators, eagle3 (EAGLE-3 drafts), medusa (independent "
-                                "Medusa heads), hf (draft LMs). [] = none.")
+                                "full-vocabulary Medusa heads), hf (draft LMs). [] = none.")
     k: typing.Optional[int] = _f(None, "Speculative tokens per round written into the exports' serve commands "
                                        "(None = evaluate.k).")
     verifier: typing.Optional[str] = _f(None, "The target the exports name as verifier (None = the recipe's target, "
@@ -252,7 +253,7 @@ class Recipe:
     generate: GenerateConfig = field(default_factory=GenerateConfig, metadata={"help": "Stage 1."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Stage 2."})
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig, metadata={"help": "Stage 3."})
-    export: ExportConfig = field(default_factory=ExportConfig, metadata={"help": "The promoted draft in engine formats."})
+    export: ExportConfig = field(default_factory=ExportConfig, metadata={"help": "The promoted draft, exported."})
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "Stage 4: tracking."})
 
     def __post_init__(self):

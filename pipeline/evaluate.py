@@ -182,7 +182,9 @@ def export_format(r: dict, engine: str) -> str | None:
     """The format a measured candidate is served in by `engine`: only a bare checkpoint (an engine
     serves the draft alone, not our hybrid with lookups) of a kind the engine loads; else None."""
     how, directory = served_as(r["source"])
-    return None if how or not draft_dir.is_draft_dir(directory) else engine_format(draft_dir.read_meta(directory), engine)
+    if how or not draft_dir.is_draft_dir(directory):
+        return None
+    return engine_format(draft_dir.read_meta(directory), engine)
 
 
 def promotable(results: list[dict], serve: str) -> list[dict]:

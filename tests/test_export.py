@@ -39,7 +39,8 @@ def eagle3_draft(d, target_dir, aux=(0, 1, 2), norm_before_residual=False, **met
     t2d[ids] = True
     sd = {"embed_tokens.weight": r(V, H), "fc.weight": r(H, 3 * H), "layers.0.hidden_norm.weight": r(H),
           "layers.0.input_layernorm.weight": r(H), "layers.0.self_attn.q_proj.weight": r(NH * HD, 2 * H),
-          "layers.0.self_attn.k_proj.weight": r(NKV * HD, 2 * H), "layers.0.self_attn.v_proj.weight": r(NKV * HD, 2 * H),
+          "layers.0.self_attn.k_proj.weight": r(NKV * HD, 2 * H),
+          "layers.0.self_attn.v_proj.weight": r(NKV * HD, 2 * H),
           "layers.0.self_attn.o_proj.weight": r(H, NH * HD), "layers.0.post_attention_layernorm.weight": r(H),
           "layers.0.mlp.gate_proj.weight": r(I, H), "layers.0.mlp.up_proj.weight": r(I, H),
           "layers.0.mlp.down_proj.weight": r(H, I), "norm.weight": r(H), "lm_head.weight": r(VD, H),
@@ -124,7 +125,8 @@ def test_speculators_export_reads_back_as_vllm_reads_it(tmp_path, target_dir, nb
     assert (pre["draft_vocab_size"], pre["target_hidden_size"]) == (VD, H)
     w = load_file(str(out / "model.safetensors"))
     assert w.keys() == sd.keys() and all(torch.equal(w[k], sd[k]) for k in sd)
-    assert torch.equal((torch.arange(VD) + w["d2t"]).sort().values, w["t2d"].nonzero()[:, 0])  # offsets, as vLLM adds them
+    # d2t holds offsets, as vLLM adds them: draft id + d2t = the target ids t2d marks
+    assert torch.equal((torch.arange(VD) + w["d2t"]).sort().values, w["t2d"].nonzero()[:, 0])
 
 
 def test_eagle3_export_midlayer_names_and_both_engines_aux_ids(tmp_path, target_dir):
