@@ -188,6 +188,9 @@ class EvaluateConfig:
                                  "times measured on this machine, and the best is served and promoted. "
                                  "One value fixes the budget without a fit.")
     fit_prompts: int = _f(16, "Validation prompts (never held-out ones) replayed to fit the tree budget.")
+    compile: bool = _f(False, "torch.compile the decoder's chain step (Llama-family targets), for a GPU "
+                              "(docs/reference/gpu.md); on CPU inductor was slower than eager. Token trees need "
+                              "eager shapes, so with it every candidate is measured with chains.")
 
     def __post_init__(self):
         for k in ("max_new_tokens", "k", "ngram_k"):
@@ -196,6 +199,8 @@ class EvaluateConfig:
         _positive("evaluate.fp32_prompts", self.fp32_prompts, zero_ok=True)
         _positive("evaluate.near_tie_tol", self.near_tie_tol)
         _positive("evaluate.fit_prompts", self.fit_prompts)
+        if not isinstance(self.compile, bool):
+            raise RecipeError(f"evaluate.compile={self.compile!r} must be true or false")
         if not self.tree_budgets or any(n < 1 or n > 32 for n in self.tree_budgets):
             raise RecipeError(f"evaluate.tree_budgets={self.tree_budgets!r} must list node counts from 1 to 32, "
                               f"e.g. [4, 6, 8, 10, 12]")
