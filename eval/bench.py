@@ -14,7 +14,8 @@ Methods (greedy by default; every method gets a warm-up run that is not timed):
 Tokens/s counts the tokens each method actually produced (every method stops at EOS), divided by
 the summed wall time of its timed calls (CUDA synchronised around each call). `--device` picks CUDA or
 CPU (auto: CUDA when present); `--compile` runs our decoders with their chain step compiled
-(SpeculativeDecoder(compile=True)): each new shape compiles once, in the warm-up or else in a timed call.
+(SpeculativeDecoder(compile=True)), and the warm-up then runs every batch in full, so each shape the timed
+turns meet is compiled before them.
 
 This module is part of `eval/`: it imports torch and transformers only, never `pipeline/`.
 """
@@ -203,7 +204,11 @@ class Runner:
         method alike, so the ratios between them hold."""
         plans = {name: _batches(prompts, bs) for name, (fn, bs) in methods.items()}
         for name, (fn, _) in methods.items():
-            fn(plans[name][0], min(self.args.max_new_tokens, 16))
+            if self.args.compile:  # every batch once, in full: each shape the timed turns meet compiles here
+                for batch in plans[name]:
+                    fn(batch, self.args.max_new_tokens)
+            else:
+                fn(plans[name][0], min(self.args.max_new_tokens, 16))
         acc = {name: {"seqs": [], "stats": [], "elapsed": 0.0} for name in methods}
         names = list(methods)
         for turn in range(max(len(b) for b in plans.values())):

@@ -108,8 +108,10 @@ class SpeculativeDecoder:
         self._fwd = self.runner
         # compile=True: torch.compile the chain round's step (not the loop), inductor on CUDA or CPU.
         # Shapes: T in {1, k+1} (more where a proposer's runs vary in length: each compiles once), and
-        # s_len is the whole cache (a power of two), so the shapes stay static across rounds and calls.
+        # s_len is the whole cache (a power of two, never shrinking), so the shapes stay static across
+        # rounds and calls.
         self.static = bool(compile)
+        self.static_len = 0  # compile=True: the cache length of every call so far
         if self.static:
             if not self.runner.trees:  # the step passes its own mask, which only the lean runner takes
                 raise ValueError(f"compile=True needs the lean Llama-family forward (eval/target.py); "
@@ -182,8 +184,9 @@ class SpeculativeDecoder:
         # a tree round writes one cache slot per node past the current token
         ahead = max(k_cap, self.proposer.max_nodes if self.tree and self.proposer else 0)
         max_len = max(len(p) for p in prompts) + max_new_tokens + ahead + 2
-        if self.static:  # one compiled shape for every call whose rows fit the same power of two
-            max_len = max(STATIC_MIN_LEN, 1 << (max_len - 1).bit_length())
+        if self.static:  # the longest so far, as a power of two: later calls reuse its compiled shapes
+            self.static_len = max(self.static_len, STATIC_MIN_LEN, 1 << (max_len - 1).bit_length())
+            max_len = self.static_len
         st = _Stats(k_cap)
         st.t0 = time.perf_counter()
         if self.device.type == "cuda":

@@ -39,8 +39,11 @@ def decode_together(target, proposers: dict, prompts: list[list[int]], max_new_t
     Returns (plain seqs, plain stats, {name: (seqs, stats)})."""
     decs = [(None, SpeculativeDecoder(target, None, compile=compile))] + [
         (name, SpeculativeDecoder(target, prop, k=k, compile=compile)) for name, (prop, k) in proposers.items()]
-    for _, dec in decs:  # warm-up, not timed
-        dec.generate([prompts[0][:16]], max_new_tokens=4, eos_token_id=eos)
+    for _, dec in decs:  # warm-up, not timed; compiled: at the longest cache, which later calls reuse
+        if compile:
+            dec.generate([max(prompts, key=len)], max_new_tokens=max_new_tokens, eos_token_id=eos)
+        else:
+            dec.generate([prompts[0][:16]], max_new_tokens=4, eos_token_id=eos)
     seqs = {name: [] for name, _ in decs}
     stats = {name: [] for name, _ in decs}
     for i, p in enumerate(tqdm(prompts, desc=desc, leave=False)):
