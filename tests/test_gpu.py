@@ -2,7 +2,8 @@
 
 Every device-parametrized test runs on CPU in `make test` and, where a GPU is lent, on CUDA (`pytest -m gpu`),
 so the CUDA run only has to confirm what the CPU run already shows:
-- plain greedy decoding on the device equals HF `generate` on the CPU (fp32, token for token);
+- plain greedy decoding on the device equals HF `generate` on the CPU (fp32, token for token), with the lean
+  forward and with the HF fallback;
 - chains (n-gram, a draft LM, the target as its own draft, EAGLE, Medusa heads) and token trees (hybrids over
   a draft LM, EAGLE and Medusa with its runner-up paths) equal that plain output, at batch 1 and ragged;
 - speculative sampling passes the chi-square test of tests/test_sampling.py, and the test has the power to
@@ -114,6 +115,16 @@ def test_trees_equal_plain(device, target, draft, hf_ref, name):
     assert stats["tree_rounds"] > 0 and stats["accepted"] > 0
 
 
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft_lm"])
+def test_hf_fallback_equals_plain(device, target, draft, hf_ref, name):
+    """The HF forward with a cropped DynamicCache (the path of targets that are not Llama-shaped), batch 1;
+    the draft LM on the fallback too."""
+    prop = {"plain": None, "ngram": NgramProposer(), "draft_lm": DraftLMProposer(draft, V, lean=False)}[name]
+    dec = SpeculativeDecoder(target, prop, k=3, lean=False)
+    assert not dec.runner.trees
+    assert [dec.generate([p], max_new_tokens=N_NEW).sequences[0] for p in PROMPTS] == hf_ref
+
+
 def test_k_auto_equals_plain(device, target, draft, hf_ref):
     """k="auto" mixes plain rounds, resyncs and speculative rounds of varying K in one call."""
     one, batched, stats = decode_all(SpeculativeDecoder(target, chain_proposer("eagle", target, draft), k="auto"))
@@ -188,11 +199,12 @@ def test_compiled_step_equals_eager(device, target, draft, hf_ref, name, one_com
     prop = None if name == "plain" else chain_proposer(name, target, draft)
     dec = SpeculativeDecoder(target, prop, k=2, compile=True)
     eager = SpeculativeDecoder(target, prop, k=2)
-    assert dec.static and not dec.tree
+    assert dec.static and not dec.tree and dec.static_len == 0
     for b in cases:  # batch 1: the first prompt; 2: the first two, ragged
         out = dec.generate(PROMPTS[:b], max_new_tokens=N_NEW)
         assert out.sequences == eager.generate(PROMPTS[:b], max_new_tokens=N_NEW).sequences == hf_ref[:b], (name, b)
         assert out.stats["proposed"] > 0 or name == "plain"
+    assert dec.static_len == D.STATIC_MIN_LEN  # every call here fits the shortest static cache
 
 
 def test_compiled_step_serves_evaluate(hf_ref, one_compile_thread):
