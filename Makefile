@@ -6,7 +6,7 @@ DOMAIN ?= code
 ARGS ?=
 STAMP := $(VENV)/.draftsmith-installed
 
-.PHONY: setup distill test bench results clean
+.PHONY: setup distill test bench bench-gpu results clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,21 @@ bench: $(STAMP)
 	mkdir -p runs
 	$(BIN)/draftsmith prompts --out runs/humaneval.jsonl
 	$(BIN)/draftsmith bench --draft $(DRAFT) --prompts runs/humaneval.jsonl --json runs/bench.json $(ARGS)
+
+# The side-by-side benchmark on CUDA (docs/reference/gpu.md): our decoder plain and with the promoted draft
+# (runs/code/latest/best when there is one, else n-gram; DRAFT=... picks another), HF generate, HF assisted
+# (draft LMs) or prompt lookup (n-gram), then vLLM plain and n-gram when VLLM_PY imports vllm.
+GPU_DRAFT = $(if $(filter file,$(origin DRAFT)),$(if $(wildcard runs/code/latest/best/draftsmith_draft.json),runs/code/latest/best,ngram),$(DRAFT))
+VLLM_PY ?= $(BIN)/python
+bench-gpu: $(STAMP)
+	@$(BIN)/python -c "import sys, torch; torch.cuda.is_available() or sys.exit('bench-gpu: no CUDA device here (torch.cuda.is_available() is False): run it where a GPU is lent, with a CUDA build of torch')"
+	mkdir -p runs
+	$(BIN)/draftsmith prompts --out runs/humaneval.jsonl
+	$(BIN)/draftsmith bench --device cuda --draft $(GPU_DRAFT) $(if $(filter ngram,$(GPU_DRAFT)),,--also ngram@8) \
+		--prompts runs/humaneval.jsonl --n-prompts 16 --batch-sweep 1,16 --json runs/bench-gpu.json $(ARGS)
+	@if $(VLLM_PY) -c "import vllm" 2>/dev/null; then PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pipeline.vllm_bench \
+		--prompts runs/humaneval.jsonl --n-prompts 16 --json runs/bench-gpu.json; \
+	else echo "bench-gpu: $(VLLM_PY) cannot import vllm: its rows are left out (VLLM_PY=<a python with vllm>)"; fi
 
 # docs/results.md and README's headline table from docs/results/*.json (ARGS="--run runs/code/<id> --machine ..."
 # imports a run first); the venv's python when there is one, since an import reads eval.decoder.SERVING_REV.

@@ -12,7 +12,10 @@ Methods (greedy by default; every method gets a warm-up run that is not timed):
 - `speculative`      our SpeculativeDecoder(target, proposer, k)
 
 Tokens/s counts the tokens each method actually produced (every method stops at EOS), divided by
-the summed wall time of its timed calls (CUDA synchronised around each call).
+the summed wall time of its timed calls (CUDA synchronised around each call). `--device` picks CUDA or
+CPU (auto: CUDA when present); `--compile` runs our decoders with their chain step compiled
+(SpeculativeDecoder(compile=True)), and the warm-up then runs every batch in full, so each shape the timed
+turns meet is compiled before them.
 
 This module is part of `eval/`: it imports torch and transformers only, never `pipeline/`.
 """
@@ -201,7 +204,11 @@ class Runner:
         method alike, so the ratios between them hold."""
         plans = {name: _batches(prompts, bs) for name, (fn, bs) in methods.items()}
         for name, (fn, _) in methods.items():
-            fn(plans[name][0], min(self.args.max_new_tokens, 16))
+            if self.args.compile:  # every batch once, in full: each shape the timed turns meet compiles here
+                for batch in plans[name]:
+                    fn(batch, self.args.max_new_tokens)
+            else:
+                fn(plans[name][0], min(self.args.max_new_tokens, 16))
         acc = {name: {"seqs": [], "stats": [], "elapsed": 0.0} for name in methods}
         names = list(methods)
         for turn in range(max(len(b) for b in plans.values())):
@@ -323,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", default="4", help="draft tokens per step, or 'auto'")
     ap.add_argument("--n-prompts", type=int, default=None)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto (default): CUDA when present, else CPU; cuda fails with one line where there is none")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile our decoders' chain step (SpeculativeDecoder(compile=True); Llama-family "
+                         "targets): inductor on CUDA, or on CPU where it was slower than eager "
+                         "(docs/reference/gpu.md)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--batch-sweep", default=None, help="comma-separated batch sizes, e.g. 1,2,4,8,16")
     ap.add_argument("--also", action="append", default=[], metavar="DRAFT[@K]",
@@ -393,6 +406,9 @@ def plan(args) -> Plan:
             raise BenchError(f"--batch-sweep must be comma-separated integers, not {args.batch_sweep!r}") from None
         if not sweep or min(sweep) < 1:
             raise BenchError("--batch-sweep needs positive batch sizes")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA device here (torch.cuda.is_available() is False); "
+                         "run on a GPU machine with a CUDA build of torch, or use --device cpu")
     p = Plan(k, sweep, load_prompts(args.prompts, args.n_prompts), draft_kind(args.draft))
     for spec in args.also:
         src, k_also = _parse_also(spec, k)
@@ -407,7 +423,7 @@ def load_models(args, kind: str):
     Returns (device, target path, tokenizer, target, draft LM or None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     tpath = resolve_target(args.target)
     tok = AutoTokenizer.from_pretrained(tpath)
@@ -442,7 +458,7 @@ def _header(args, device, tpath: str, kind: str, n_prompts: int) -> dict:
         "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
         "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "n_prompts": n_prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "batch_size": args.batch_size, "k_arg": args.k,
+        "batch_size": args.batch_size, "k_arg": args.k, "compile": args.compile,
     }
 
 
@@ -458,12 +474,20 @@ def _assist(draft_model, k_int: int, k) -> None:
         gc.assistant_confidence_threshold = 0.0  # no early stop: exactly K draft tokens per step
 
 
+def our_decoder(args, target, proposer, k=4) -> SpeculativeDecoder:
+    """Our decoder as --compile asks; a target the compiled step cannot run is a BenchError."""
+    try:
+        return SpeculativeDecoder(target, proposer, k=k, compile=args.compile)
+    except ValueError as e:
+        raise BenchError(f"--compile: {e}") from None
+
+
 def bench_methods(R: Runner, p: Plan, draft_model) -> dict:
     """Step 3's methods, name -> (fn(batch, max_new) -> (sequences, stats or None), batch size). HF
     assisted and prompt lookup run at batch 1 only (transformers refuses larger batches)."""
     B, target = R.args.batch_size, R.target
-    plain = SpeculativeDecoder(target, None)
-    spec = SpeculativeDecoder(target, draft_proposer(R.args, target, draft_model), k=p.k)
+    plain = our_decoder(R.args, target, None)
+    spec = our_decoder(R.args, target, draft_proposer(R.args, target, draft_model), k=p.k)
     methods = {"plain": (functools.partial(R.dec_call, plain), B), "hf_generate": (R.hf_run, B),
                "speculative": (functools.partial(R.dec_call, spec), B)}
     if p.kind == "draft_lm":
@@ -472,7 +496,7 @@ def bench_methods(R: Runner, p: Plan, draft_model) -> dict:
     elif p.kind == "ngram":
         methods["hf_prompt_lookup"] = (functools.partial(R.hf_run, prompt_lookup_num_tokens=R.k_int), 1)
     for name, (src, k_also) in p.also.items():
-        dec = SpeculativeDecoder(target, load_proposer(src, target), k=k_also)  # "ngram" included
+        dec = our_decoder(R.args, target, load_proposer(src, target), k=k_also)  # "ngram" included
         methods[name] = (functools.partial(R.dec_call, dec), B)
     return methods
 
@@ -548,8 +572,8 @@ def run(args) -> dict:
 def _sweep(R: Runner, prompts, sizes, proposer, k, target) -> dict:
     """Plain and speculative decoding at each batch size, in interleaved turns."""
     res = {"sizes": sizes, "rows": []}
-    plain_dec = SpeculativeDecoder(target, None)
-    spec_dec = SpeculativeDecoder(target, proposer, k=k)
+    plain_dec = our_decoder(R.args, target, None)
+    spec_dec = our_decoder(R.args, target, proposer, k=k)
     for b in sizes:
         m = R.measure({"plain": (functools.partial(R.dec_call, plain_dec), b),
                        "speculative": (functools.partial(R.dec_call, spec_dec), b)}, prompts)

@@ -49,6 +49,7 @@ K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 K_WARMUP = 4  # k="auto": the K of the rounds that first measure alpha and c
 PROBE_EVERY = 16  # k="auto" with speculation off: one speculative round every this many
+STATIC_MIN_LEN = 256  # compile=True: the KV cache length (the step's attended length), a power of two >= this
 
 
 @dataclass
@@ -105,14 +106,28 @@ class SpeculativeDecoder:
         p = target.get_output_embeddings().weight
         self.device = p.device
         self._fwd = self.runner
-        # CUDA only: compile the step (not the loop). Shapes: T in {1, k+1}; s_len is kept at the
-        # full cache length so the shapes stay static.
-        self.static = bool(compile) and self.device.type == "cuda"
+        # compile=True: torch.compile the chain round's step (not the loop), inductor on CUDA or CPU.
+        # Shapes: T in {1, k+1} (more where a proposer's runs vary in length: each compiles once), and
+        # s_len is the whole cache (a power of two, never shrinking), so the shapes stay static across
+        # rounds and calls.
+        self.static = bool(compile)
+        self.static_len = 0  # compile=True: the cache length of every call so far
         if self.static:
-            self._fwd = torch.compile(self.runner.__call__, dynamic=False)
+            if not self.runner.trees:  # the step passes its own mask, which only the lean runner takes
+                raise ValueError(f"compile=True needs the lean Llama-family forward (eval/target.py); "
+                                 f"{type(target).__name__} runs on the HF fallback: leave compile off")
+            self._fwd = torch.compile(self._static_step, dynamic=False)
         # Token trees (eval/tree.py) for proposers that offer them, under greedy decoding: they need
         # the lean runner's slots/mask/move, and their shapes vary, so not with the compiled step.
         self.tree = tree and self.runner.trees and not self.static
+
+    def _static_step(self, tokens, pos, s_len):
+        """The compiled step: tokens, pos [B, T] over all s_len cache slots (the whole cache) under an
+        explicit causal mask, since slots past each row's position hold stale K/V (the runner skips the
+        mask at B = T = 1, which assumes s_len = pos + 1) -> (logits [B, T, V], feats [B, T, H])."""
+        cols = torch.arange(s_len, device=tokens.device)
+        mask = (cols[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+        return self.runner(tokens, pos, s_len, mask=mask)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -169,6 +184,9 @@ class SpeculativeDecoder:
         # a tree round writes one cache slot per node past the current token
         ahead = max(k_cap, self.proposer.max_nodes if self.tree and self.proposer else 0)
         max_len = max(len(p) for p in prompts) + max_new_tokens + ahead + 2
+        if self.static:  # the longest so far, as a power of two: later calls reuse its compiled shapes
+            self.static_len = max(self.static_len, STATIC_MIN_LEN, 1 << (max_len - 1).bit_length())
+            max_len = self.static_len
         st = _Stats(k_cap)
         st.t0 = time.perf_counter()
         if self.device.type == "cuda":

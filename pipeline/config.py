@@ -194,6 +194,9 @@ class EvaluateConfig:
                                   "(vllm: eagle3, or independent full-vocabulary medusa; sglang: eagle3; hf: "
                                   "draft_lm), its export is written to best/export-<format>/ and the report gives "
                                   "the serve command.")
+    compile: bool = _f(False, "torch.compile the decoder's chain step (Llama-family targets), for a GPU "
+                              "(docs/reference/gpu.md); on CPU inductor was slower than eager. Token trees need "
+                              "eager shapes, so with it every candidate is measured with chains.")
 
     def __post_init__(self):
         _one_of("evaluate.serve", self.serve, {"draftsmith", "vllm", "sglang", "hf"})
@@ -203,6 +206,8 @@ class EvaluateConfig:
         _positive("evaluate.fp32_prompts", self.fp32_prompts, zero_ok=True)
         _positive("evaluate.near_tie_tol", self.near_tie_tol)
         _positive("evaluate.fit_prompts", self.fit_prompts)
+        if not isinstance(self.compile, bool):
+            raise RecipeError(f"evaluate.compile={self.compile!r} must be true or false")
         if not self.tree_budgets or any(n < 1 or n > 32 for n in self.tree_budgets):
             raise RecipeError(f"evaluate.tree_budgets={self.tree_budgets!r} must list node counts from 1 to 32, "
                               f"e.g. [4, 6, 8, 10, 12]")
@@ -275,6 +280,9 @@ class Recipe:
         d.pop("run_id"), d.pop("runs_dir"), d.pop("wandb")
         # Where the draft is served and what it is exported as change no stage's output that resumes on this hash.
         d.pop("export"), d["evaluate"].pop("serve")
+        # Keys added later enter the hash only when set, so runs made before them still resume.
+        if not d["evaluate"]["compile"]:
+            d["evaluate"].pop("compile")
         d["train"] = flat_train(self.train)
         return stable_hash(d)
 

@@ -101,7 +101,7 @@ class HeldOut:
         if todo:
             props = {c.name: (proposer_for(c.source, self.target, c.max_nodes), c.k) for c in todo}
             plain_seqs, plain, outs = decode_together(self.target, props, self.prompts, self.cfg.max_new_tokens,
-                                                      self.eos, "+".join(props))
+                                                      self.eos, "+".join(props), self.cfg.compile)
             for c in todo:
                 result = self.judge(c, plain_seqs, plain, *outs[c.name])
                 done[c.name] = self.cache.store(c.name, result, c.files, c.settings)
@@ -279,7 +279,7 @@ def check_fp32(held: HeldOut, best: dict) -> tuple[bool | None, int]:
     max_nodes = best.get("max_nodes") if served else None
     t32 = copy.deepcopy(held.target).float()
     plain, _, spec, _ = decode_pairs(t32, proposer_for(best["source"], t32, max_nodes), held.prompts[:n], cfg.k,
-                                     cfg.max_new_tokens, held.eos, "fp32 check")
+                                     cfg.max_new_tokens, held.eos, "fp32 check", cfg.compile)
     del t32
     return plain == spec, n
 

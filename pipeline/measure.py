@@ -22,22 +22,28 @@ def proposer_for(src: str, target, max_nodes: int | None = None):
     return serve_with(load_proposer(src, target), None if max_nodes is None else {"max_nodes": max_nodes}, src)
 
 
-def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos, desc: str):
+def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos, desc: str,
+                 compile: bool = False):
     """One proposer against plain decoding, batch 1, the two taking turns on each prompt (decode_together).
     Returns (plain seqs, plain stats, spec seqs, spec stats)."""
-    plain_seqs, plain, out = decode_together(target, {desc: (proposer, k)}, prompts, max_new_tokens, eos, desc)
+    plain_seqs, plain, out = decode_together(target, {desc: (proposer, k)}, prompts, max_new_tokens, eos, desc,
+                                             compile)
     return plain_seqs, plain, *out[desc]
 
 
-def decode_together(target, proposers: dict, prompts: list[list[int]], max_new_tokens: int, eos, desc: str):
+def decode_together(target, proposers: dict, prompts: list[list[int]], max_new_tokens: int, eos, desc: str,
+                    compile: bool = False):
     """Plain decoding and several proposers ({name: (proposer, k)}), batch 1: on each prompt every one
     takes a turn, in an order that rotates by prompt, so the speed drift of a shared machine falls on
-    all of them alike and the ratios between them hold.
+    all of them alike and the ratios between them hold. compile: the decoders' compiled step (evaluate.compile).
     Returns (plain seqs, plain stats, {name: (seqs, stats)})."""
-    decs = [(None, SpeculativeDecoder(target, None))] + [
-        (name, SpeculativeDecoder(target, prop, k=k)) for name, (prop, k) in proposers.items()]
-    for _, dec in decs:  # warm-up, not timed
-        dec.generate([prompts[0][:16]], max_new_tokens=4, eos_token_id=eos)
+    decs = [(None, SpeculativeDecoder(target, None, compile=compile))] + [
+        (name, SpeculativeDecoder(target, prop, k=k, compile=compile)) for name, (prop, k) in proposers.items()]
+    for _, dec in decs:  # warm-up, not timed; compiled: at the longest cache, which later calls reuse
+        if compile:
+            dec.generate([max(prompts, key=len)], max_new_tokens=max_new_tokens, eos_token_id=eos)
+        else:
+            dec.generate([prompts[0][:16]], max_new_tokens=4, eos_token_id=eos)
     seqs = {name: [] for name, _ in decs}
     stats = {name: [] for name, _ in decs}
     for i, p in enumerate(tqdm(prompts, desc=desc, leave=False)):

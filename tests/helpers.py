@@ -84,20 +84,22 @@ def wrong_residual(p, q):
 
 
 def exact_marginals(target, s: Sampling):
-    """p(x1) and p(x2) = sum_x1 p(x1) p(x2 | x1) under the warped target, after SAMPLING_PROMPT."""
-    P, V = SAMPLING_PROMPT, SAMPLING_V
+    """p(x1) and p(x2) = sum_x1 p(x1) p(x2 | x1) under the warped target, after SAMPLING_PROMPT (computed on
+    the target's device, returned on the CPU)."""
+    P, V, dev = SAMPLING_PROMPT, SAMPLING_V, target.device
     with torch.no_grad():
-        p1 = s.probs(target(torch.tensor([P])).logits[0, -1])  # [V]
-        ctx = torch.cat([torch.tensor(P).expand(V, -1), torch.arange(V)[:, None]], 1)  # [V, L+1]
+        p1 = s.probs(target(torch.tensor([P], device=dev)).logits[0, -1])  # [V]
+        ctx = torch.cat([torch.tensor(P, device=dev).expand(V, -1), torch.arange(V, device=dev)[:, None]], 1)  # [V, L+1]
         p2 = (p1[:, None] * s.probs(target(ctx).logits[:, -1])).sum(0)  # [V]
-    return p1, p2
+    return p1.cpu(), p2.cpu()
 
 
-def e2e_pvalues(target, proposer, warp, draws=10000, calls=2):
-    """Chi-square p-values of the first two tokens the decoder samples against the exact marginals."""
+def e2e_pvalues(target, proposer, warp, draws=10000, calls=2, **decoder_kw):
+    """Chi-square p-values of the first two tokens the decoder samples against the exact marginals
+    (`decoder_kw`: more SpeculativeDecoder arguments, e.g. compile=True)."""
     from eval.decoder import SpeculativeDecoder
 
-    dec = SpeculativeDecoder(target, proposer, k=2)
+    dec = SpeculativeDecoder(target, proposer, k=2, **decoder_kw)
     outs = []
     for seed in range(calls):
         res = dec.generate([SAMPLING_PROMPT] * (draws // calls), max_new_tokens=2, seed=seed, **warp)
