@@ -49,7 +49,8 @@ def random_head(target, seed=0, draft_ids=None):
 def test_default_aux_layers_are_vllms_and_fit_small_targets():
     assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M
     assert default_aux_layers(6) == [2, 3, 3]
-    assert default_aux_layers(4) == [0, 2, 3] and default_aux_layers(2) == [0, 1, 1] and default_aux_layers(1) == [0, 0, 0]
+    assert default_aux_layers(4) == [0, 2, 3] and default_aux_layers(2) == [0, 1, 1]
+    assert default_aux_layers(1) == [0, 0, 0]
     cfg = LlamaConfig(num_hidden_layers=4, hidden_size=16, intermediate_size=32, num_attention_heads=2)
     assert Eagle3Config.from_target(cfg, [1, 2, 3]).aux_layers == [1, 2, 3]
     with pytest.raises(ValueError, match="outside the target's 4 layers"):
