@@ -158,8 +158,9 @@ _MOVED = {"num_layers": "train.<method>.num_layers (eagle, draft_lm, self_spec)"
           "init_from": "train.draft_lm.init_from"}
 _FLAT_NAMES = {"medusa": {"heads": "medusa_heads", "recurrent": "medusa_recurrent"}}
 # Sections added after the flat layout: hashed only when their method runs, as "<section>.<key>", so the
-# recipes of other methods keep their hash and train_key.
-_OWN_ONLY = ("eagle3",)
+# recipes of other methods keep their hash and train_key; without their keys that choose how, not what, the
+# draft learns (where the target's features come from), so switching them resumes.
+_OWN_ONLY = {"eagle3": ("features", "max_cache_gb")}
 
 
 def flat_train(tc: TrainConfig) -> dict:
@@ -171,7 +172,7 @@ def flat_train(tc: TrainConfig) -> dict:
     flat = {k: v for k, v in d.items() if k not in SECTIONS}
     flat["num_layers"] = (d.get(tc.method) or {}).get("num_layers", 1)
     if tc.method in _OWN_ONLY:
-        flat.update({f"{tc.method}.{k}": v for k, v in d[tc.method].items()})
+        flat.update({f"{tc.method}.{k}": v for k, v in d[tc.method].items() if k not in _OWN_ONLY[tc.method]})
     for name in (s for s in SECTIONS if s not in _OWN_ONLY):
         for k, v in d[name].items():
             if k != "num_layers":

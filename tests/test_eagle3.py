@@ -349,6 +349,8 @@ def test_recipes_of_other_methods_keep_their_hash():
     e3 = recipe_from_dict({"train": {"method": "eagle3"}})
     e3b = recipe_from_dict({"train": {"method": "eagle3", "eagle3": {"unroll": 2}}})
     assert len({e3.hash(), e3b.hash(), default.hash(), eagle.hash()}) == 4
+    online = recipe_from_dict({"train": {"method": "eagle3", "eagle3": {"features": "online", "max_cache_gb": 1}}})
+    assert (online.hash(), train_key(online)) == (e3.hash(), train_key(e3))  # where features come from: resumes
 
 
 def test_eagle3_options_are_checked():

@@ -68,11 +68,13 @@ class Eagle3Trainer(nn.Module):
         object.__setattr__(self, "target", target)  # not a submodule: never trained, saved or moved
 
     def aux(self, batch) -> torch.Tensor:
-        """The target's aux features [B, L, 3H] in float32: the cached ones, or a forward now."""
+        """The target's aux features [B, L, 3H] in float32: the cached ones, or a forward now (outside the
+        loop's autocast, in the target's dtype, as the cache computes them)."""
         if "feat" in batch:
             return batch["feat"].float()
-        with torch.no_grad():
-            return aux_hidden_states(self.target, batch["ids"], batch["valid"].long(), self.layers).float()
+        ids = batch["ids"]
+        with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
+            return aux_hidden_states(self.target, ids, batch["valid"].long(), self.layers).float()
 
     def forward(self, batch):
         tc, head, unroll = self.tc, self.head, self.tc.eagle3.unroll
