@@ -192,6 +192,8 @@ class SpeculativeDecoder:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.runner.reset(len(prompts), max_len)
+        # A proposer over intermediate layers (EAGLE-3) gets their residual streams as its features.
+        self.runner.aux_layers = self.proposer.feature_layers if self.proposer is not None else None
         return _Batch(prompts, sampling, eos, max_new_tokens, max_len, max_len if self.static else None, st)
 
     def _prefill(self, s: "_Batch"):
@@ -220,7 +222,7 @@ class SpeculativeDecoder:
         prop = self.proposer
         if prop is not None and prop.uses_features and self.k == "auto":
             s.featbuf = torch.zeros(len(s.prompts), s.max_len, feats.shape[-1], dtype=feats.dtype,
-                                    device=self.device)  # [B, max_len, H]
+                                    device=self.device)  # [B, max_len, F]: F = H, or n*H with feature_layers
             s.featbuf[:, : feats.shape[1]] = feats
         if prop is not None:
             t = time.perf_counter()

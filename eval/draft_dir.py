@@ -4,6 +4,7 @@ Every draft draftsmith writes (a training checkpoint, best/, a compare variant) 
 FILE, a JSON object whose "kind" is one of KINDS, plus the kind's own weights:
 
   eagle, medusa  head.safetensors (a head over the target's features)
+  eagle3         head.safetensors (an EAGLE-3 head over three target layers; speculators' weight names)
   self_spec      adapter.safetensors (the target's first layers are reused, not stored)
   draft_lm       an ordinary HF checkpoint (config.json, model.safetensors, tokenizer), and with LoRA
                  the PEFT adapter in adapter/
@@ -21,7 +22,7 @@ import json
 from pathlib import Path
 
 FILE = "draftsmith_draft.json"
-KINDS = ("eagle", "medusa", "draft_lm", "self_spec", "int8", "eagle3")
+KINDS = ("eagle", "eagle3", "medusa", "draft_lm", "self_spec", "int8")
 SERVED_AS = ("hybrid", "hybrid-nostore", "datastore")  # "<how>:<draft dir>": a directory served another way
 SERVE_KEYS = ("max_nodes",)  # the serving settings a draft's "serve" may fix
 

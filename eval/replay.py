@@ -62,11 +62,14 @@ class _Recorder(NoDraft):
 
 
 @torch.inference_mode()
-def reference(target, prompts: list[list[int]], max_new_tokens: int, extra: int = 17) -> Reference:
+def reference(target, prompts: list[list[int]], max_new_tokens: int, extra: int = 17,
+              feature_layers: tuple[int, ...] | None = None) -> Reference:
     """Each prompt decoded greedily for max_new_tokens + extra tokens, EOS ignored: a round of the
     replay may accept past the end of the emitted output or past EOS (the decoder counts those tokens
-    in τ too), up to the tree's depth, which `extra` must exceed (a kernel forward holds <= 16 rows)."""
+    in τ too), up to the tree's depth, which `extra` must exceed (a kernel forward holds <= 16 rows).
+    The features kept are the final ones, or those of `feature_layers` (a proposer's, e.g. EAGLE-3's)."""
     rec = _Recorder()
+    rec.feature_layers = feature_layers
     dec = SpeculativeDecoder(target, rec, k=1)
     seqs, feats = [], []
     for p in prompts:
@@ -207,7 +210,7 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
     budgets = sorted(set(int(b) for b in budgets))
     if not budgets or budgets[0] < 1:
         raise ValueError(f"tree budgets must be positive node counts, got {budgets}")
-    ref = reference(target, prompts, max_new_tokens, extra=max(17, budgets[-1] + 2))
+    refs = {}  # per proposer's feature_layers: the reference with its features
     if costs is None:
         costs = verify_ms(target, rows=range(1, budgets[-1] + 2))  # a round verifies its nodes and the current token
     fits = {}
@@ -215,7 +218,12 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
         by = {}
         for n in budgets:
             proposer = serve_with(make(), {"max_nodes": n}, name)
-            r = replay(proposer, ref, k, max_new_tokens, eos, verify_ms=costs, draft_ms=None, host_ms=HOST_MS)
+            layers = proposer.feature_layers
+            if layers not in refs:
+                refs[layers] = reference(target, prompts, max_new_tokens, extra=max(17, budgets[-1] + 2),
+                                         feature_layers=layers)
+            r = replay(proposer, refs[layers], k, max_new_tokens, eos, verify_ms=costs, draft_ms=None,
+                       host_ms=HOST_MS)
             by[n] = {key: r[key] for key in ("tau", "rows", "est_speedup", "proposer_ms")}
         fits[name] = {"max_nodes": max(budgets, key=lambda n: by[n]["est_speedup"]), "budgets": by}
     return {"verify_ms": costs, "fits": fits}

@@ -16,6 +16,9 @@ Both expose the same interface:
     logits, feats = runner(tokens [B,T], pos [B,T], s_len, logit_idx=None)
 s_len (host int) is the number of cache slots attended (max position written + 1); `logit_idx`
 [B] picks one position per row for the LM head (prefill), else logits for all T positions.
+With `runner.aux_layers = (i, j, ...)` set (an EAGLE-3 draft's layers), the features returned are
+instead the residual streams entering those layers, concatenated [B, T, n*H] (vLLM's layer ids, HF's
+hidden_states[i]); None (the default) keeps the final-norm features.
 
 `LeanLlama` also verifies token trees (eval.tree): `runner(tokens, pos, s_len, slots=, mask=)` writes
 K/V at cache `slots` [B,T] (tree nodes sharing a position need their own slots) under an explicit
@@ -169,6 +172,7 @@ class LeanLlama:
     layers with the target (eval.drafts.SelfSpecDraft); five projection calls per layer instead of two."""
 
     trees = True  # slots/mask/move(): a token tree's nodes verified in one forward
+    aux_layers: tuple[int, ...] | None = None  # features = the residual streams entering these layers
 
     def __init__(self, model, fuse: bool = True):
         if not _is_llama_like(model):
@@ -296,7 +300,12 @@ class LeanLlama:
             vis = (mask[:, 0] if mask is not None else torch.ones(B, T, s_len, dtype=torch.bool)).contiguous()  # [B, T, S]
         if self.ew is not None:
             return self._forward_fused(x, cos, sin, slots, mask, vis, s_len, logit_idx)
-        for layer, cache, fused, (o_proj, down_proj) in zip(m.layers, self.caches, self.fused, self.out):
+        aux = self.aux_layers
+        taps = {}  # layer id -> the residual stream entering it [B, T, H]
+        for i, (layer, cache, fused, (o_proj, down_proj)) in enumerate(zip(m.layers, self.caches, self.fused,
+                                                                           self.out)):
+            if aux is not None and i in aux:
+                taps[i] = x
             att, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm(x)
             if fused is not None:
@@ -316,7 +325,7 @@ class LeanLlama:
             else:
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
             x = x + down_proj(F.silu(gate) * up)
-        return self._head(m.norm(x), logit_idx)  # feats [B, T, H]: after the final norm
+        return self._head(m.norm(x), logit_idx, taps)  # feats [B, T, H]: after the final norm
 
     def _attention(self, cache, slots, q, k, v, vis, mask, s_len, dtype):
         """One layer's attention: write k, v [B, nkv, T, hd] at `slots`, attend with q [B, nh, T, hd]
@@ -331,12 +340,14 @@ class LeanLlama:
                                                scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
         return a.to(dtype).transpose(1, 2).reshape(B, T, -1)
 
-    def _head(self, feats, logit_idx):
-        """feats [B, T, H] -> (logits [B, T, V], or [B, 1, V] at column logit_idx [B] of each row; feats)."""
+    def _head(self, feats, logit_idx, taps=None):
+        """feats [B, T, H] -> (logits [B, T, V], or [B, 1, V] at column logit_idx [B] of each row; the
+        features: feats, or with aux_layers set the tapped residual streams `taps` concatenated [B, T, n*H])."""
+        out = feats if self.aux_layers is None else torch.cat([taps[i] for i in self.aux_layers], -1)
         if logit_idx is not None:
             feats_sel = feats[torch.arange(feats.shape[0], device=feats.device), logit_idx][:, None]  # [B, 1, H]
-            return self.lm_head(feats_sel), feats
-        return self.lm_head(feats), feats
+            return self.lm_head(feats_sel), out
+        return self.lm_head(feats), out
 
     def _forward_fused(self, x, cos, sin, slots, mask, vis, s_len, logit_idx):
         """_forward's layers with the elementwise kernels (self.ew): the same roundings (eval/csrc), so
@@ -354,14 +365,20 @@ class LeanLlama:
         # the cache write, the casts and the transposes were ~12 ATen ops a layer.
         direct = vis is not None and hasattr(ew, "attend_qkv")
         slots = slots.contiguous() if direct else slots
+        aux = self.aux_layers
+        taps = {}  # layer id -> a copy of the residual stream entering it (x is updated in place)
         if direct and self.layers is not None and B * T <= MAX_ROWS:
             # Each layer in one call (ext.layer: the same kernels in the same order), without the Python
             # time the loop below spends between them.
             for i, (cache, (w, n_out)) in enumerate(zip(self.caches, self.layers)):
+                if aux is not None and i in aux:
+                    taps[i] = x.clone()
                 h = ew.layer(x, h, w, n_out, cos, sin, cache.k, cache.v, slots, vis, self.n_heads, self.scale,
                              *nw[2 * i + 1], *nw[2 * i + 2])
-            return self._head(h, logit_idx)
+            return self._head(h, logit_idx, taps)
         for i, (cache, fused, (o_proj, down_proj)) in enumerate(zip(self.caches, self.fused, self.out)):
+            if aux is not None and i in aux:
+                taps[i] = x.clone()
             qkv = fused[0](h)  # [B, T, q + k + v]
             qk = ew.rope(qkv, nqk, cos, sin).view(B, T, nqk * self.head_dim)  # [B, T, (nh + nkv) hd]
             if direct:
@@ -375,7 +392,7 @@ class LeanLlama:
                 a = self._attention(cache, slots, q, k, v, vis, mask, s_len, x.dtype)
             h = ew.add_rmsnorm(x, o_proj(a), *nw[2 * i + 1])
             h = ew.add_rmsnorm(x, down_proj(ew.silu_mul(fused[1](h))), *nw[2 * i + 2])  # the next norm; the last: final
-        return self._head(h, logit_idx)  # h: after the final norm
+        return self._head(h, logit_idx, taps)  # h: after the final norm
 
 
 class HFFallback:
@@ -384,6 +401,7 @@ class HFFallback:
 
     trees = False  # no slots/mask/move(): chains only
     row_invariant = False  # ATen's matmuls: a row's numbers may depend on the others in the forward
+    aux_layers: tuple[int, ...] | None = None  # features = hidden_states[i] for these layers, concatenated
 
     def __init__(self, model):
         from transformers import DynamicCache
@@ -410,12 +428,29 @@ class HFFallback:
         if extra > 0:
             self.cache.crop(-extra)  # drop rejected drafts' slots (transformers 5: negative = tokens to remove)
         body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        out = body(input_ids=tokens, position_ids=pos, use_cache=True, **{cache_kwarg(type(body).forward): self.cache})
+        aux = self.aux_layers
+        kw = {cache_kwarg(type(body).forward): self.cache} | ({"output_hidden_states": True} if aux is not None else {})
+        out = body(input_ids=tokens, position_ids=pos, use_cache=True, **kw)
         feats = out.last_hidden_state
+        ret = feats if aux is None else torch.cat([out.hidden_states[i] for i in aux], -1)  # [B, T, n*H]
         head = self.model.get_output_embeddings()
         if logit_idx is not None:
-            return head(feats[torch.arange(tokens.shape[0]), logit_idx][:, None]), feats
-        return head(feats), feats
+            return head(feats[torch.arange(tokens.shape[0]), logit_idx][:, None]), ret
+        return head(feats), ret
+
+
+def aux_hidden_states(model, ids: torch.Tensor, attention_mask: torch.Tensor | None, layers) -> torch.Tensor:
+    """The residual streams entering `layers` of an HF causal LM (hidden_states[i]) for ids [B, L],
+    concatenated [B, L, n*H]: the features an EAGLE-3 head trains on (the runners' aux_layers at serving)."""
+    out = model.model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True)
+    return torch.cat([out.hidden_states[i] for i in layers], -1)
+
+
+def aux_bytes_per_token(model, n_layers: int = 3) -> int:
+    """What `n_layers` aux features of one token cost in the model's dtype: n_layers * H * the dtype's size
+    (SmolLM2-135M, bf16: 3 * 576 * 2 = 3456 bytes)."""
+    p = model.get_input_embeddings().weight
+    return n_layers * model.config.hidden_size * p.element_size()
 
 
 def make_runner(model, lean: bool = True, fuse: bool | None = None):

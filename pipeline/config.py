@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from .methods import METHODS, DraftLMOptions, EagleOptions, MedusaOptions, SelfSpecOptions
+from .methods import METHODS, DraftLMOptions, Eagle3Options, EagleOptions, MedusaOptions, SelfSpecOptions
 from .options import RecipeError, one_of as _one_of, option as _f, positive as _positive
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -76,7 +76,9 @@ def _section(cls, help: str):
 @dataclass
 class TrainConfig:
     method: str = _f("medusa", "Draft method: 'eagle' (a decoder layer over the target's features and the next "
-                               "token, EAGLE, Li et al. 2024); 'medusa' (heads on the target's last feature, "
+                               "token, EAGLE, Li et al. 2024); 'eagle3' (one layer over three fused target "
+                               "layers, EAGLE-3, Li et al. 2025: the draft vLLM and SGLang load); 'medusa' "
+                               "(heads on the target's last feature, "
                                "one per further position, Cai et al. 2024); 'draft_lm' (a small LM: the "
                                "target's first layers or `init_from`, full fine-tuning or LoRA); 'self_spec' "
                                "(the target's own first layers + an adapter, no second copy of the weights); "
@@ -112,6 +114,7 @@ class TrainConfig:
                                "datastore's most frequent continuations of the current suffix (REST, He et "
                                "al. 2024; SuffixDecoding, Oliaro et al. 2024). false: no datastore.")
     eagle: EagleOptions = _section(EagleOptions, "method=eagle only (pipeline/methods/eagle.py).")
+    eagle3: Eagle3Options = _section(Eagle3Options, "method=eagle3 only (pipeline/methods/eagle3.py).")
     medusa: MedusaOptions = _section(MedusaOptions, "method=medusa only (pipeline/methods/medusa.py).")
     draft_lm: DraftLMOptions = _section(DraftLMOptions, "method=draft_lm only (pipeline/methods/draft_lm.py).")
     self_spec: SelfSpecOptions = _section(SelfSpecOptions, "method=self_spec only (pipeline/methods/self_spec.py).")
@@ -154,16 +157,23 @@ _MOVED = {"num_layers": "train.<method>.num_layers (eagle, draft_lm, self_spec)"
           "lora_rank": "train.draft_lm.lora_rank", "lora_alpha": "train.draft_lm.lora_alpha",
           "init_from": "train.draft_lm.init_from"}
 _FLAT_NAMES = {"medusa": {"heads": "medusa_heads", "recurrent": "medusa_recurrent"}}
+# Sections added after the flat layout: hashed only when their method runs, as "<section>.<key>", so the
+# recipes of other methods keep their hash and train_key; without their keys that choose how, not what, the
+# draft learns (where the target's features come from), so switching them resumes.
+_OWN_ONLY = {"eagle3": ("features", "max_cache_gb")}
 
 
 def flat_train(tc: TrainConfig) -> dict:
     """The train section in the flat layout it had before the method sections, which the recipe hash
     and train_key are computed over, so run directories made before still resume. Every section's keys
-    are kept; num_layers is the active method's (1 for a method without one)."""
+    are kept (those of _OWN_ONLY only for their own method); num_layers is the active method's (1 for a
+    method without one)."""
     d = dataclasses.asdict(tc)
     flat = {k: v for k, v in d.items() if k not in SECTIONS}
     flat["num_layers"] = (d.get(tc.method) or {}).get("num_layers", 1)
-    for name in SECTIONS:
+    if tc.method in _OWN_ONLY:
+        flat.update({f"{tc.method}.{k}": v for k, v in d[tc.method].items() if k not in _OWN_ONLY[tc.method]})
+    for name in (s for s in SECTIONS if s not in _OWN_ONLY):
         for k, v in d[name].items():
             if k != "num_layers":
                 flat[_FLAT_NAMES.get(name, {}).get(k, k)] = v

@@ -1,5 +1,6 @@
 """The target's side of training data, computed once and cached on disk: its final-norm features
-for the feature-reading heads (eagle, medusa), and raw domain text scored by it (train.raw_windows).
+for the feature-reading heads (eagle, medusa), the residual streams entering a method's chosen layers
+(eagle3's aux features, `DraftMethod.feature_cache`), and raw domain text scored by it (train.raw_windows).
 
 Both caches are one safetensors file whose metadata holds a key of their inputs; a file with another
 key is computed again, and files are written to a temporary name and renamed.
@@ -14,11 +15,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eval.target import aux_hidden_states
+
 from .config import stable_hash
 from .train_data import right_padded
 
 FEATURES_FILE = "features.safetensors"
 RAW_TEACHER_FILE = "raw-teacher.safetensors"
+
+
+def aux_features_file(layers) -> str:
+    """The aux-feature cache of `layers` (its own file: the final-norm cache stays valid beside it)."""
+    return f"features-aux-{'-'.join(map(str, layers))}.safetensors"
 
 
 def features_key(recipe, gen_manifest: dict) -> str:
@@ -27,6 +35,13 @@ def features_key(recipe, gen_manifest: dict) -> str:
     d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "shards": shards,
          "data": recipe.train.data}
     return stable_hash(d)
+
+
+def aux_features_key(recipe, gen_manifest: dict, layers) -> str:
+    """features_key's inputs, the layers, and the scored raw windows when train.raw_windows adds them
+    (the aux cache covers every training row)."""
+    raw = raw_teacher_key(recipe) if recipe.train.raw_windows else None
+    return stable_hash({"features": features_key(recipe, gen_manifest), "layers": list(layers), "raw": raw})
 
 
 def padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
@@ -41,11 +56,13 @@ def padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
 
 
 @torch.no_grad()
-def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, device=None) -> list[torch.Tensor]:
+def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, device=None,
+                   layers=None) -> list[torch.Tensor]:
     """EAGLE Step 2: one teacher-forced target forward per sequence -> final-norm hidden states
-    (`target.model(...).last_hidden_state`), stored in the target's dtype (bf16 by default) in one
-    safetensors file with per-row offsets. Reused when the key (target, dtype, seq_len, shard checksums)
-    matches; written to a temporary file and renamed."""
+    (`target.model(...).last_hidden_state`) [n, H], or with `layers` the residual streams entering those
+    layers concatenated [n, len(layers) * H] (eval.target.aux_hidden_states), stored in the target's
+    dtype (bf16 by default) in one safetensors file with per-row offsets. Reused when the key (target,
+    dtype, seq_len, shard checksums, layers) matches; written to a temporary file and renamed."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -58,7 +75,11 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
     device = device or next(target.parameters()).device
     feats: list = [None] * len(rows)
     for idx, ids, am in padded_batches([r["ids"] for r in rows], batch_size, "target features"):
-        h = target.model(input_ids=ids.to(device), attention_mask=am.to(device)).last_hidden_state
+        ids, am = ids.to(device), am.to(device)
+        if layers is None:
+            h = target.model(input_ids=ids, attention_mask=am).last_hidden_state  # [b, L, H]
+        else:
+            h = aux_hidden_states(target, ids, am, layers)  # [b, L, len(layers) * H]
         for b, i in enumerate(idx):
             feats[i] = h[b, :len(rows[i]["ids"])].cpu()
     lens = [len(f) for f in feats]

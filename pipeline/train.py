@@ -3,6 +3,8 @@
 Methods (recipe.train.method), one module each in pipeline/methods/ behind `DraftMethod`:
 - eagle: a decoder layer over the target's features and the next token (Li et al., 2024, EAGLE;
   truncated vocabulary and training-time test from EAGLE-3, Li et al., 2025).
+- eagle3: one decoder layer over three fused target layers (Li et al., 2025, EAGLE-3), in the layout
+  vLLM and SGLang load.
 - medusa: heads on the target's last feature, one per further position (Cai et al., 2024, Medusa).
 - draft_lm: a small LM, the target's first layers or a local HF model, fully fine-tuned or with LoRA.
 - self_spec: the target's own first layers + an adapter (Zhang et al., 2023, Draft & Verify;
@@ -35,8 +37,8 @@ import torch
 from eval.datastore import FILE as DATASTORE_FILE, Datastore
 
 from .checkpoints import STATE_FILE, checkpoints, restore, set_aside_foreign, train_key, trainer_state, write_checkpoint
-from .features import (FEATURES_FILE, RAW_TEACHER_FILE, cache_features, features_key, raw_teacher_key,
-                       score_raw_windows)
+from .features import (FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, aux_features_key, cache_features,
+                       features_key, raw_teacher_key, score_raw_windows)
 from .methods import DraftMethod, get_method
 from .onpolicy import is_onpolicy_step, onpolicy_batch, step_seed
 from .shards import read_manifest, write_json_atomic
@@ -120,7 +122,14 @@ def _seed(seed: int) -> None:
 
 
 def _dataset(method: DraftMethod, recipe, target, rows, raw_feats, train_dir: Path, gen_manifest) -> Sequences:
-    """The rows, with the target's features for methods that train on them (EAGLE Step 2: cached once)."""
+    """The rows, with the target's features for methods that train on them (EAGLE Step 2: cached once):
+    the final-norm ones, or the residual streams entering the layers the method asks to cache (eagle3)
+    for every row, scored raw windows included."""
+    layers = method.feature_cache(recipe.train, target, sum(len(r["ids"]) for r in rows))
+    if layers is not None:
+        feats = cache_features(target, rows, train_dir / aux_features_file(layers),
+                               aux_features_key(recipe, gen_manifest, layers), recipe.train.batch_size, layers=layers)
+        return Sequences(rows, feats)
     if not method.needs_features:
         return Sequences(rows)
     n_gen = len(rows) - len(raw_feats)

@@ -52,6 +52,32 @@ class HeadConfig:
                    draft_vocab_size or cfg.vocab_size, num_layers)
 
 
+def attention(c, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A head layer's attention with RoPE at positions pos [B, T], from the projections q [B, T, nh*hd],
+    k, v [B, T, nkv*hd] (c: the head's config) -> [B, T, nh*hd], the input of o_proj. Without a cache:
+    causal attention over T (training). With one: keys/values are written at `pos` and queries attend
+    to every slot <= their own position (or to `mask` [B, 1, T, S] when given)."""
+    B, T, _ = q.shape
+    q = q.view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+    k = k.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+    v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+    cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta, q.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rep = c.num_attention_heads // c.num_key_value_heads
+    if cache is None:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    else:
+        k, v = cache.write(pos, k, v)  # [B, n_kv, S, hd]
+        if mask is None:
+            slots = torch.arange(k.shape[2], device=q.device)
+            mask = (slots[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return a.transpose(1, 2).reshape(B, T, -1)
+
+
 class Block(nn.Module):
     """A Llama decoder layer (pre-norm, GQA attention with RoPE, SwiGLU MLP)."""
 
@@ -74,26 +100,8 @@ class Block(nn.Module):
         """x [B, T, H]; pos [B, T] absolute positions. Without a cache: causal attention over T
         (training). With one: keys/values are written at `pos` and queries attend to every slot
         <= their own position (or to `mask` [B, 1, T, S] when given)."""
-        c = self.c
-        B, T, _ = x.shape
         h = self.input_layernorm(x)
-        q = self.q_proj(h).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = c.num_attention_heads // c.num_key_value_heads
-        if cache is None:
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        else:
-            k, v = cache.write(pos, k, v)  # [B, n_kv, S, hd]
-            if mask is None:
-                slots = torch.arange(k.shape[2], device=x.device)
-                mask = (slots[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(B, T, -1))
+        x = x + self.o_proj(attention(self.c, self.q_proj(h), self.k_proj(h), self.v_proj(h), pos, cache, mask))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 

@@ -4,6 +4,7 @@
                the helpers proposers share
   ngram.py     prompt lookup                      draft_lm.py  a small causal LM (HF, self-spec, int8)
   eagle.py     an EAGLE head over the features    medusa.py    Medusa heads over the features
+  eagle3.py    an EAGLE-3 head over three target layers
   hybrid.py    lookups and a model as one token tree per round
   loader.py    load_proposer (a draft directory, module or name -> its proposer), serve_with
 
@@ -15,11 +16,12 @@ from ..draft_dir import SERVE_KEYS, SERVED_AS
 from .base import NoDraft, Proposer, Sampling, draw, to_target_vocab, verified_input
 from .draft_lm import DraftLMProposer
 from .eagle import EagleProposer
+from .eagle3 import Eagle3Proposer
 from .hybrid import HybridProposer
 from .loader import load_proposer, serve_with
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
 
-__all__ = ["SERVE_KEYS", "SERVED_AS", "DraftLMProposer", "EagleProposer", "HybridProposer", "MedusaProposer",
-           "NgramProposer", "NoDraft", "Proposer", "Sampling", "draw", "load_proposer", "serve_with",
+__all__ = ["SERVE_KEYS", "SERVED_AS", "DraftLMProposer", "Eagle3Proposer", "EagleProposer", "HybridProposer",
+           "MedusaProposer", "NgramProposer", "NoDraft", "Proposer", "Sampling", "draw", "load_proposer", "serve_with",
            "to_target_vocab", "verified_input"]

@@ -65,6 +65,8 @@ class Proposer:
 
     Optional abilities are declared here with their defaults, never probed with hasattr:
       uses_features  the decoder passes the target's final features to begin/accept
+      feature_layers with uses_features: the target layer ids whose entering residual streams, concatenated
+                     [.., n*H], are passed instead of the final features (EAGLE-3); None: the final ones
       max_k          > 0: may propose up to this many tokens even when asked for fewer
       trees          propose_tree() gives a token tree per row (greedy rounds verify it at once)
       max_nodes      with trees: the tree's node budget over the batch (a serving setting)
@@ -74,6 +76,7 @@ class Proposer:
     """
 
     uses_features = False
+    feature_layers: tuple[int, ...] | None = None
     max_k = 0
     trees = False
     max_nodes = 0

@@ -40,7 +40,7 @@ class HybridProposer(Proposer):
         self.ngram = NgramProposer(max_ngram=max_ngram, min_ngram=min_match)
         self.min_match, self.branches, self.max_nodes = min_match, branches, max_nodes
         self.strong_match, self.long_ngram, self.strong_branches = strong_match, long_ngram, strong_branches
-        self.uses_features = model.uses_features
+        self.uses_features, self.feature_layers = model.uses_features, model.feature_layers
         self.k_ngram = k_ngram
         self.from_ngram = 0  # chain rounds proposed by the lookup (for stats)
         self.from_model = 0

@@ -10,10 +10,11 @@ from .. import draft_dir
 from ..datastore import Datastore, DatastoreError
 from ..draft_dir import SERVE_KEYS
 from ..drafts import SelfSpecDraft, int8_draft
-from ..heads import EagleHead, MedusaHeads
+from ..heads import Eagle3Head, EagleHead, MedusaHeads
 from .base import NoDraft, Proposer
 from .draft_lm import DraftLMProposer
 from .eagle import EagleProposer
+from .eagle3 import Eagle3Proposer
 from .hybrid import HybridProposer
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
@@ -23,6 +24,7 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     """The proposer for a draft, however it is given:
       a Proposer                -> itself
       an EagleHead              -> EagleProposer
+      an Eagle3Head             -> Eagle3Proposer
       another module            -> DraftLMProposer (an HF model, or an eval.drafts draft, whose `d2t` is used)
       "ngram"                   -> NgramProposer()
       "int8"                    -> DraftLMProposer over an int8 copy of the target (built now)
@@ -37,6 +39,8 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
         return path_or_kind
     if isinstance(path_or_kind, EagleHead):
         return EagleProposer(path_or_kind, target)
+    if isinstance(path_or_kind, Eagle3Head):
+        return Eagle3Proposer(path_or_kind, target)
     if isinstance(path_or_kind, torch.nn.Module):
         return DraftLMProposer(path_or_kind, target.config.vocab_size, d2t=getattr(path_or_kind, "d2t", None))
     if path_or_kind == "ngram":
@@ -100,6 +104,8 @@ def _model_proposer(d: Path, meta: dict, target, dtype) -> Proposer:
     kind = meta.get("kind")
     if kind == "eagle":
         return EagleProposer(EagleHead.load(d, dtype=dtype, device=p.device), target)
+    if kind == "eagle3":
+        return Eagle3Proposer(Eagle3Head.load(d, dtype=dtype, device=p.device), target)
     if kind == "draft_lm":
         from transformers import AutoModelForCausalLM
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 from .base import DraftMethod
 from .draft_lm import DraftLM, DraftLMOptions
 from .eagle import Eagle, EagleOptions
+from .eagle3 import Eagle3, Eagle3Options
 from .int8 import Int8
 from .medusa import Medusa, MedusaOptions
 from .self_spec import SelfSpec, SelfSpecOptions
 
-METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle(), Medusa(), DraftLM(), SelfSpec(), Int8())}
+METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle(), Eagle3(), Medusa(), DraftLM(), SelfSpec(), Int8())}
 
 
 def get_method(name: str) -> DraftMethod:
@@ -21,5 +22,5 @@ def get_method(name: str) -> DraftMethod:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "DraftMethod", "get_method", "DraftLMOptions", "EagleOptions", "MedusaOptions",
+__all__ = ["METHODS", "DraftMethod", "get_method", "DraftLMOptions", "Eagle3Options", "EagleOptions", "MedusaOptions",
            "SelfSpecOptions"]

@@ -39,6 +39,13 @@ class DraftMethod:
         so that an accelerate-wrapped module syncs its gradients."""
         return module(batch)
 
+    def feature_cache(self, tc, target, n_tokens: int) -> tuple[int, ...] | None:
+        """The target layers whose entering residual streams the loop caches for this method, over
+        `n_tokens` training tokens (pipeline/features.py, concatenated per token into the batch's "feat");
+        None: no such cache (needs_features' final-norm features, or none; a method may compute its
+        features itself)."""
+        return None
+
     def vocab_size(self, module: nn.Module, target) -> int:
         """Rows of the draft's vocabulary (the train manifest's draft_vocab_size)."""
         raise NotImplementedError
