@@ -55,7 +55,8 @@ class KVCache:
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """pos [B, T]; k, v [B, n_kv, T, hd] -> slots pos of each row (overwrites whatever was there),
         converted to the cache's dtype (eval.target keeps a float32 cache on CPU)."""
-        if k.shape[0] == 1 and k.device.type == "cpu":  # one row: consecutive positions, a slice copy beats scatter_
+        # one row: consecutive positions, a slice copy beats scatter_ (not under torch.compile: int() breaks the graph)
+        if k.shape[0] == 1 and k.device.type == "cpu" and not torch.compiler.is_compiling():
             start = int(pos[0, 0])  # a host read, free on CPU (CUDA keeps the sync-free scatter)
             self.k[:, :, start:start + k.shape[2]] = k
             self.v[:, :, start:start + k.shape[2]] = v
