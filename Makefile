@@ -40,11 +40,11 @@ $(ENGINES_STAMP):
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds; transformers imports torchvision and then fails
 	# with "operator torchvision::nms does not exist". vLLM serves text models without them.
 	$(ENGINES)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# speculators' model classes (the EAGLE-3 format's reference); --no-deps keeps vLLM's pins, and datasets
-	# is the one dependency its import needs that vLLM does not bring.
+	# speculators' model classes (the EAGLE-3 format's reference): --no-deps keeps vLLM's pins (it asks for
+	# torchvision/torchaudio too); these two are what `import speculators` needs beyond vLLM's packages.
 	$(ENGINES)/bin/python -m pip install -q --no-deps speculators==0.9.0
-	$(ENGINES)/bin/python -m pip install -q datasets
-	$(ENGINES)/bin/python -c "import vllm, speculators; print('vllm', vllm.__version__, 'speculators', speculators.__version__)"
+	$(ENGINES)/bin/python -m pip install -q hs-connectors==0.9.0 "datasets>=4,<=5.1.0"
+	$(ENGINES)/bin/python -c "import vllm, speculators; print('vllm', vllm.__version__, 'and speculators import')"
 	touch $@
 
 engines: $(ENGINES_STAMP)

@@ -263,6 +263,7 @@ def _verify_export_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     v.add_argument("--json", help="write the comparison as JSON here")
     v.add_argument("--workdir", help="keep vLLM's jobs, results and logs here (default: a temporary directory)")
+    v.add_argument("--eager", action="store_true", help="skip vLLM's torch.compile (starts faster, decodes slower)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
             verify_export(args.export, target=args.target, k=args.k, draft=args.draft, prompts_path=args.prompts,
                           n=args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype, json_out=args.json,
-                          workdir=args.workdir)
+                          workdir=args.workdir, eager=args.eager)
             return 0
         recipe = _recipe_from(args)
         if args.cmd == "distill":

@@ -239,8 +239,9 @@ def tiny(tmp_path_factory):
 
 def _decode(engine, tiny, tmp_path, label, **kw):
     d, prompts = tiny
-    job = ev.vllm_job(kw.pop("model", d), prompts, 24, dtype="float32", batch_sizes=(1, 4), ignore_eos=True, **kw)
-    job["enforce_eager"] = True  # no torch.compile: the tests run the engine, not its compiler
+    # eager: no torch.compile, the tests run the engine, not its compiler
+    job = ev.vllm_job(kw.pop("model", d), prompts, 24, dtype="float32", batch_sizes=(1, 4), ignore_eos=True,
+                      eager=True, **kw)
     return ev.run_vllm(job, label, timeout_s=900, workdir=tmp_path)
 
 
@@ -380,3 +381,55 @@ def test_generate_engine_vllm_writes_the_same_columns_and_rows(engine, tmp_path,
     for k in v:  # vLLM's top-k log-probs (its decode loop) are the teacher-forced ones of our stage
         assert v[k]["topk_ids"] == ds[k]["topk_ids"]
         assert torch.allclose(torch.tensor(v[k]["topk_logprobs"]), torch.tensor(ds[k]["topk_logprobs"]), atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ verify-export
+
+
+def write_vllm_medusa(out, heads, k: int):
+    """Independent Medusa heads in vLLM's MedusaModel layout (blocks.{i}.layers.{j}, lm_heads.{i})."""
+    c = heads.config
+    sd = {}
+    for i, blk in enumerate(heads.blocks):
+        for j, res in enumerate(blk):
+            sd[f"blocks.{i}.layers.{j}.weight"] = res.linear.weight
+            sd[f"blocks.{i}.layers.{j}.bias"] = res.linear.bias
+        sd[f"lm_heads.{i}.weight"] = heads.lm_heads[i].weight
+    out.mkdir(parents=True)
+    save_file({n: t.detach().contiguous() for n, t in sd.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
+        "medusa_fc_bias": True, "truncated_vocab_size": c.vocab_size}))
+    return out
+
+
+@engines
+def test_verify_export_medusa_end_to_end(engine, tiny, tmp_path):
+    """The whole command on a tiny target: vLLM plain and with a Medusa export, our decoder with its source
+    heads at the same K; the same heads accept alike in both, and vLLM's speculative output is its plain one."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.heads.medusa import MedusaHeads
+    from pipeline.engines.verify import EXPORT_MANIFEST, verify_export
+
+    d, prompts = tiny
+    target = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    heads = MedusaHeads.from_target(target, num_heads=3)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for blk in heads.blocks:
+            blk[0].linear.weight.normal_(0, 0.05)
+    src = tmp_path / "medusa-draft"
+    heads.save(src, {"target": str(d)})
+    exp = write_vllm_medusa(tmp_path / "export", heads, 3)
+    (exp / EXPORT_MANIFEST).write_text(json.dumps({"format": "medusa", "k": 3, "draft": str(src), "target": str(d)}))
+    tok = word_tokenizer()
+    pj = tmp_path / "prompts.jsonl"
+    pj.write_text("".join(json.dumps({"prompt": tok.decode(p)}) + "\n" for p in prompts))
+    s = verify_export(exp, prompts_path=pj, n=4, max_new_tokens=24, dtype="float32", json_out=tmp_path / "v.json",
+                      workdir=tmp_path / "work", eager=True)
+    assert s["ok"] and s["identical_outputs"] == 4
+    assert s["vllm"]["counters"]["num_drafts"] > 0 and len(s["vllm"]["acceptance_per_pos"]) == 3
+    assert s["vllm"]["mean_acceptance_length"] == pytest.approx(s["ours"]["mean_acceptance_length"], rel=0.1)
+    assert json.loads((tmp_path / "v.json").read_text())["ok"]

@@ -104,15 +104,15 @@ def plan_export(export_dir, target: str | None = None, k: int | None = None, dra
     return ExportPlan(str(d.resolve()), fmt, int(k), str(target), draft, self_contained)
 
 
-def vllm_side(plan: ExportPlan, target_dir: str, prompts, max_new_tokens: int, dtype: str, eos, workdir) -> dict:
+def vllm_side(plan: ExportPlan, target_dir: str, prompts, max_new_tokens: int, dtype: str, eos, workdir,
+              eager: bool = False) -> dict:
     """(a) vLLM plain and (b) vLLM with the export, one engine each (one at a time), batch 1."""
-    plain = run_vllm(vllm_job(target_dir, prompts, max_new_tokens, dtype=dtype, eos_token_ids=eos),
-                     "plain", workdir=workdir)
+    kw = dict(dtype=dtype, eos_token_ids=eos, eager=eager)
+    plain = run_vllm(vllm_job(target_dir, prompts, max_new_tokens, **kw), "plain", workdir=workdir)
     if plan.self_contained:  # vLLM reads target and K from the speculators config
-        job = vllm_job(plan.export_dir, prompts, max_new_tokens, dtype=dtype, eos_token_ids=eos)
+        job = vllm_job(plan.export_dir, prompts, max_new_tokens, **kw)
     else:
-        job = vllm_job(target_dir, prompts, max_new_tokens, dtype=dtype, eos_token_ids=eos,
-                       speculative_config=plan.speculative_config())
+        job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=plan.speculative_config(), **kw)
     spec = run_vllm(job, f"{plan.format}-k{plan.k}", workdir=workdir)
     return {"plain": plain, "spec": spec, "spec_job": {k: v for k, v in job.items() if k != "prompts"}}
 
@@ -203,7 +203,7 @@ def table(summary: dict) -> str:
 
 
 def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=None, n=16, max_new_tokens=128,
-                  dtype="bfloat16", json_out=None, workdir=None, tolerance=0.10) -> dict:
+                  dtype="bfloat16", json_out=None, workdir=None, tolerance=0.10, eager=False) -> dict:
     """The whole command: plan, vLLM's two decodes, ours, the table (printed) and the verdict
     (VerifyError when it fails, after the table and the JSON are written)."""
     import sys
@@ -225,7 +225,7 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
     prompts = encode_prompts(load_prompts(str(prompts_path), n), tok)
     eos = target_eos_ids(model, tok)
     try:
-        vllm = vllm_side(plan, target_dir, prompts, max_new_tokens, dtype, eos, workdir)
+        vllm = vllm_side(plan, target_dir, prompts, max_new_tokens, dtype, eos, workdir, eager)
     except EngineError as e:
         raise VerifyError(str(e)) from None
     ours = ours_side(plan, model, prompts, max_new_tokens, eos, workdir)
