@@ -82,6 +82,19 @@ def test_failed_engine_gives_cause_and_log(monkeypatch, tmp_path):
         ev.run_vllm(ev.vllm_job("/m", [[1]], 2), "t", workdir=tmp_path)
 
 
+def test_vllm_bench_methods():
+    from pipeline.engines.vllm_bench import speculative_config
+
+    assert speculative_config("plain", 2, 4) is None
+    assert speculative_config("ngram:8", 2, 4) == {"method": "ngram", "num_speculative_tokens": 8,
+                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert speculative_config("suffix", 2, 4) == {"method": "suffix"}
+    assert speculative_config("eagle3:3:/x/y", 2, 4)["model"] == "/x/y"
+    for bad in ("ngram", "ngram:x", "eagle3:3", "lookahead:2"):
+        with pytest.raises(EngineError, match="--method"):
+            speculative_config(bad, 2, 4)
+
+
 def _speculators_config(verifier, k=3, layer_ids=(1, 2, 3), vocab=64, draft_vocab=32, hidden=64, heads=2):
     """An EAGLE-3 speculators config.json (the contract in docs: vLLM's speculators reader's fields)."""
     return {
@@ -136,8 +149,8 @@ def test_plan_reads_the_export_manifest_first(tmp_path):
     (d / "config.json").write_text(json.dumps(_speculators_config(tmp_path / "target", k=5)))
     p = plan_export(d)
     assert (p.format, p.k, p.source_draft, p.self_contained) == ("speculators", 5, None, False)
-    (d / "draftsmith_export.json").write_text(json.dumps({"format": "speculators", "k": 2, "draft": str(src),
-                                                          "target": "embedded:smollm2-135m-instruct"}))
+    (d / "draftsmith_export.json").write_text(json.dumps({"format": "speculators", "k": 2, "source": str(src),
+                                                          "verifier": "embedded:smollm2-135m-instruct"}))
     p = plan_export(d)
     assert (p.k, p.source_draft, p.target) == (2, str(src), "embedded:smollm2-135m-instruct")
     assert p.speculative_config() == {"method": "eagle3", "model": str(d.resolve()), "num_speculative_tokens": 2}
@@ -423,7 +436,7 @@ def test_verify_export_medusa_end_to_end(engine, tiny, tmp_path):
     src = tmp_path / "medusa-draft"
     heads.save(src, {"target": str(d)})
     exp = write_vllm_medusa(tmp_path / "export", heads, 3)
-    (exp / EXPORT_MANIFEST).write_text(json.dumps({"format": "medusa", "k": 3, "draft": str(src), "target": str(d)}))
+    (exp / EXPORT_MANIFEST).write_text(json.dumps({"format": "medusa", "k": 3, "source": str(src), "verifier": str(d)}))
     tok = word_tokenizer()
     pj = tmp_path / "prompts.jsonl"
     pj.write_text("".join(json.dumps({"prompt": tok.decode(p)}) + "\n" for p in prompts))

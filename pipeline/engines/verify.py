@@ -78,7 +78,8 @@ def _k_from_config(fmt: str, config: dict) -> int | None:
 
 def plan_export(export_dir, target: str | None = None, k: int | None = None, draft: str | None = None) -> ExportPlan:
     """What to load in vLLM and in our decoder for `export_dir`: its draftsmith_export.json when present
-    (format, draft, k, target), else what its config.json says; explicit arguments win."""
+    (format, k, source: the draft directory it was written from, verifier: the target), else what its
+    config.json says; explicit arguments win."""
     d = Path(export_dir)
     if not d.is_dir():
         raise VerifyError(f"export directory {d} does not exist; write it with `draftsmith export --draft <draft dir> "
@@ -94,10 +95,10 @@ def plan_export(export_dir, target: str | None = None, k: int | None = None, dra
     if not k or k < 1:
         raise VerifyError(f"{d}: no K in {EXPORT_MANIFEST} or config.json; give --k")
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    target = target or manifest.get("target") or verifier
+    target = target or manifest.get("verifier") or verifier
     if not target:
         raise VerifyError(f"{d}: no target named in {EXPORT_MANIFEST} or config.json; give --target <HF dir>")
-    draft = draft or manifest.get("draft")
+    draft = draft or manifest.get("source")
     if draft and not Path(draft).is_dir():
         raise VerifyError(f"the export's source draft {draft} does not exist; give --draft <draft dir>")
     self_contained = fmt == "speculators" and bool(verifier) and Path(verifier).is_dir() and target == verifier
