@@ -68,7 +68,16 @@ def markdown(m: dict, command: str, recipe) -> str:
 
     ref = m["rows"]["draftsmith"]
     g = recipe.generate
-    lines = [f"Measured with `{command}` on {m['n']} training prompts of the code domain "
+    lines = ["# generate.engine: rows per second and agreement", "",
+             "`generate.engine` picks who decodes the training completions: `draftsmith` (this project's decoder; "
+             "HF generate where the target is not Llama-shaped), `hf` (HF generate), `vllm` (vLLM from "
+             "`.venv-engines`, `make engines`, through `pipeline/engines/vllm_worker.py`). All three write the same "
+             "shard columns and manifest; the manifest's `engine` says which ran, and a greedy vLLM run records "
+             "`engine_check`: its rows against our decoder's on the first batch. The draftsmith and HF rows' top-k "
+             "log-probs come from one teacher-forced forward per batch, vLLM's from its own decode loop (raw "
+             "log-softmax over the full vocabulary). In fp32 on a tiny Llama the three agree row for row, top-k "
+             "included (tests/test_engines.py); in bf16 they part at near-ties, which the table counts.", "",
+             f"Measured with `{command}` on {m['n']} training prompts of the code domain "
              f"(generate.batch_size={g.batch_size}, max_new_tokens={g.max_new_tokens}, greedy, "
              f"top_k_logprobs={g.top_k_logprobs}, dtype={recipe.dtype}).", "",
              "| engine | rows/s | new tokens/s | rows identical to the draftsmith decoder's | "
