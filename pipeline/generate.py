@@ -194,6 +194,10 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
 
     run_dir = Path(run_dir)
     stage = run_dir / STAGE
+    if recipe.generate.engine == "vllm":
+        from .engines.vllm import engine_python
+
+        engine_python()  # a missing engine stops here, before the target loads
     if accelerator is None:
         accelerator = Accelerator(cpu=recipe.device == "cpu")
     p, n_proc, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process

@@ -374,6 +374,14 @@ def test_generate_engine_is_checked_and_not_hashed(tmp_path):
     assert a.hash() != b.hash() and generate_hash(a) == generate_hash(b)
 
 
+def test_generate_engine_vllm_without_the_engine_names_make_engines(tmp_path, monkeypatch):
+    from pipeline.generate import run_generate
+
+    monkeypatch.setenv(ev.ENGINE_ENV, str(tmp_path / "none" / "python"))
+    with pytest.raises(EngineError, match="make engines"):
+        run_generate(_word_recipe(tmp_path, str(tmp_path / "t"), engine="vllm"), tmp_path / "run")
+
+
 def test_generate_engine_hf_writes_the_decoders_rows_in_fp32(tmp_path, word_target):
     m_hf, hf = _generate(tmp_path, word_target, "hf")
     m_ds, ds = _generate(tmp_path, word_target, "draftsmith")

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .vllm import EngineError, acceptance, counters_from_hist, run_vllm, vllm_job
+from .vllm import EngineError, acceptance, counters_from_hist, engine_python, run_vllm, vllm_job
 
 EXPORT_MANIFEST = "draftsmith_export.json"  # written by `draftsmith export` beside the exported files
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -225,6 +225,7 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
     from ..models import load_target, resolve_target
 
     plan = plan_export(export_dir, target, k, draft)
+    engine_python()  # a missing engine stops here, before minutes of loading
     if plan.source_draft is None:
         raise VerifyError(f"{export_dir} names no source draft (no {EXPORT_MANIFEST}); give --draft <draft dir>")
     target_dir = resolve_target(plan.target)
