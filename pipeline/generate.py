@@ -13,13 +13,15 @@ so the rows do not depend on the process count. Sampling (temperature > 0) resee
 (recipe.seed, batch index) before each batch, for the same reason.
 
 Completions come from this project's decoder (plain decoding on the lean forward) where the target
-is Llama-family, else from HF `generate` (see `make_decoder`). Log-probs come from one teacher-forced
-HF forward over prompt+completion rather than the decode loop's logits: that is the parallel
-forward the speculative decoder's verify step computes (the distribution a draft is judged against),
-it is untouched by generate's logits processors, and it never holds [steps, batch, vocab] logits
-from the whole decode loop. It costs one extra forward per batch, small next to max_new_tokens
-sequential decode steps. In bf16 the stored top-1 can differ from a greedy token at near-ties;
-position i is still the target's distribution for completion_ids[i].
+is Llama-family, else from HF `generate` (see `make_decoder`); `generate.engine` picks HF `generate`
+or vLLM instead (its own venv, through pipeline/engines: `vllm_rows`, whose top-k come from vLLM's
+decode loop). Otherwise log-probs come from one teacher-forced HF forward over prompt+completion
+rather than the decode loop's logits: that is the parallel forward the speculative decoder's verify
+step computes (the distribution a draft is judged against), it is untouched by generate's logits
+processors, and it never holds [steps, batch, vocab] logits from the whole decode loop. It costs one
+extra forward per batch, small next to max_new_tokens sequential decode steps. In bf16 the stored
+top-1 can differ from a greedy token at near-ties; position i is still the target's distribution for
+completion_ids[i].
 """
 
 from __future__ import annotations
@@ -93,11 +95,11 @@ def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
 
 def make_decoder(model, engine: str = "draftsmith"):
     """This project's decoder (eval/decoder.py, plain decoding) for the generate stage where the target
-    runs on its lean forward (Llama-family) and generate.engine is 'draftsmith', else None: HF `generate`. Why not HF `generate` for
-    all: it is slower on CPU (docs/reference/kernels.md), and its bf16 greedy tokens are not the ones
-    the served decoder produces (they differ at near-ties: HF's attention runs in bf16, ours in fp32),
-    while drafts are judged against the served decoder's. The decoder's batches are ragged: each row
-    at its own positions, so a row's tokens do not depend on the batch it is in."""
+    runs on its lean forward (Llama-family) and generate.engine is 'draftsmith', else None: HF `generate`.
+    Why not HF `generate` for all: it is slower on CPU (docs/reference/kernels.md), and its bf16 greedy
+    tokens are not the ones the served decoder produces (they differ at near-ties: HF's attention runs in
+    bf16, ours in fp32), while drafts are judged against the served decoder's. The decoder's batches are
+    ragged: each row at its own positions, so a row's tokens do not depend on the batch it is in."""
     from eval.decoder import SpeculativeDecoder
     from eval.target import lean_supported
 

@@ -182,7 +182,8 @@ def test_verdict_fails_when_vllm_accepts_less_or_outputs_differ():
     assert not diff["ok"] and diff["identical_outputs"] == 1 and "differs" in diff["problems"][0]
     # bf16: vLLM-CPU's verify rounds unlike its one-token step; a divergence at a near-tie is not a broken export
     tie = {"divergences": [{"prompt_index": 1, "position": 0, "margin": 0.1}], "all_near_ties": True}
-    assert _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=tie, rule="near-ties")["ok"]
+    ok_tie = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=tie, rule="near-ties")
+    assert ok_tie["ok"]
     assert not _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=tie)["ok"]
     far = {"divergences": [{"prompt_index": 1, "position": 0, "margin": 3.0}], "all_near_ties": False}
     bad = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=far, rule="near-ties")
@@ -241,7 +242,8 @@ def write_speculators_eagle3(out, target_dir, k=3, layer_ids=(1, 2, 3), draft_vo
           "layers.0.self_attn.v_proj.weight": w(nh * hd, 2 * H), "layers.0.self_attn.o_proj.weight": w(H, nh * hd),
           "layers.0.post_attention_layernorm.weight": torch.ones(H),
           "layers.0.mlp.gate_proj.weight": w(inter, H), "layers.0.mlp.up_proj.weight": w(inter, H),
-          "layers.0.mlp.down_proj.weight": w(H, inter), "norm.weight": torch.ones(H), "lm_head.weight": w(draft_vocab, H),
+          "layers.0.mlp.down_proj.weight": w(H, inter), "norm.weight": torch.ones(H),
+          "lm_head.weight": w(draft_vocab, H),
           "d2t": (draft_ids - torch.arange(draft_vocab)).to(torch.int64), "t2d": t2d}
     out.mkdir(parents=True, exist_ok=True)
     save_file({k_: v.contiguous() for k_, v in sd.items()}, str(out / "model.safetensors"))
@@ -335,8 +337,8 @@ def _word_recipe(tmp_path, target: str, **gen):
     from pipeline.config import DataConfig, GenerateConfig, Recipe
 
     src = tmp_path / "src.jsonl"
-    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": " ".join(f"w{(i * 7 + j) % 60}" for j in range(3 + i % 5))})
-                           + "\n" for i in range(10)))
+    words = [" ".join(f"w{(i * 7 + j) % 60}" for j in range(3 + i % 5)) for i in range(10)]
+    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n" for i, w in enumerate(words)))
     (tmp_path / "heldout.jsonl").write_text(json.dumps({"id": "h", "prompt": "w59 w58"}) + "\n")
     g = dict(max_new_tokens=10, batch_size=4, batches_per_shard=2, temperature=0.0, top_k_logprobs=4, **gen)
     return Recipe(target=target, dtype="float32", device="cpu", seed=3,

@@ -8,9 +8,10 @@ draftsmith never imports it and talks to this script through files (pipeline/eng
 Job keys: model (HF dir, or a speculators dir), dtype, speculative_config (dict or null), prompts (token-id
 lists), max_tokens, batch_sizes (each one decodes every prompt in groups of that size), seed, logprobs (k > 0:
 the top-k log-probs of each generated token), temperature (0: greedy), seeds (one per prompt, or null: seed),
-ignore_eos, eos_token_ids (stop tokens besides the model's), max_model_len, max_num_seqs, kv_cache_gib, warmup. Result keys: vllm_version, startup_s and one entry of `runs` per batch size: outputs
-(generated ids per prompt), wall_s, new_tokens, tokens_per_s, spec (vLLM's own spec-decode counters over
-that run, or null without speculation) and, with logprobs, topk_ids/topk_logprobs per prompt ([len][k]).
+ignore_eos, eos_token_ids (stop tokens besides the model's), max_model_len, max_num_seqs, kv_cache_gib,
+warmup. Result keys: vllm_version, startup_s and one entry of `runs` per batch size: outputs (generated ids
+per prompt), wall_s, new_tokens, tokens_per_s, spec (vLLM's own spec-decode counters over that run, or null
+without speculation) and, with logprobs, topk_ids/topk_logprobs per prompt ([len][k]).
 """
 
 import json
