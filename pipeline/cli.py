@@ -8,6 +8,7 @@
     draftsmith prompts --out data/code/humaneval_prompts.jsonl
     draftsmith export --draft runs/code/latest/best --format speculators|eagle3|medusa|hf --out DIR
                       [--verifier TARGET] [--k K] [--force]
+    draftsmith verify-export --export DIR [--target HF_DIR] [--prompts P.jsonl] [--n N] [--k K] [--json OUT]
     draftsmith recipe-help
 
 Errors a user can fix (a bad recipe key, a missing model, empty data, a corrupted shard...) print
@@ -257,7 +258,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--verifier", help="the target it will be served with (default: the target the draft records)")
     e.add_argument("--k", type=int, help="speculative tokens per round written into the serve commands (default 2)")
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    _verify_export_args(sub.add_parser("verify-export", help="load an export in vLLM (make engines); compare its "
+                                       "acceptance with our decoder's and its output with vLLM's plain output"))
     return p
+
+
+def _verify_export_args(v: argparse.ArgumentParser) -> None:
+    v.add_argument("--export", required=True, help="directory written by `draftsmith export`")
+    v.add_argument("--target", help="target HF directory (default: the export's manifest or verifier)")
+    v.add_argument("--draft", help="the source draft directory (default: the export's manifest)")
+    v.add_argument("--prompts", help="JSONL prompts (default: HumanEval's, as `draftsmith prompts` writes them)")
+    v.add_argument("--n", type=int, default=16, help="prompts used (default 16)")
+    v.add_argument("--k", type=int, help="drafted tokens per round (default: the export's K)")
+    v.add_argument("--max-new-tokens", type=int, default=128)
+    v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    v.add_argument("--json", help="write the comparison as JSON here")
+    v.add_argument("--workdir", help="keep vLLM's jobs, results and logs here (default: a temporary directory)")
+    v.add_argument("--eager", action="store_true", help="skip vLLM's torch.compile (starts faster, decodes slower)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
             out = export_draft(args.draft, args.format, args.out, args.verifier, args.k, args.force)
             serve = json.loads((out / MANIFEST).read_text())["serve"]
             print(f"draftsmith: {args.format} export in {out}; serve with:\n" + "\n".join(serve.values()))
+            return 0
+        if args.cmd == "verify-export":
+            from .engines.verify import verify_export
+
+            verify_export(args.export, target=args.target, k=args.k, draft=args.draft, prompts_path=args.prompts,
+                          n=args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype, json_out=args.json,
+                          workdir=args.workdir, eager=args.eager)
             return 0
         recipe = _recipe_from(args)
         if args.cmd == "distill":

@@ -52,6 +52,9 @@ class DataConfig:
             raise RecipeError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
 
 
+GENERATE_ENGINES = ("draftsmith", "hf", "vllm")
+
+
 @dataclass
 class GenerateConfig:
     max_new_tokens: int = _f(128, "Tokens the target generates per training prompt.")
@@ -59,11 +62,16 @@ class GenerateConfig:
     batches_per_shard: int = _f(2, "Generation batches per shard; a shard is the unit of resume.")
     temperature: float = _f(0.0, "0 = greedy; > 0 samples the target's outputs with a fixed seed.")
     top_k_logprobs: int = _f(20, "Target log-probs stored per generated position (top-k).")
+    engine: str = _f("draftsmith", "Who decodes the completions: 'draftsmith' (this project's decoder where the "
+                                   "target is Llama-shaped, else HF generate), 'hf' (HF generate), or 'vllm' "
+                                   "(vLLM from .venv-engines, `make engines`; its own top-k log-probs; the engine "
+                                   "users scale out with). Same shard columns and manifest for all three.")
 
     def __post_init__(self):
         for k in ("max_new_tokens", "batch_size", "batches_per_shard", "top_k_logprobs"):
             _positive(f"generate.{k}", getattr(self, k))
         _positive("generate.temperature", self.temperature, zero_ok=True)
+        _one_of("generate.engine", self.engine, GENERATE_ENGINES)
 
 
 SECTIONS = tuple(name for name, m in METHODS.items() if m.config is not None)  # train.<method> sections

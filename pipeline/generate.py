@@ -13,13 +13,15 @@ so the rows do not depend on the process count. Sampling (temperature > 0) resee
 (recipe.seed, batch index) before each batch, for the same reason.
 
 Completions come from this project's decoder (plain decoding on the lean forward) where the target
-is Llama-family, else from HF `generate` (see `make_decoder`). Log-probs come from one teacher-forced
-HF forward over prompt+completion rather than the decode loop's logits: that is the parallel
-forward the speculative decoder's verify step computes (the distribution a draft is judged against),
-it is untouched by generate's logits processors, and it never holds [steps, batch, vocab] logits
-from the whole decode loop. It costs one extra forward per batch, small next to max_new_tokens
-sequential decode steps. In bf16 the stored top-1 can differ from a greedy token at near-ties;
-position i is still the target's distribution for completion_ids[i].
+is Llama-family, else from HF `generate` (see `make_decoder`); `generate.engine` picks HF `generate`
+or vLLM instead (its own venv, through pipeline/engines: `vllm_rows`, whose top-k come from vLLM's
+decode loop). Otherwise log-probs come from one teacher-forced HF forward over prompt+completion
+rather than the decode loop's logits: that is the parallel forward the speculative decoder's verify
+step computes (the distribution a draft is judged against), it is untouched by generate's logits
+processors, and it never holds [steps, batch, vocab] logits from the whole decode loop. It costs one
+extra forward per batch, small next to max_new_tokens sequential decode steps. In bf16 the stored
+top-1 can differ from a greedy token at near-ties; position i is still the target's distribution for
+completion_ids[i].
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ def _versions() -> dict:
 
 
 def generate_hash(recipe) -> str:
-    """Hash of what changes the generated rows (target, dtype, seed, data, generate); a resume must match."""
+    """Hash of what changes the generated rows (target, dtype, seed, data, generate); a resume must match.
+    The engine is recorded in the manifest, not hashed: every engine gives the target's own outputs (they
+    differ at bf16 near-ties), so a run resumed on another engine keeps its shards."""
     d = recipe.to_dict()
-    return stable_hash({k: d[k] for k in ("target", "dtype", "seed", "data", "generate")})
+    g = {k: v for k, v in d["generate"].items() if k != "engine"}
+    return stable_hash({**{k: d[k] for k in ("target", "dtype", "seed", "data")}, "generate": g})
 
 
 def batch_seed(seed: int, batch_index: int) -> int:
@@ -73,7 +78,7 @@ def _manifest_lock(stage_dir: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def target_eos_ids(model, tokenizer) -> set[int]:
     ids = set()
     for v in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
         if v is None:
@@ -88,17 +93,26 @@ def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
     return [enc[i:i + batch_size] for i in range(0, len(enc), batch_size)]
 
 
-def make_decoder(model):
+def make_decoder(model, engine: str = "draftsmith"):
     """This project's decoder (eval/decoder.py, plain decoding) for the generate stage where the target
-    runs on its lean forward (Llama-family), else None: HF `generate` then. Why not HF `generate` for
-    all: it is slower on CPU (docs/reference/kernels.md), and its bf16 greedy tokens are not the ones
-    the served decoder produces (they differ at near-ties: HF's attention runs in bf16, ours in fp32),
-    while drafts are judged against the served decoder's. The decoder's batches are ragged: each row
-    at its own positions, so a row's tokens do not depend on the batch it is in."""
+    runs on its lean forward (Llama-family) and generate.engine is 'draftsmith', else None: HF `generate`.
+    Why not HF `generate` for all: it is slower on CPU (docs/reference/kernels.md), and its bf16 greedy
+    tokens are not the ones the served decoder produces (they differ at near-ties: HF's attention runs in
+    bf16, ours in fp32), while drafts are judged against the served decoder's. The decoder's batches are
+    ragged: each row at its own positions, so a row's tokens do not depend on the batch it is in."""
     from eval.decoder import SpeculativeDecoder
     from eval.target import lean_supported
 
-    return SpeculativeDecoder(model, None, k=1) if lean_supported(model) else None
+    return SpeculativeDecoder(model, None, k=1) if engine == "draftsmith" and lean_supported(model) else None
+
+
+def engine_name(engine: str, model) -> str:
+    """The manifest's "engine": who decoded the rows."""
+    from eval.target import lean_supported
+
+    if engine == "vllm":
+        return "vllm"
+    return "draftsmith-decoder" if engine == "draftsmith" and lean_supported(model) else "transformers-generate"
 
 
 @torch.no_grad()
@@ -182,6 +196,10 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
 
     run_dir = Path(run_dir)
     stage = run_dir / STAGE
+    if recipe.generate.engine == "vllm":
+        from .engines.vllm import engine_python
+
+        engine_python()  # a missing engine stops here, before the target loads
     if accelerator is None:
         accelerator = Accelerator(cpu=recipe.device == "cpu")
     p, n_proc, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
@@ -192,7 +210,7 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
             model.to(accelerator.device)
     model.eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = target_eos_ids(model, tokenizer)
 
     train_path = run_dir / "prompts" / "train.jsonl"
     if not train_path.exists():
@@ -203,14 +221,9 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
     g = recipe.generate
     batches = plan_batches(rows, tokenizer, recipe.data.chat, g.batch_size)
     n_shards = math.ceil(len(batches) / g.batches_per_shard)
-    from eval.target import lean_supported
-
-    # The decoding engine is recorded, not hashed: both give the target's own outputs (they differ
-    # only at bf16 near-ties), so a run resumed across the switch keeps its shards.
     header = {"recipe_hash": recipe.hash(), "generate_hash": generate_hash(recipe), "target": recipe.target,
               "versions": _versions(), "top_k": g.top_k_logprobs, "n_shards_expected": n_shards,
-              "engine": "draftsmith-decoder" if lean_supported(model) else "transformers-generate",
-              "complete": False}
+              "engine": engine_name(g.engine, model), "complete": False}
 
     done = _keep_finished_shards(stage, header, n_shards, accelerator)
     todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done]
@@ -246,28 +259,90 @@ def _keep_finished_shards(stage: Path, header: dict, n_shards: int, accelerator)
     return done
 
 
+def _shard_batch_ids(i: int, g, n_batches: int) -> range:
+    return range(i * g.batches_per_shard, min((i + 1) * g.batches_per_shard, n_batches))
+
+
 def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: dict, pad_id, eos_ids,
                   is_main: bool) -> None:
     """Generate this process's shards `todo`, each saved and recorded in the manifest when done."""
-    from datasets import Dataset
     from tqdm.auto import tqdm
 
     g = recipe.generate
-    n_todo_batches = sum(len(batches[i * g.batches_per_shard:(i + 1) * g.batches_per_shard]) for i in todo)
+    if g.engine == "vllm":
+        return _write_vllm_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids)
+    n_todo_batches = sum(len(_shard_batch_ids(i, g, len(batches))) for i in todo)
     bar = tqdm(total=n_todo_batches, desc="generate", unit="batch", disable=not is_main)
-    decoder = make_decoder(model) if todo else None
+    decoder = make_decoder(model, g.engine) if todo else None
     for i in todo:
         shard_rows = []
-        for b in range(i * g.batches_per_shard, min((i + 1) * g.batches_per_shard, len(batches))):
+        for b in _shard_batch_ids(i, g, len(batches)):
             shard_rows += generate_batch(model, batches[b], pad_id=pad_id, eos_ids=eos_ids,
                                          max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                          top_k=g.top_k_logprobs, seed=batch_seed(recipe.seed, b), decoder=decoder)
             bar.update(1)
-        ds = Dataset.from_list(shard_rows, features=_features())
-        entry = shards.save_shard(stage, i, ds)
-        with _manifest_lock(stage):
-            shards.record_shard(stage, i, entry, header)
+        _save(stage, i, shard_rows, header)
     bar.close()
+
+
+def _save(stage: Path, i: int, rows: list[dict], header: dict) -> None:
+    from datasets import Dataset
+
+    entry = shards.save_shard(stage, i, Dataset.from_list(rows, features=_features()))
+    with _manifest_lock(stage):
+        shards.record_shard(stage, i, entry, header)
+
+
+def vllm_rows(recipe, batches: list[tuple[int, list]], eos_ids: set[int], workdir: Path) -> list[dict]:
+    """Shard rows for [(batch index, batch)] from one vLLM engine (pipeline/engines): its greedy (or seeded,
+    per row) completions and its top-k log-probs (log-softmax of the raw logits over the full vocabulary)."""
+    from .engines.vllm import run_vllm, vllm_job
+    from .models import resolve_target
+
+    g = recipe.generate
+    items = [(rid, ids, batch_seed(recipe.seed, b) + j) for b, batch in batches for j, (rid, ids) in enumerate(batch)]
+    job = vllm_job(resolve_target(recipe.target), [ids for _, ids, _ in items], g.max_new_tokens,
+                   batch_sizes=(len(items),), dtype=recipe.dtype, logprobs=g.top_k_logprobs, seed=recipe.seed,
+                   seeds=[s for _, _, s in items] if g.temperature > 0 else None, temperature=g.temperature,
+                   eos_token_ids=eos_ids, max_num_seqs=g.batch_size)
+    run = run_vllm(job, "generate", workdir=workdir)["runs"][0]
+    return [{"id": rid, "prompt_ids": ids, "completion_ids": out, "topk_ids": ti, "topk_logprobs": tl}
+            for (rid, ids, _), out, ti, tl in zip(items, run["outputs"], run["topk_ids"], run["topk_logprobs"])]
+
+
+def agreement(rows: list[dict], ref: list[dict]) -> dict:
+    """How far one engine's completions agree with another's on the same prompts: identical rows, and the
+    mean share of each row's tokens before the first difference."""
+    same = sum(a["completion_ids"] == b["completion_ids"] for a, b in zip(rows, ref))
+    shares = []
+    for a, b in zip(rows, ref):
+        x, y = a["completion_ids"], b["completion_ids"]
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        shares.append(n / max(len(x), len(y), 1))
+    return {"rows": len(shares), "identical": same, "prefix_agreement": sum(shares) / len(shares) if shares else 0.0}
+
+
+def _write_vllm_shards(stage: Path, todo: list[int], batches, model, recipe, header: dict, pad_id, eos_ids) -> None:
+    """generate.engine=vllm: this process's shards from one vLLM engine run (its startup takes minutes, so one
+    run, not one per shard; an interrupted run regenerates the shards not yet saved). Greedy runs also
+    record how vLLM's rows agree with our decoder's on the first batch (the manifest's "engine_check")."""
+    if not todo:
+        return
+    g = recipe.generate
+    picked = [(b, batches[b]) for i in todo for b in _shard_batch_ids(i, g, len(batches))]
+    rows = vllm_rows(recipe, picked, eos_ids, stage / "vllm")
+    decoder = make_decoder(model) if g.temperature == 0 else None
+    if decoder is not None:
+        b, first = picked[0]
+        ours = generate_batch(model, first, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=g.max_new_tokens,
+                              temperature=0.0, top_k=1, seed=batch_seed(recipe.seed, b), decoder=decoder)
+        header["engine_check"] = {"against": "draftsmith-decoder", **agreement(rows[:len(first)], ours)}
+        print(f"[generate] vLLM vs our decoder on {len(first)} prompts: {header['engine_check']}", file=sys.stderr)
+    at = 0
+    for i in todo:
+        n = sum(len(batches[b]) for b in _shard_batch_ids(i, g, len(batches)))
+        _save(stage, i, rows[at:at + n], header)
+        at += n
 
 
 def _mark_complete(stage: Path, header: dict, n_shards: int) -> None:

@@ -1,0 +1,114 @@
+"""vLLM's own speculative methods on held-out prompts: tokens/s and acceptance at each batch size, one engine
+per method (started one after another, never two at once).
+
+    python -m pipeline.engines.vllm_bench --prompts he.jsonl --n 16 --method plain --method ngram:8 \
+        --method suffix --batch-sizes 1,16 --json vllm.json
+
+Methods: `plain`; `ngram:K` (prompt lookup, n-grams of --ngram-min..--ngram-max tokens); `suffix` (Arctic
+Inference's suffix decoding: needs `pip install arctic-inference` in the engine venv); `eagle3:K:DIR`,
+`medusa:K:DIR`, `draft_model:K:DIR` (a draft directory in that engine format). Each speculative method's
+output is compared with plain's, prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .vllm import EngineError, acceptance, run_vllm, vllm_job
+
+
+def speculative_config(method: str, ngram_min: int, ngram_max: int) -> dict | None:
+    name, *rest = method.split(":", 2)
+    if name == "plain":
+        return None
+    if name == "suffix":
+        return {"method": "suffix"}
+    if not rest or not rest[0].isdigit():
+        raise EngineError(f"--method {method}: give {name}:K (K drafted tokens per round)")
+    k = int(rest[0])
+    if name == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ngram_min,
+                "prompt_lookup_max": ngram_max}
+    if name in ("eagle3", "medusa", "draft_model") and len(rest) == 2:
+        return {"method": name, "model": str(Path(rest[1]).resolve()), "num_speculative_tokens": k}
+    raise EngineError(f"--method {method}: one of plain, ngram:K, suffix, eagle3:K:DIR, medusa:K:DIR, "
+                      f"draft_model:K:DIR")
+
+
+def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], max_new_tokens: int, dtype: str,
+          eos, ngram_min: int = 2, ngram_max: int = 4, workdir=None) -> list[dict]:
+    """One row per (method, batch size); speculative rows compare their outputs with plain's."""
+    rows, plain = [], {}
+    for method in ["plain"] + [m for m in methods if m != "plain"]:
+        spec = speculative_config(method, ngram_min, ngram_max)
+        job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=spec, batch_sizes=batch_sizes,
+                       dtype=dtype, eos_token_ids=eos)
+        try:
+            res = run_vllm(job, method.replace(":", "-").replace("/", "_"), workdir=workdir)
+        except EngineError as e:
+            print(f"[vllm-bench] {method}: {e}", file=sys.stderr)
+            rows.append({"method": method, "error": str(e).splitlines()[0]})
+            continue
+        for run in res["runs"]:
+            b = run["batch_size"]
+            if method == "plain":
+                plain[b] = run["outputs"]
+            same = sum(x == y for x, y in zip(run["outputs"], plain.get(b, [])))
+            rows.append({"method": method, "speculative_config": spec, "batch_size": b,
+                         "tokens_per_s": run["tokens_per_s"], "new_tokens": run["new_tokens"], "wall_s": run["wall_s"],
+                         "startup_s": res["startup_s"], "identical_to_plain": same, "n_prompts": len(prompts),
+                         "vllm_version": res["vllm_version"], "counters": run["spec"], **acceptance(run["spec"])})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| method | batch | tokens/s | vs plain | mean acceptance length | acceptance per position | "
+             "output == plain |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    base = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["method"] == "plain" and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | - | failed: {r['error']} | | | | |")
+            continue
+        pos = " ".join(f"{x:.2f}" for x in r["acceptance_per_pos"]) or "-"
+        rel = r["tokens_per_s"] / base[r["batch_size"]] if base.get(r["batch_size"]) else 0.0
+        acc = f"{r['mean_acceptance_length']:.2f}" if r["method"] != "plain" else "-"
+        lines.append(f"| {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {rel:.2f}x | {acc} | {pos} | "
+                     f"{r['identical_to_plain']}/{r['n_prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    from eval.bench import encode_prompts, load_prompts
+
+    from ..generate import target_eos_ids
+    from ..models import load_target, resolve_target
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.engines.vllm_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
+    ap.add_argument("--prompts", required=True, help="JSONL prompts (`draftsmith prompts --out F`)")
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--method", action="append", default=[], help="plain, ngram:K, suffix, eagle3:K:DIR, ...")
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--ngram-min", type=int, default=2)
+    ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--workdir", help="keep the engines' jobs, results and logs here")
+    args = ap.parse_args(argv)
+    model, tok = load_target(args.target, "float32", "cpu")
+    prompts = encode_prompts(load_prompts(args.prompts, args.n), tok)
+    rows = bench(resolve_target(args.target), prompts, args.method, [int(b) for b in args.batch_sizes.split(",")],
+                 args.max_new_tokens, args.dtype, target_eos_ids(model, tok), args.ngram_min, args.ngram_max,
+                 args.workdir)
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

