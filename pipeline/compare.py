@@ -131,9 +131,9 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
 def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k: int) -> dict:
     """A proposer without training (ngram) or a served combination (hybrid), cached by name and K."""
     from .evaluate import heldout_ids
-    from .measure import MeasurementCache, decode_pairs
+    from .measure import MeasurementCache, decode_pairs, evaluate_settings
 
-    cache = MeasurementCache(run_dir / "compare", {"evaluate": recipe.to_dict()["evaluate"]})
+    cache = MeasurementCache(run_dir / "compare", {"evaluate": evaluate_settings(recipe)})
     extra = {"src": src, "k": k}
     prev = cache.read(f"{name}-k{k}", src, extra)
     if prev is not None:

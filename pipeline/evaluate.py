@@ -39,7 +39,7 @@ from eval.replay import fit_budget
 
 from .data import encode_prompt, read_jsonl
 from .export import MANIFEST, SERVE_FORMATS, engine_format, export_draft, kind_problem
-from .measure import MeasurementCache, decode_pairs, decode_together, proposer_for
+from .measure import MeasurementCache, decode_pairs, decode_together, evaluate_settings, proposer_for
 from .models import check_tokenizers
 from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
@@ -88,9 +88,7 @@ class HeldOut:
         cache_dir = Path(run_dir) / "eval"
         cache_dir.mkdir(parents=True, exist_ok=True)
         prompts = heldout_ids(recipe, run_dir, tokenizer)
-        ev = recipe.to_dict()["evaluate"]
-        ev.pop("serve")  # picks among the measurements, changes none of them
-        settings = {"evaluate": ev, "dtype": recipe.dtype, "n": len(prompts)}
+        settings = {"evaluate": evaluate_settings(recipe), "dtype": recipe.dtype, "n": len(prompts)}
         return cls(target, prompts, recipe.evaluate, tokenizer.eos_token_id, MeasurementCache(cache_dir, settings))
 
     def measure(self, cands: list[Candidate]) -> dict[str, dict]:

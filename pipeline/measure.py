@@ -107,6 +107,16 @@ def source_fingerprint(src: str) -> list:
     return sorted([p.name, p.stat().st_size] for p in d.iterdir() if p.is_file() and p.name != "trainer_state.pt")
 
 
+def evaluate_settings(recipe) -> dict:
+    """The evaluate section as a measurement key: `serve` only picks among measurements, so it is left out,
+    and `compile` enters only when set, so measurements made before it existed are read back."""
+    ev = recipe.to_dict()["evaluate"]
+    ev.pop("serve")
+    if not ev["compile"]:
+        ev.pop("compile")
+    return ev
+
+
 class MeasurementCache:
     """Measurements kept as `<directory>/<name>.json`, each with the key it was measured under: the
     caller's settings, the decoder's serving revision (a decoder change measures again), the files of
