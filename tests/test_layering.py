@@ -1,5 +1,5 @@
 """The architecture rules of docs/DESIGN.md, read from the sources' imports:
-- eval/ stays below pipeline/: it never imports pipeline, datasets, trl or wandb;
+- eval/ stays below pipeline/: it never imports pipeline, datasets, trl, wandb or vllm;
 - draft methods (pipeline/methods/) do not import each other, only their shared base;
 - there is no import cycle anywhere in pipeline/ or eval/ (imports inside functions count too)."""
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"pipeline", "datasets", "trl", "wandb"}
+FORBIDDEN = {"pipeline", "datasets", "trl", "wandb", "vllm"}
 PACKAGES = ("eval", "pipeline")
 
 
@@ -127,3 +127,11 @@ def test_decoder_imports_with_upper_layers_blocked():
     )
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_only_the_engine_worker_imports_vllm():
+    """vLLM lives in its own venv (pins an older transformers): draftsmith drives it through
+    pipeline/engines/vllm_worker.py as a subprocess, and nothing else may import it."""
+    known = set(_modules())
+    users = sorted(m for m, p in _modules().items() if any(i.split(".")[0] == "vllm" for i in _imported(p, known)))
+    assert users == ["pipeline.engines.vllm_worker"], users
