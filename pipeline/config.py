@@ -301,6 +301,8 @@ class Recipe:
         # Keys added later enter the hash only when set, so runs made before them still resume.
         if not d["evaluate"]["compile"]:
             d["evaluate"].pop("compile")
+        if d["generate"]["engine"] == "draftsmith":
+            d["generate"].pop("engine")
         d["train"] = flat_train(self.train)
         return stable_hash(d)
 
