@@ -226,7 +226,16 @@ def write_speculators(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> 
         "speculators_version": "0.9.0",
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _save(_load(src), tmp / "model.safetensors")  # the contract's names are the speculators names
+    _save(_eagle3_state(src, hc), tmp / "model.safetensors")  # the contract's names are the speculators names
+
+
+def _eagle3_state(src: Path, hc: dict) -> dict:
+    """The head's weights; without d2t/t2d over the full vocabulary, where vLLM's Eagle3LlamaForCausalLM
+    has no vocabulary map to load them into (and refuses the checkpoint if they are there)."""
+    state = _load(src)
+    if hc["draft_vocab_size"] == hc["vocab_size"]:
+        state.pop("d2t", None), state.pop("t2d", None)
+    return state
 
 
 def write_eagle3(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
@@ -244,7 +253,7 @@ def write_eagle3(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     state = {(f"midlayer.{n[len('layers.0.'):]}" if n.startswith("layers.0.") else n): t
-             for n, t in _load(src).items()}
+             for n, t in _eagle3_state(src, hc).items()}
     _save(state, tmp / "model.safetensors")
 
 

@@ -331,6 +331,28 @@ def test_vllm_loads_eagle3_speculators_as_draft(engine, tiny, plain, tmp_path):
     _assert_same_as_plain(res, plain, 2)
 
 
+@engines
+@pytest.mark.parametrize("fmt", ["speculators", "eagle3"])
+def test_vllm_decodes_draftsmith_eagle3_exports(engine, tiny, plain, tmp_path, fmt):
+    """A draftsmith EAGLE-3 draft directory (eval/heads/eagle3.py, as train.method=eagle3 saves it) written by
+    `draftsmith export` in both EAGLE-3 layouts (speculators' `layers.0.*`, EAGLE-3's `midlayer.*`) loads as
+    vLLM's eagle3 draft; its output equals plain and it accepts drafts (a head started from the target)."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.heads import Eagle3Head
+    from pipeline.export import export_draft
+
+    d, _ = tiny
+    target = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    src = tmp_path / "draft"
+    Eagle3Head.from_target(target).save(src, {"target": str(d), "target_config": target.config.to_dict()})
+    exp = export_draft(src, fmt, tmp_path / f"export-{fmt}", verifier=str(d), k=3)
+    p = plan_export(exp, target=str(d), k=3)
+    res = _decode(engine, tiny, tmp_path, f"eagle3-{fmt}", speculative_config=p.speculative_config())
+    _assert_same_as_plain(res, plain, 3)
+    assert res["runs"][0]["spec"]["num_accepted_tokens"] > 0
+
+
 # ------------------------------------------------------------------------------------------ generate.engine
 
 def _word_recipe(tmp_path, target: str, **gen):
