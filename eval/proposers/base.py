@@ -121,6 +121,20 @@ class NoDraft(Proposer):
         pass
 
 
+def prefill_input(prompts: list[list[int]], first: torch.Tensor):
+    """A feature-reading head's prefill input: each prompt shifted by one with the first generated token
+    after it, so column t holds the token at position t + 1 (it reads the target feature at t).
+    -> toks [B, T], pos [B, T] (1..T), idx [B] (the first token's column; T = the longest prompt)."""
+    B, dev = len(prompts), first.device
+    L = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
+    T = int(L.max())
+    toks = torch.zeros(B, T, dtype=torch.long, device=dev)
+    for b, p in enumerate(prompts):
+        toks[b, : len(p) - 1] = torch.tensor(p[1:], device=dev)
+    toks[torch.arange(B, device=dev), L - 1] = first
+    return toks, torch.arange(1, T + 1, device=dev).expand(B, T), L - 1
+
+
 def verified_input(tokens, start, n_acc, bonus):
     """The verified tokens of a round as one input: tokens [B, T] ([current, drafts...]) written at
     positions start [B].., with each row's bonus token placed after its accepted drafts.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..heads import Eagle3Head
-from .base import Proposer, draw, to_target_vocab, verified_input
+from .base import Proposer, draw, prefill_input, to_target_vocab, verified_input
 
 
 class Eagle3Proposer(Proposer):
@@ -46,17 +46,11 @@ class Eagle3Proposer(Proposer):
         return self.head.fuse(features.to(self.dtype))
 
     def begin(self, prompts, first, max_len, sampling, features=None):
-        B, dev = len(prompts), first.device
         self.sampling = sampling
-        self.caches = self.head.new_caches(B, max_len)
-        L = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
-        T = int(L.max())
-        toks = torch.zeros(B, T, dtype=torch.long, device=dev)  # tokens at positions 1..T
-        for b, p in enumerate(prompts):
-            toks[b, : len(p) - 1] = torch.tensor(p[1:], device=dev)
-        toks[torch.arange(B, device=dev), L - 1] = first
-        pos = torch.arange(1, T + 1, device=dev).expand(B, T)
-        self._run(toks, self._fuse(features[:, :T]), pos, L - 1)
+        self.caches = self.head.new_caches(len(prompts), max_len)
+        toks, pos, idx = prefill_input(prompts, first)  # [B, T] x2, [B]
+        T = toks.shape[1]
+        self._run(toks, self._fuse(features[:, :T]), pos, idx)
 
     def propose(self, k):
         drafts, qs = [], []
