@@ -114,6 +114,23 @@ def e2e_pvalues(target, proposer, warp, draws=10000, calls=2, **decoder_kw):
 TRAIN_V, TOPK = 128, 8
 
 
+def first_drafts(target, prop, prompt, k, n_new):
+    """Decode `prompt` (batch 1) with a feature-reading proposer, recording each round's current position
+    and first draft: -> (prompt + output, [(position, first draft)]), for comparing with the uncached head."""
+    from eval.decoder import SpeculativeDecoder
+
+    seen, orig = [], prop.propose
+
+    def spy(k):
+        d, q = orig(k)
+        seen.append((int(prop.pos[0]), int(d[0, 0])))
+        return d, q
+
+    prop.propose = spy
+    res = SpeculativeDecoder(target, prop, k=k).generate([prompt], max_new_tokens=n_new)
+    return prompt + res.sequences[0], seen
+
+
 def tiny_llama(num_layers: int = 2):
     """A random Llama over TRAIN_V tokens with tied embeddings: the train tests' target."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -11,7 +11,7 @@ from eval.heads import EagleHead
 from eval.proposers import DraftLMProposer, EagleProposer, HybridProposer, NgramProposer, load_proposer
 from eval.speedup import best_k
 
-from helpers import DECODER_V as V, N_NEW, PROMPTS, decoder_llama as tiny
+from helpers import DECODER_V as V, N_NEW, PROMPTS, decoder_llama as tiny, first_drafts
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,19 +112,7 @@ def test_eagle_drafts_match_uncached_head(target):
     """The head's cached, position-indexed state after verification equals a from-scratch run of the
     head over the true target features: its first draft of every round is the uncached argmax."""
     head = EagleHead.from_target(target)
-    prop = EagleProposer(head, target)
-    seen = []
-    orig = prop.propose
-
-    def spy(k):
-        d, q = orig(k)
-        seen.append((prop.pos.clone(), d[:, 0].clone()))
-        return d, q
-
-    prop.propose = spy
-    p = PROMPTS[2]
-    res = SpeculativeDecoder(target, prop, k=3).generate([p], max_new_tokens=N_NEW)
-    seq = p + res.sequences[0]
+    seq, seen = first_drafts(target, EagleProposer(head, target), PROMPTS[2], 3, N_NEW)
     with torch.no_grad():
         ids = torch.tensor([seq])
         feats = target.model(ids).last_hidden_state  # [1, S, H]
@@ -133,9 +121,8 @@ def test_eagle_drafts_match_uncached_head(target):
         h = head(feats[:, : S - 1], emb[:, 1:], torch.arange(S - 1)[None])  # slot s: token s+1
         ref = head.d2t[head.logits(h).argmax(-1)][0]  # ref[s] proposes token s + 2
     assert len(seen) >= 3
-    for pos, d1 in seen:
-        n = int(pos[0])  # current token position; its head slot is n - 1
-        assert int(d1[0]) == int(ref[n - 1])
+    for n, d1 in seen:  # n: the current token's position; its head slot is n - 1
+        assert d1 == int(ref[n - 1])
 
 
 def test_stream_equals_generate(target, draft):

@@ -19,7 +19,7 @@ from pipeline.methods import get_method
 from pipeline.train import run_train
 from pipeline.train_data import Sequences, collate
 
-from helpers import DECODER_V as V, N_NEW, PROMPTS, decoder_llama, e2e_pvalues, greedy_topk, sampling_llama
+from helpers import DECODER_V as V, N_NEW, PROMPTS, decoder_llama, e2e_pvalues, first_drafts, greedy_topk, sampling_llama
 from helpers import TRAIN_V, copy_generate, make_generate, tiny_llama, train_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -194,18 +194,7 @@ def test_drafts_match_the_uncached_head_over_true_features(target):
     """After every accept, the head's cached state equals a from-scratch run over the TRUE fused target
     features: each round's first draft is the uncached head's argmax at that position."""
     head = random_head(target)
-    prop = Eagle3Proposer(head, target)
-    seen, orig = [], prop.propose
-
-    def spy(k):
-        d, q = orig(k)
-        seen.append((int(prop.pos[0]), int(d[0, 0])))
-        return d, q
-
-    prop.propose = spy
-    p = PROMPTS[2]
-    res = SpeculativeDecoder(target, prop, k=3).generate([p], max_new_tokens=N_NEW)
-    seq = p + res.sequences[0]
+    seq, seen = first_drafts(target, Eagle3Proposer(head, target), PROMPTS[2], 3, N_NEW)
     with torch.no_grad():
         ids = torch.tensor([seq])
         hs = target.model(ids, output_hidden_states=True).hidden_states
