@@ -155,6 +155,18 @@ def greedy_topk(target, prompt, n):
     return ids[len(prompt):], tk_ids, tk_lp
 
 
+def greedy_rows(target, vocab: int, lens=(10, 14, 7), plen=5, seed=0):
+    """Training rows of the target's own greedy completions with their top-k, one per completion length
+    (ragged, so a batch of them is right-padded), after random 5-token prompts."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lens:
+        prompt = torch.randint(0, vocab, (plen,), generator=g).tolist()
+        comp, tk_ids, tk_lp = greedy_topk(target, prompt, n)
+        out.append({"ids": prompt + comp, "P": plen, "tk_ids": tk_ids, "tk_lp": tk_lp})
+    return out
+
+
 def make_generate(run_dir, target, n_rows=12, plen=6, clen=24, seed=0, target_name="tiny"):
     """A generate stage's output (one complete shard) of `target`'s greedy completions of random prompts."""
     from datasets import Dataset

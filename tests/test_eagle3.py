@@ -19,7 +19,8 @@ from pipeline.methods import get_method
 from pipeline.train import run_train
 from pipeline.train_data import Sequences, collate
 
-from helpers import DECODER_V as V, N_NEW, PROMPTS, decoder_llama, e2e_pvalues, first_drafts, greedy_topk, sampling_llama
+from helpers import DECODER_V as V, N_NEW, PROMPTS, decoder_llama, e2e_pvalues, first_drafts, greedy_rows
+from helpers import sampling_llama
 from helpers import TRAIN_V, copy_generate, make_generate, tiny_llama, train_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -234,13 +235,7 @@ def gen_dir(tmp_path_factory, train_target):
 
 @pytest.fixture(scope="module")
 def rows(train_target):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for n in (10, 14, 7):  # ragged: the batch is right-padded
-        prompt = torch.randint(0, TRAIN_V, (5,), generator=g).tolist()
-        comp, tk_ids, tk_lp = greedy_topk(train_target, prompt, n)
-        out.append({"ids": prompt + comp, "P": 5, "tk_ids": tk_ids, "tk_lp": tk_lp})
-    return out
+    return greedy_rows(train_target, TRAIN_V)
 
 
 def _batch(rows, feats=None):

@@ -13,7 +13,7 @@ from pipeline.config import TrainConfig, recipe_from_dict
 from pipeline.methods import METHODS, DraftMethod, get_method
 from pipeline.train_data import Sequences, collate
 
-from helpers import TRAIN_V as V, greedy_topk, tiny_llama
+from helpers import TRAIN_V as V, greedy_rows, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 METHODS_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "methods"
@@ -26,13 +26,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def rows(target):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for n in (10, 14, 7):  # ragged: the batch is right-padded
-        prompt = torch.randint(0, V, (5,), generator=g).tolist()
-        comp, tk_ids, tk_lp = greedy_topk(target, prompt, n)
-        out.append({"ids": prompt + comp, "P": 5, "tk_ids": tk_ids, "tk_lp": tk_lp})
-    return out
+    return greedy_rows(target, V)
 
 
 def _tc(method: str):
