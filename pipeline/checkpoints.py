@@ -15,7 +15,7 @@ import torch
 
 from eval import draft_dir
 
-from .config import flat_train, stable_hash
+from .config import drop_later_defaults, flat_train, stable_hash
 
 STATE_FILE = "trainer_state.pt"
 
@@ -26,8 +26,7 @@ def train_key(recipe) -> str:
     every checkpoint's draftsmith_draft.json as "train_key": a run resumes only checkpoints of its own."""
     d = recipe.to_dict()
     keep = {k: d[k] for k in ("target", "dtype", "seed", "data", "generate")}
-    if keep["generate"]["engine"] == "draftsmith":  # a key added later enters only when set: older runs resume
-        keep["generate"].pop("engine")
+    drop_later_defaults(keep)
     keep["train"] = {k: v for k, v in flat_train(recipe.train).items() if k != "save_every"}
     return stable_hash(keep)
 

@@ -28,6 +28,19 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 
 
+# Keys added after runs and caches were keyed, with their defaults: at the default they are left out of
+# every key (recipe hash, train key, measurement caches), so what was made before them still resumes.
+LATER_KEYS = {("evaluate", "compile"): False, ("generate", "engine"): "draftsmith"}
+
+
+def drop_later_defaults(d: dict) -> dict:
+    """Remove LATER_KEYS at their defaults from the recipe dict `d` (sections absent are skipped); returns d."""
+    for (section, key), default in LATER_KEYS.items():
+        if section in d and key in d[section] and d[section][key] == default:
+            del d[section][key]
+    return d
+
+
 def stable_hash(obj) -> str:
     """16 hex digits of the SHA-256 of `obj` as sorted-key JSON: the key every stage stores to tell
     whether what it finds on disk was made from the same inputs."""
@@ -298,11 +311,7 @@ class Recipe:
         d.pop("run_id"), d.pop("runs_dir"), d.pop("wandb")
         # Where the draft is served and what it is exported as change no stage's output that resumes on this hash.
         d.pop("export"), d["evaluate"].pop("serve")
-        # Keys added later enter the hash only when set, so runs made before them still resume.
-        if not d["evaluate"]["compile"]:
-            d["evaluate"].pop("compile")
-        if d["generate"]["engine"] == "draftsmith":
-            d["generate"].pop("engine")
+        drop_later_defaults(d)
         d["train"] = flat_train(self.train)
         return stable_hash(d)
 

@@ -14,6 +14,7 @@ from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.proposers import load_proposer, serve_with
 from eval.speedup import expected_speedup
 
+from .config import drop_later_defaults
 from .shards import write_json_atomic
 
 
@@ -109,11 +110,9 @@ def source_fingerprint(src: str) -> list:
 
 def evaluate_settings(recipe) -> dict:
     """The evaluate section as a measurement key: `serve` only picks among measurements, so it is left out,
-    and `compile` enters only when set, so measurements made before it existed are read back."""
-    ev = recipe.to_dict()["evaluate"]
+    and keys added later enter only when set (config.LATER_KEYS), so older measurements are read back."""
+    ev = drop_later_defaults({"evaluate": recipe.to_dict()["evaluate"]})["evaluate"]
     ev.pop("serve")
-    if not ev["compile"]:
-        ev.pop("compile")
     return ev
 
 
