@@ -233,6 +233,8 @@ def source_row(obj, default_id: str) -> dict:
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object with 'prompt' or 'messages'")
     rid = obj.get("id", obj.get("custom_id"))
+    if rid is None and isinstance(obj.get("request"), dict):  # a Batch API input line names the request
+        rid = obj["request"].get("custom_id")
     rid = default_id if rid is None else str(rid)
     if "request" in obj or "response" in obj:
         return {"id": rid, **_served(obj)}
