@@ -10,8 +10,8 @@ import yaml
 
 from pipeline.cli import main
 from pipeline.config import DataConfig, Recipe, RecipeError, load_recipe
-from pipeline.data import (DataError, build_prompt_sets, encode_prompt, export_heldout_jsonl, load_source,
-                           normalise, prompt_text, raw_text_chunks, read_jsonl, source_row)
+from pipeline.data import (DataError, build_prompt_sets, encode_prompt, export_heldout_jsonl, heldout_filter,
+                           load_source, normalise, prompt_text, raw_text_chunks, read_jsonl, source_row)
 
 from helpers import TINY_BUDGET
 
@@ -178,6 +178,16 @@ def test_split_is_fixed_seed_disjoint_and_never_trained_on(tmp_path):
     long = DataConfig(source=str(src), max_prompt_tokens=10)
     with pytest.raises(DataError, match="no prompt .* fits data.max_prompt_tokens=10"):
         build_prompt_sets(long, tmp_path / "e", CharTok(), seed=3)
+
+
+def test_a_short_heldout_chat_prompt_only_matches_exactly():
+    """A held-out "Hello!" drops its copies, not every training row that greets; a long one is found inside."""
+    overlaps = heldout_filter([{"messages": [{"role": "user", "content": "Hello!"}]}])
+    assert overlaps({"messages": [{"role": "user", "content": "Hello !"}]})
+    assert not overlaps({"prompt": "Hello! Can you explain tides?"})
+    overlaps = heldout_filter([{"prompt": "Summarise the attached quarterly report for the board."}])
+    assert overlaps({"prompt": "Please: summarise the attached quarterly report for the board. Thanks"}) is False
+    assert overlaps({"prompt": "Please: Summarise the attached quarterly report for the board. Thanks"})
 
 
 def test_raw_text_and_export_use_the_runs_split(tmp_path):
