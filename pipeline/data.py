@@ -176,7 +176,14 @@ def humaneval_prompts() -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # your own data: JSONL, Parquet, a saved HF dataset; prompt rows or served-traffic logs
 
-SOURCE_FORMATS = "'stdlib', 'self', a .jsonl or .parquet file, or a directory saved by datasets' save_to_disk"
+SOURCE_FORMATS = ("'stdlib', 'self', a .jsonl, .jsonl.gz or .parquet file, a folder of them, or a directory saved "
+                  "by datasets' save_to_disk")
+FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+def _stem(path: Path) -> str:
+    """The file's name without its source suffix: the default id prefix of its rows."""
+    return next((path.name[:-len(s)] for s in FILE_SUFFIXES if path.name.endswith(s)), path.stem)
 
 
 def _text(content, what: str) -> str:
@@ -257,13 +264,13 @@ def source_row(obj, default_id: str) -> dict:
 
 
 def jsonl_prompts(path) -> list[dict]:
-    """Rows of a JSONL file (`source_row`); a bad line raises DataError naming `path:line`. Missing ids
-    become `<file stem>:<line>`."""
+    """Rows of a JSONL file, gzipped when it ends in .gz (`source_row`); a bad line raises DataError naming
+    `path:line`. Missing ids become `<file stem>:<line>`."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"prompt source {path} does not exist; give {SOURCE_FORMATS}")
     rows = []
-    with open(path, encoding="utf-8") as fh:
+    with (gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")) as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -273,7 +280,7 @@ def jsonl_prompts(path) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             try:
-                rows.append(source_row(obj, f"{path.stem}:{n}"))
+                rows.append(source_row(obj, f"{_stem(path)}:{n}"))
             except ValueError as e:
                 raise DataError(f"{where}: {e}") from None
     return rows
@@ -285,11 +292,7 @@ def _dataset(path: Path):
 
     if path.suffix == ".parquet":
         return datasets.load_dataset("parquet", data_files=str(path), split="train")
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except FileNotFoundError:
-        raise DataError(f"prompt source {path} is a directory but not one saved by datasets' save_to_disk; "
-                        f"give {SOURCE_FORMATS}") from None
+    ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(f"prompt source {path} is a DatasetDict without a 'train' split (it has "
@@ -307,10 +310,26 @@ def dataset_prompts(path) -> list[dict]:
     rows = []
     for n, obj in enumerate(_dataset(path)):
         try:
-            rows.append(source_row(obj, f"{path.stem}:{n}"))
+            rows.append(source_row(obj, f"{_stem(path)}:{n}"))
         except ValueError as e:
             raise DataError(f"{path}:row {n}: {e}") from None
     return rows
+
+
+def file_prompts(path: Path) -> list[dict]:
+    return dataset_prompts(path) if path.name.endswith(".parquet") else jsonl_prompts(path)
+
+
+def folder_prompts(path: Path) -> list[dict]:
+    """A directory: a dataset saved by save_to_disk, else a folder of logs, every .jsonl, .jsonl.gz and
+    .parquet file under it read in sorted path order."""
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        return dataset_prompts(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(FILE_SUFFIXES))
+    if not files:
+        raise DataError(f"prompt source {path} is a directory with neither a dataset saved by save_to_disk nor "
+                        f"any {', '.join(FILE_SUFFIXES)} file under it")
+    return [r for f in files for r in file_prompts(f)]
 
 
 def load_source(spec: str, kind: str = "data.source") -> list[dict]:
@@ -325,10 +344,10 @@ def load_source(spec: str, kind: str = "data.source") -> list[dict]:
     elif spec == "split":
         raise DataError(f"{kind}='split' is drawn from data.source by build_prompt_sets; read a run's "
                         f"prompts/heldout.jsonl for its rows")
-    elif spec.endswith(".jsonl"):
-        rows = jsonl_prompts(spec)
-    elif spec.endswith(".parquet") or Path(spec).is_dir():
-        rows = dataset_prompts(spec)
+    elif spec.endswith(FILE_SUFFIXES):
+        rows = file_prompts(Path(spec))
+    elif Path(spec).is_dir():
+        rows = folder_prompts(Path(spec))
     else:
         raise DataError(f"{kind}={spec!r} is not {SOURCE_FORMATS}"
                         + (" (or 'humaneval')" if kind == "data.heldout" else ""))

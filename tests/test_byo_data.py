@@ -1,6 +1,7 @@
 """Bring your own data: a model owner's prompts and served traffic as JSONL, Parquet or a saved HF dataset,
 bad rows named, the held-out split drawn from the user's rows, and each format driving a tiny distill."""
 
+import gzip
 import json
 from pathlib import Path
 
@@ -112,8 +113,27 @@ def test_parquet_and_saved_dataset_are_parsed(tmp_path):
     with pytest.raises(DataError, match=r"without a 'train' split \(it has test, dev\)"):
         load_source(str(tmp_path / "nodd"))
     (tmp_path / "plain").mkdir()
-    with pytest.raises(DataError, match="not one saved by datasets' save_to_disk"):
+    with pytest.raises(DataError, match="neither a dataset saved by save_to_disk nor any .jsonl"):
         load_source(str(tmp_path / "plain"))
+
+
+def test_a_folder_of_logs_is_read_file_by_file(tmp_path):
+    """A model owner's folder of chat logs: every .jsonl, .jsonl.gz and .parquet under it, sorted by path."""
+    logs = tmp_path / "logs"
+    (logs / "day2").mkdir(parents=True)
+    rows = _chat_rows(6)
+    _write_jsonl(logs / "day1.jsonl", rows[:2])
+    with gzip.open(logs / "day2" / "a.jsonl.gz", "wt") as fh:
+        fh.write("".join(json.dumps({k: v for k, v in r.items() if k != "id"}) + "\n" for r in rows[2:4]))
+    datasets.Dataset.from_list(rows[4:]).to_parquet(logs / "day3.parquet")
+    (logs / "notes.txt").write_text("not a log")
+    got = load_source(str(logs))
+    assert [r["id"] for r in got] == ["c0", "c1", "a:1", "a:2", "c4", "c5"]
+    assert [r["completion"] for r in got] == [f"Answer {i}." for i in range(6)]
+    with gzip.open(logs / "day2" / "a.jsonl.gz", "at") as fh:
+        fh.write('{"messages": "oops"}\n')
+    with pytest.raises(DataError, match=r"a\.jsonl\.gz:3: 'messages' must be a non-empty list"):
+        load_source(str(logs))
 
 
 def test_bad_parquet_and_dataset_row_named_by_row(tmp_path):
