@@ -239,15 +239,14 @@ def source_row(obj, default_id: str) -> dict:
     assistant's (the reply); {"request": ..., "response": ...} (`_served`)."""
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object with 'prompt' or 'messages'")
-    rid = obj.get("id", obj.get("custom_id"))
-    if rid is None and isinstance(obj.get("request"), dict):  # a Batch API input line names the request
-        rid = obj["request"].get("custom_id")
-    rid = default_id if rid is None else str(rid)
-    if "request" in obj or "response" in obj:
+    req = obj.get("request")
+    ids = (obj.get("id"), obj.get("custom_id"), req.get("custom_id") if isinstance(req, dict) else None)  # Batch API
+    rid = next((str(v) for v in ids if v is not None), default_id)
+    if req is not None or obj.get("response") is not None:  # None: a column other rows of a table fill
         return {"id": rid, **_served(obj)}
     if isinstance(obj.get("prompt"), str):
         row = {"id": rid, "prompt": obj["prompt"]}
-    elif "messages" in obj:
+    elif obj.get("messages") is not None:
         row = {"id": rid, "messages": _messages(obj["messages"])}
         if obj.get("completion") is None and row["messages"][-1]["role"] == "assistant":
             if len(row["messages"]) == 1:

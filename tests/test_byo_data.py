@@ -137,6 +137,10 @@ def test_a_folder_of_logs_is_read_file_by_file(tmp_path):
 
 
 def test_bad_parquet_and_dataset_row_named_by_row(tmp_path):
+    log = {"request": {"messages": [{"role": "user", "content": "x"}]}, "response": {"choices": [{"text": "y"}]}}
+    mixed = datasets.Dataset.from_list([{"prompt": "a", "request": None, "response": None}, {"prompt": None, **log}])
+    mixed.to_parquet(tmp_path / "mixed.parquet")  # a table's columns: None where a row has no such key
+    assert [r.get("completion") for r in load_source(str(tmp_path / "mixed.parquet"))] == [None, "y"]
     ds = datasets.Dataset.from_list([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"},
                                      {"prompt": None, "completion": "e"}])
     ds.to_parquet(tmp_path / "t.parquet")
