@@ -214,7 +214,10 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
 
     train_path = run_dir / "prompts" / "train.jsonl"
     if not train_path.exists():
-        if is_main:
+        if is_main and recipe.data.source == "self":  # the target writes its own prompts (pipeline/synth.py)
+            from .synth import build_self_prompt_sets
+            build_self_prompt_sets(recipe, run_dir, model, tokenizer)
+        elif is_main:
             build_prompt_sets(recipe.data, run_dir, tokenizer, recipe.seed)
         accelerator.wait_for_everyone()
     rows = read_jsonl(train_path)
