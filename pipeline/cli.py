@@ -111,6 +111,11 @@ def stage_generate(recipe, run_dir, target=None, tok=None):
         m = read_manifest(out)
         tracker.summary({"generate/rows": sum(s["rows"] for s in m["shards"].values()),
                          "generate/shards": len(m["shards"])})
+        if recipe.data.synth.check_json:  # a JSON domain: how many of the target's own answers parse
+            from .synth import json_parse_rate, write_data_report
+            rate, n = json_parse_rate(out, tok)
+            write_data_report(run_dir, {"json_parse_rate": rate, "json_checked": n})
+            tracker.summary({"generate/json_parse_rate": rate})
     finally:
         tracker.finish()
     return out

@@ -23,6 +23,7 @@ import yaml
 
 from .methods import METHODS, DraftLMOptions, Eagle3Options, EagleOptions, MedusaOptions, SelfSpecOptions
 from .options import RecipeError, one_of as _one_of, option as _f, positive as _positive
+from .synth import SynthOptions
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
@@ -30,7 +31,8 @@ EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 
 # Keys added after runs and caches were keyed, with their defaults: at the default they are left out of
 # every key (recipe hash, train key, measurement caches), so what was made before them still resumes.
-LATER_KEYS = {("evaluate", "compile"): False, ("generate", "engine"): "draftsmith"}
+LATER_KEYS = {("evaluate", "compile"): False, ("generate", "engine"): "draftsmith",
+              ("data", "heldout_fraction"): 0.1, ("data", "heldout_max"): 200}
 
 
 def drop_later_defaults(d: dict) -> dict:
@@ -50,7 +52,8 @@ def stable_hash(obj) -> str:
 @dataclass
 class DataConfig:
     source: str = _f("stdlib", "Training prompt source: 'stdlib' (functions with docstrings from this Python's "
-                               "standard library), 'self' (prompts the target synthesises, generate stage), or "
+                               "standard library), 'self' (requests the target writes from its chat template's user "
+                               "turn, Magpie: data.synth), or "
                                "your own data: a .jsonl of {prompt|messages} rows or a served-traffic log "
                                "(messages + completion, OpenAI request/response), a .parquet file, or a "
                                "directory saved by datasets' save_to_disk (data/README.md).")
@@ -64,6 +67,8 @@ class DataConfig:
     val_fraction: float = _f(0.02, "Fraction of training prompts held back for validation (fixed-seed split).")
     chat: bool = _f(False, "Wrap prompts in the target's chat template as an instruction.")
     max_prompt_tokens: int = _f(128, "Prompts longer than this many tokens are dropped.")
+    synth: SynthOptions = field(default_factory=SynthOptions, metadata={
+        "help": "data.source=self: how the target writes its own prompts (pipeline/synth.py)."})
 
     def __post_init__(self):
         _positive("data.max_prompts", self.max_prompts, zero_ok=True)
@@ -315,9 +320,11 @@ class Recipe:
 
     def to_dict(self) -> dict:
         """The recipe as nested plain data (run_dir/recipe.yaml, the W&B config), which load_recipe reads
-        back: of the method sections, only the method's own."""
+        back: of the method sections, only the method's own; data.synth only with data.source=self."""
         d = dataclasses.asdict(self)
         d["train"] = {k: v for k, v in d["train"].items() if k not in SECTIONS or k == self.train.method}
+        if self.data.source != "self":  # like a method section: only where it applies (and keyed only there)
+            d["data"].pop("synth")
         return d
 
     def hash(self) -> str:

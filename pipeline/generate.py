@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from . import shards
-from .config import stable_hash
+from .config import drop_later_defaults, stable_hash
 from .data import build_prompt_sets, encode_prompt, read_jsonl
 
 log = logging.getLogger("draftsmith.generate")
@@ -57,7 +57,7 @@ def generate_hash(recipe) -> str:
     """Hash of what changes the generated rows (target, dtype, seed, data, generate); a resume must match.
     The engine is recorded in the manifest, not hashed: every engine gives the target's own outputs (they
     differ at bf16 near-ties), so a run resumed on another engine keeps its shards."""
-    d = recipe.to_dict()
+    d = drop_later_defaults(recipe.to_dict())
     g = {k: v for k, v in d["generate"].items() if k != "engine"}
     return stable_hash({**{k: d[k] for k in ("target", "dtype", "seed", "data")}, "generate": g})
 
@@ -214,7 +214,10 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
 
     train_path = run_dir / "prompts" / "train.jsonl"
     if not train_path.exists():
-        if is_main:
+        if is_main and recipe.data.source == "self":  # the target writes its own prompts (pipeline/synth.py)
+            from .synth import build_self_prompt_sets
+            build_self_prompt_sets(recipe, run_dir, model, tokenizer)
+        elif is_main:
             build_prompt_sets(recipe.data, run_dir, tokenizer, recipe.seed)
         accelerator.wait_for_everyone()
     rows = read_jsonl(train_path)
