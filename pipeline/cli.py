@@ -5,7 +5,7 @@
     draftsmith compare --recipe recipes/code.yaml [--methods eagle,medusa,...] [--steps N] [--docs F]
                        [--lift-steps N] [--lift-prompts P]
     draftsmith bench --draft runs/code/latest/best --prompts prompts.jsonl [...]
-    draftsmith prompts --out data/code/humaneval_prompts.jsonl
+    draftsmith prompts --out data/code/humaneval_prompts.jsonl [--run-dir runs/chat/latest]
     draftsmith export --draft runs/code/latest/best --format speculators|eagle3|medusa|hf --out DIR
                       [--verifier TARGET] [--k K] [--force]
     draftsmith verify-export --export DIR [--target HF_DIR] [--prompts P.jsonl] [--n N] [--k K] [--json OUT]
@@ -252,7 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--docs", help="also write the table to this Markdown file (e.g. docs/compare.md)")
     sub.add_parser("bench", help="compare our decoder with HF generate / assisted / prompt lookup", add_help=False)
     pr = sub.add_parser("prompts", help="write held-out prompts as JSONL (for bench)")
-    pr.add_argument("--out", required=True, help="JSONL path to write HumanEval's 164 prompts to")
+    pr.add_argument("--out", required=True, help="JSONL path to write the held-out prompts to (HumanEval's 164 "
+                    "by default)")
+    pr.add_argument("--run-dir", help="write the held-out prompts this run was judged on instead (runs/<domain>/<id>: "
+                    "its own split of your data, or its synthesised requests)")
     sub.add_parser("recipe-help", help="every recipe key with its default and meaning")
     from .export import FORMATS
 
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "prompts":
             from .data import export_heldout_jsonl
 
-            export_heldout_jsonl(args.out)
+            export_heldout_jsonl(args.out, run_dir=args.run_dir)
             return 0
         if args.cmd == "export":
             from .export import MANIFEST, export_draft
