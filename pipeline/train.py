@@ -114,11 +114,25 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
 
 
 def make_accelerator(recipe):
-    """The train stage's Accelerator: split_batches, so train.batch_size is the global batch (module docstring)."""
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
+    """The train stage's Accelerator: split_batches, so train.batch_size is the global batch (module docstring).
+    Refuses what would train wrongly: processes launched but not joined (each would train alone and write the
+    same checkpoints), and FSDP/DeepSpeed, whose sharded state the draft checkpoints do not gather yet."""
+    import os
 
-    return Accelerator(cpu=recipe.device == "cpu", dataloader_config=DataLoaderConfiguration(split_batches=True))
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, DistributedType
+
+    acc = Accelerator(cpu=recipe.device == "cpu", dataloader_config=DataLoaderConfiguration(split_batches=True))
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if acc.num_processes != launched:
+        raise TrainError(f"{launched} processes were launched but accelerate joined {acc.num_processes} "
+                         f"({acc.distributed_type.value}); on CPU launch with `ACCELERATE_USE_CPU=1 accelerate launch "
+                         f"--multi_gpu --num_processes {launched} ...` (FSDP and DeepSpeed configs need CUDA)")
+    if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise TrainError(f"train does not run under {acc.distributed_type.value} yet: its checkpoints save the main "
+                         f"process's draft and optimizer, which {acc.distributed_type.value} shards; use DDP "
+                         f"(configs/accelerate/ddp.yaml; docs/reference/scaling.md)")
+    return acc
 
 
 def _on_main(accelerator, fn):

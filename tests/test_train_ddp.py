@@ -26,11 +26,9 @@ STEPS = 8
 # difference (a shard dropped or counted twice changes the loss by percents).
 RTOL = 1e-5
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(os.environ.get("DRAFTSMITH_SKIP_MULTIPROC") == "1",
-                       reason="2-process accelerate test (~30 s); DRAFTSMITH_SKIP_MULTIPROC=1 skips them"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
+multiproc = pytest.mark.skipif(os.environ.get("DRAFTSMITH_SKIP_MULTIPROC") == "1",
+                               reason="2-process accelerate test (~30 s); DRAFTSMITH_SKIP_MULTIPROC=1 skips it")
 
 
 def free_port() -> int:
@@ -40,15 +38,14 @@ def free_port() -> int:
 
 
 def launch(recipe: Path, run_dir: Path) -> subprocess.CompletedProcess:
-    """`python -m pipeline.train` under accelerate with two CPU processes. accelerate 1.15: `--cpu` always
-    takes the single-process launcher; `--multi_gpu` goes through torchrun, and ACCELERATE_USE_CPU=1 makes
-    each process a CPU (gloo) worker."""
+    """`python -m pipeline.train` under accelerate with two CPU processes, from the shipped DDP config.
+    accelerate 1.15: `--cpu` always takes the single-process launcher; a MULTI_GPU config goes through
+    torchrun, and ACCELERATE_USE_CPU=1 makes each process a CPU (gloo) worker."""
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(ROOT))
-    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), "-m", "pipeline.train", "--recipe", str(recipe),
-           "--run-dir", str(run_dir)]
+    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+           str(ROOT / "configs/accelerate/ddp.yaml"), "--num_processes", "2", "--main_process_port", str(free_port()),
+           "-m", "pipeline.train", "--recipe", str(recipe), "--run-dir", str(run_dir)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     return res
@@ -73,6 +70,7 @@ def weights(run: Path, step: int) -> dict:
     return load_file(str(run / f"train/checkpoint-{step:06d}/head.safetensors"))
 
 
+@multiproc
 def test_two_processes_resume_one_and_match_its_curve(setup):
     """A one-process run is cut back to its first checkpoint (step 2, as if it had stopped there) and two
     processes resume it: they restore its optimizer and data position and train steps 3..8. The rows of
@@ -101,3 +99,19 @@ def test_two_processes_resume_one_and_match_its_curve(setup):
         f"checkpoint-{s:06d}" for s in range(2, STEPS + 1, 2)]
     for k, v in weights(one, STEPS).items():
         torch.testing.assert_close(weights(two, STEPS)[k], v, rtol=RTOL, atol=1e-6)
+
+
+def test_accelerate_configs_load():
+    """The shipped configs (docs/reference/scaling.md) are what accelerate's own loader reads them as."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    want = {"ddp": ("MULTI_GPU", 1), "multi-node": ("MULTI_GPU", 2), "fsdp": ("FSDP", 1),
+            "deepspeed-zero2": ("DEEPSPEED", 1)}
+    assert sorted(p.stem for p in (ROOT / "configs/accelerate").glob("*.yaml")) == sorted(want)
+    for name, (kind, machines) in want.items():
+        c = load_config_from_file(str(ROOT / f"configs/accelerate/{name}.yaml"))
+        assert (c.distributed_type.value, c.num_machines) == (kind, machines), name
+        assert c.mixed_precision == "no"  # the loop autocasts itself; accelerate's state must not differ
+    assert load_config_from_file(str(ROOT / "configs/accelerate/fsdp.yaml")).fsdp_config["fsdp_version"] == 2
+    assert load_config_from_file(str(ROOT / "configs/accelerate/deepspeed-zero2.yaml")).deepspeed_config[
+        "zero_stage"] == 2
