@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -117,8 +118,6 @@ def make_accelerator(recipe):
     """The train stage's Accelerator: split_batches, so train.batch_size is the global batch (module docstring).
     Refuses what would train wrongly: processes launched but not joined (each would train alone and write the
     same checkpoints), and FSDP/DeepSpeed, whose sharded state the draft checkpoints do not gather yet."""
-    import os
-
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, DistributedType
 
