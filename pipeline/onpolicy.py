@@ -1,9 +1,12 @@
 """GKD's on-policy step (Agarwal et al., 2024, "On-Policy Distillation of Language Models"): a batch
 whose continuations are sampled from the draft itself and scored by the target.
 
-Written here rather than with TRL's GKDTrainer (trl.experimental): that trainer recomputes
-full-vocabulary teacher logits for every batch, on-policy or not, where the generated batches here
-reuse the stored top-k, and it needs an HF model with `generate`, which the self_spec draft is not.
+Not TRL's GKDTrainer (trl 1.16: trl.experimental.gkd; nor trl.DistillationTrainer, its fully on-policy
+successor): both run the target over every batch for full-vocabulary logits, where data=mix's generated
+batches here reuse the generate stage's stored top-k (no target forward), and both train and resume through
+HF Trainer checkpoints rather than the draft directories this loop keys, resumes and sets aside
+(pipeline/checkpoints.py); the self_spec draft has no HF `generate`, and Medusa/EAGLE heads read the
+target's features, which neither trainer feeds.
 """
 
 from __future__ import annotations

@@ -23,11 +23,26 @@ whole vocabulary per position would cost more than the head itself).
 This module is the loop (optimizer, schedule, accelerate, resume, checkpoints, tracking); the rows and
 batches are in train_data.py, the target's cached features in features.py, and the checkpoints and
 their keys in checkpoints.py. A rerun resumes from the newest complete checkpoint of its own recipe.
+
+Several processes (DDP through accelerate; docs/reference/scaling.md):
+
+    accelerate launch --num_processes 2 -m pipeline.train --recipe recipes/code.yaml --run-dir runs/code/X
+
+(on a CPU-only machine `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ...`: in accelerate
+1.15 `--cpu` always starts a single process). train.batch_size is the global batch: each of N processes takes
+batch_size / N rows of every batch, so the steps, the schedule and the rows of each step do not depend on N.
+Each process's loss is the mean over its own rows and DDP averages the gradients. One process per machine
+computes the feature caches while the others wait and read them; only the main process writes checkpoints,
+train/log.jsonl and the manifest.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -45,13 +60,16 @@ from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
 from .train_data import EpochSampler, Sequences, TrainError, check_vocab, collate, load_rows, raw_rows, raw_windows
 
-__all__ = ["run_train", "TrainError"]
+__all__ = ["run_train", "TrainError", "LOG_FILE", "read_log"]
+
+LOG_FILE = "log.jsonl"  # train/log.jsonl: one {"step", "loss", "lr", metrics...} per step, up to the last checkpoint
 
 
-def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Path:
+def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accelerator=None) -> Path:
     """Train the recipe's draft on run_dir/generate; return run_dir/train. Resumes from the newest
-    complete checkpoint; a finished run (checkpoint at train.steps) returns at once."""
-    from .models import load_target, pick_device
+    complete checkpoint; a finished run (checkpoint at train.steps) returns at once. Under `accelerate
+    launch` each process runs this (module docstring); `accelerator` defaults to one made from the recipe."""
+    from .models import load_target
 
     tc, method = recipe.train, get_method(recipe.train.method)
     train_dir = Path(run_dir) / "train"
@@ -59,35 +77,74 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None) -> Pat
     key = train_key(recipe)
     extra = {"target": recipe.target, "method": tc.method, "divergence": tc.divergence, "data": tc.data,
              "train_key": key}
-    if not method.trains:
-        return _untrained_checkpoint(train_dir, recipe, method, extra)
     if _finished(train_dir, recipe):
         return train_dir  # nothing to load or recompute
+    accelerator = accelerator or make_accelerator(recipe)  # before the target loads: each GPU process picks its own
+    if not method.trains:
+        _on_main(accelerator, lambda: _untrained_checkpoint(train_dir, recipe, method, extra))
+        return train_dir
+    if tc.batch_size % accelerator.num_processes:
+        raise TrainError(f"train.batch_size={tc.batch_size} is the global batch and must divide among "
+                         f"{accelerator.num_processes} processes; set a multiple of {accelerator.num_processes}")
     rows, gen_manifest = load_rows(run_dir, recipe)
     if target is None:
         target, tok = load_target(recipe.target, recipe.dtype, recipe.device)
         tokenizer = tokenizer or tok
     target.eval()
-    rows, n_gen, raw_feats = _training_rows(recipe, rows, target, tokenizer, train_dir)
-    device = pick_device(recipe.device)
+    with accelerator.local_main_process_first():  # one process per machine scores and caches, the others read
+        rows, n_gen, raw_feats = _training_rows(recipe, rows, target, tokenizer, train_dir)
     _seed(recipe.seed)
-    set_aside_foreign(train_dir, key)
+    _on_main(accelerator, lambda: set_aside_foreign(train_dir, key))
     ckpts = checkpoints(train_dir)
     resume = ckpts[-1] if ckpts else None
-    dataset = _dataset(method, recipe, target, rows, raw_feats, train_dir, gen_manifest)
+    with accelerator.local_main_process_first():
+        dataset = _dataset(method, recipe, target, rows, raw_feats, train_dir, gen_manifest)
     module = method.build(tc, target, tokenizer, rows, resume)
-    store = _datastore(tc, rows[:n_gen], ckpts)
+    store = _datastore(tc, rows[:n_gen], ckpts if accelerator.is_main_process else [])
 
     def save(directory: Path, step: int):
         method.save(module, directory, extra, step)
         if store is not None:
             store.save(directory)
 
-    loop = _Loop(recipe, method, module, dataset, device, target, _eos(tokenizer), tracker or NoOpTracker(),
+    loop = _Loop(recipe, method, module, dataset, accelerator, target, _eos(tokenizer), tracker or NoOpTracker(),
                  train_dir, save)
     step = loop.run(resume)
     loop.finish(step, len(dataset), method.vocab_size(module, target))
     return train_dir
+
+
+def make_accelerator(recipe):
+    """The train stage's Accelerator: split_batches, so train.batch_size is the global batch (module docstring).
+    Refuses what would train wrongly: processes launched but not joined (each would train alone and write the
+    same checkpoints), and FSDP/DeepSpeed, whose sharded state the draft checkpoints do not gather yet."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, DistributedType
+
+    acc = Accelerator(cpu=recipe.device == "cpu", dataloader_config=DataLoaderConfiguration(split_batches=True))
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if acc.num_processes != launched:
+        raise TrainError(f"{launched} processes were launched but accelerate joined {acc.num_processes} "
+                         f"({acc.distributed_type.value}); on CPU launch with `ACCELERATE_USE_CPU=1 accelerate launch "
+                         f"--multi_gpu --num_processes {launched} ...` (FSDP and DeepSpeed configs need CUDA)")
+    if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise TrainError(f"train does not run under {acc.distributed_type.value} yet: its checkpoints save the main "
+                         f"process's draft and optimizer, which {acc.distributed_type.value} shards; use DDP "
+                         f"(configs/accelerate/ddp.yaml; docs/reference/scaling.md)")
+    return acc
+
+
+def _on_main(accelerator, fn):
+    """fn() on the main process only (a write to the run directory); every process waits for it."""
+    out = fn() if accelerator.is_main_process else None
+    accelerator.wait_for_everyone()
+    return out
+
+
+def read_log(train_dir: Path) -> list[dict]:
+    """train/log.jsonl: one record per step, {"step", "loss", "lr", metrics...} (the mean over processes)."""
+    p = Path(train_dir) / LOG_FILE
+    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
 
 
 def _finished(train_dir: Path, recipe) -> bool:
@@ -160,12 +217,13 @@ class _Loop:
     """The optimizer, schedule and data order around the method's module: steps until train.steps,
     checkpoints every train.save_every, and the train manifest at the end."""
 
-    def __init__(self, recipe, method: DraftMethod, module, dataset, device: torch.device, target, eos: set[int],
+    def __init__(self, recipe, method: DraftMethod, module, dataset, accelerator, target, eos: set[int],
                  tracker, train_dir: Path, save):
         from transformers import get_cosine_schedule_with_warmup
 
         tc = self.tc = recipe.train
-        self.recipe, self.method, self.module, self.device = recipe, method, module, device
+        self.recipe, self.method, self.module, self.accelerator = recipe, method, module, accelerator
+        self.device, self.world = accelerator.device, accelerator.num_processes
         self.target, self.eos, self.tracker, self.train_dir, self.save = target, eos, tracker, train_dir, save
         self.params = method.trainable_parameters(module)
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
@@ -175,20 +233,21 @@ class _Loop:
                                                   collate_fn=collate, drop_last=len(dataset) >= tc.batch_size)
         self.tokens, self.seconds, self.n_onpolicy = 0, 0.0, 0
         self.last_loss = read_manifest(train_dir).get("final_loss")
+        self.records: list[dict] = []  # log.jsonl lines since the last checkpoint
         self.names = [p.name for p in checkpoints(train_dir)]
 
     def run(self, resume: Path | None) -> int:
         """Restore `resume`'s state, prepare with accelerate and step to train.steps; -> the last step."""
-        from accelerate import Accelerator
         from tqdm.auto import tqdm
 
         tc = self.tc
         step = restore(resume, self.optimizer, self.scheduler) if resume is not None else 0
+        if self.accelerator.is_main_process:
+            self.cut_log(step)
         # bf16 autocast on CPU too, master weights in fp32 (docs/reference/training.md). torch.autocast
         # rather than Accelerator(mixed_precision=...): `distill` runs every stage in one process, and
         # accelerate's state, once made by the generate stage, cannot change.
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.recipe.dtype == "bfloat16")
-        self.accelerator = Accelerator(cpu=self.device.type == "cpu")
         self.wrapped, self.optimizer, self.loader, self.scheduler = self.accelerator.prepare(
             self.module, self.optimizer, self.loader, self.scheduler)
         self.module = self.accelerator.unwrap_model(self.wrapped)
@@ -213,7 +272,7 @@ class _Loop:
         """One optimizer step on `batch`, or on the draft's own samples when this is an on-policy step."""
         t0 = time.perf_counter()
         self.on_policy = is_onpolicy_step(self.tc.data, self.tc.onpolicy_fraction, self.recipe.seed, step)
-        if self.on_policy:
+        if self.on_policy:  # our GKD step, not TRL's GKDTrainer: it reruns the target on every batch (onpolicy.py)
             with self.autocast:
                 batch = onpolicy_batch(batch, self.method, self.module, self.target, self.eos,
                                        step_seed(self.recipe.seed, step))
@@ -232,22 +291,45 @@ class _Loop:
         return self.last_loss, metrics
 
     def log(self, step: int, loss: float, metrics: dict, bar) -> None:
-        self.tracker.log({"train/loss": loss, "train/lr": self.scheduler.get_last_lr()[0],
-                          "train/on_policy": float(self.on_policy),
+        if self.world > 1:
+            loss, metrics = self.mean_over_processes(loss, metrics)
+            self.last_loss = loss
+        if not self.accelerator.is_main_process:
+            return
+        lr = self.scheduler.get_last_lr()[0]
+        self.records.append({"step": step, "loss": loss, "lr": lr, **metrics})
+        self.tracker.log({"train/loss": loss, "train/lr": lr, "train/on_policy": float(self.on_policy),
                           **{f"train/{k}": v for k, v in metrics.items()}}, step=step)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", acc=f"{metrics.get('acc_0', 0):.2f}")
+
+    def mean_over_processes(self, loss: float, metrics: dict) -> tuple[float, dict]:
+        """The step's loss and metrics averaged over the processes (one all-reduce): the global batch's."""
+        names = [k for k, v in metrics.items() if isinstance(v, (int, float))]
+        vals = torch.tensor([loss] + [float(metrics[k]) for k in names], dtype=torch.float64, device=self.device)
+        vals = self.accelerator.reduce(vals, "mean").tolist()
+        return vals[0], {**metrics, **dict(zip(names, vals[1:]))}
+
+    def cut_log(self, step: int) -> None:
+        """A resumed run's log keeps the steps up to its checkpoint (a fresh run's starts empty)."""
+        kept = [r for r in read_log(self.train_dir) if r["step"] <= step]
+        (self.train_dir / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def checkpoint(self, step: int) -> None:
         if self.accelerator.is_main_process:
             p = write_checkpoint(self.train_dir, step, lambda d: self.save(d, step),
                                  lambda: trainer_state(self.optimizer, self.scheduler, step))
             self.names = sorted(set(self.names) | {p.name})
+            with open(self.train_dir / LOG_FILE, "a") as fh:  # written with the checkpoint: a resume repeats the rest
+                fh.writelines(json.dumps(r) + "\n" for r in self.records)
+            self.records = []
         self.accelerator.wait_for_everyone()
 
     def finish(self, step: int, n_sequences: int, draft_vocab_size: int) -> None:
         """The train manifest (what evaluate and compare read) and the run's training throughput."""
         tc = self.tc
+        if self.world > 1:  # every process's tokens over the main process's time
+            self.tokens = int(self.accelerator.reduce(torch.tensor(self.tokens, device=self.device), "sum"))
         tps = self.tokens / self.seconds if self.seconds > 0 else read_manifest(self.train_dir).get("tokens_per_s")
         if self.accelerator.is_main_process:
             write_json_atomic(self.train_dir / "manifest.json", {
@@ -255,7 +337,7 @@ class _Loop:
                 "tokens_per_s": tps, "final_loss": self.last_loss, "draft_vocab_size": int(draft_vocab_size),
                 "onpolicy_steps": self.n_onpolicy, "steps": step, "recipe_hash": self.recipe.hash(),
                 "n_sequences": n_sequences})
-        self.tracker.log({"train/tokens_per_s": tps or 0.0}, step=step)
+            self.tracker.log({"train/tokens_per_s": tps or 0.0}, step=step)
 
 
 def _untrained_checkpoint(train_dir: Path, recipe, method: DraftMethod, extra: dict) -> Path:
@@ -269,3 +351,32 @@ def _untrained_checkpoint(train_dir: Path, recipe, method: DraftMethod, extra: d
         "method": method.name, "divergence": None, "checkpoints": [final.name], "tokens_per_s": None,
         "final_loss": None, "draft_vocab_size": None, "steps": 0, "recipe_hash": recipe.hash(), "n_sequences": 0})
     return train_dir
+
+
+def main(argv=None) -> int:
+    from .config import RecipeError, load_recipe
+    from .tracking import make_tracker
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", required=True, help="recipe YAML")
+    ap.add_argument("--run-dir", required=True, help="run directory holding generate/ (train/ is written there)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
+    args = ap.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        accelerator = make_accelerator(recipe)
+        tracker = make_tracker(recipe, Path(args.run_dir), "train") if accelerator.is_main_process else NoOpTracker()
+        try:
+            out = run_train(recipe, args.run_dir, tracker=tracker, accelerator=accelerator)
+        finally:
+            tracker.finish()
+    except (RecipeError, TrainError) as e:
+        print(f"draftsmith train: {e}", file=sys.stderr)
+        return 2
+    if accelerator.is_main_process:
+        print(f"[train] {out} complete ({accelerator.num_processes} process(es))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ from pipeline.checkpoints import train_key
 from pipeline.features import cache_features
 from pipeline.methods.base import draft_vocab
 from pipeline.shards import record_shard, save_shard
-from pipeline.train import TrainError, run_train
+from pipeline.train import TrainError, read_log, run_train
 from pipeline.train_data import Sequences, collate
 
 from helpers import train_recipe as _recipe
@@ -122,6 +122,10 @@ def test_eagle_resume_equals_uninterrupted(tmp_path, gen_dir, target):
     head = EagleHead.load(b / "train/checkpoint-000006")
     assert head.lm_head.weight.dtype == torch.float32 and len(head.d2t) == 40
     assert not list((b / "train").glob(".checkpoint-*"))  # no temp dirs left behind
+    # train/log.jsonl: one record per step; the crashed run's step 5 was dropped with its lost progress
+    log_a, log_b = read_log(a / "train"), read_log(b / "train")
+    assert [r["step"] for r in log_b] == [1, 2, 3, 4, 5, 6] and log_a == log_b
+    assert log_b[-1]["loss"] == m["final_loss"] and log_b[-1]["lr"] == 0.0
 
 
 def test_draft_vocab_is_most_frequent_sorted():
