@@ -122,12 +122,15 @@ def stage_generate(recipe, run_dir, target=None, tok=None):
 
 
 def stage_train(recipe, run_dir, target=None, tok=None):
-    from .tracking import make_tracker
+    from accelerate import PartialState
+
+    from .tracking import NoOpTracker, make_tracker
     from .train import run_train
 
     if target is None:
         target, tok = _load(recipe)
-    tracker = make_tracker(recipe, run_dir, "train")
+    # under `accelerate launch` every process trains; one W&B run, from the main process
+    tracker = make_tracker(recipe, run_dir, "train") if PartialState().is_main_process else NoOpTracker()
     try:
         return run_train(recipe, run_dir, target=target, tokenizer=tok, tracker=tracker)
     finally:

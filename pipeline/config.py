@@ -142,7 +142,8 @@ class TrainConfig:
     divergence: str = _f("fkl", "Divergence to the target: fkl, rkl, jsd, tv.")
     jsd_beta: float = _f(0.5, "Interpolation weight for divergence=jsd.")
     steps: int = _f(900, "Optimizer steps.")
-    batch_size: int = _f(8, "Sequences per step.")
+    batch_size: int = _f(8, "Sequences per step over all processes (under `accelerate launch`, each of N "
+                            "processes takes batch_size/N: docs/reference/scaling.md).")
     seq_len: int = _f(256, "Tokens per training sequence (prompt + completion, truncated).")
     lr: float = _f(1e-3, "Peak learning rate (AdamW, linear warm-up then cosine decay).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
