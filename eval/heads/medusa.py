@@ -11,7 +11,7 @@ Alignment (absolute token positions):
 so with the current token at position n (produced from feature_{n-1}), head i proposes draft i at
 position n + 1 + i.
 
-"Feature" is the target's final hidden state AFTER its final norm (`target.model(...).last_hidden_state`,
+"Feature" is the target's final hidden state AFTER its final norm (the decoder's `last_hidden_state`,
 the input of the target's LM head, what `eval.target` runners return), so each head's LM head applies
 to the residual block's output directly; no norm is stored here.
 
