@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 from eval import speedup
@@ -169,6 +170,23 @@ def check_choices(methods, divergences) -> list[str]:
     return methods
 
 
+def applicable(methods: list[str], target, chosen: bool) -> list[str]:
+    """The variants that apply to `target`: a variant the user named (--methods) that cannot is refused in
+    one line; from the default list it is left out, saying so."""
+    from .methods import check_applies, methods_for
+
+    if chosen:
+        for m in methods:
+            check_applies(METHODS[m]["method"], target, f"compare variant {m} (train.method={METHODS[m]['method']})")
+        return methods
+    ok = set(methods_for(target))
+    out = [m for m in methods if METHODS[m]["method"] in ok]
+    if len(out) < len(methods):
+        print(f"[compare] leaving out {', '.join(m for m in methods if m not in out)}: they run the target's layers "
+              f"in draftsmith's lean forward, which does not cover this target", file=sys.stderr)
+    return out
+
+
 def _method_rows(recipe, run_dir, target, tokenizer, methods, steps) -> list[dict]:
     """Step 2: every method with the recipe's divergence, on the generated data."""
     div = recipe.train.divergence
@@ -249,7 +267,7 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
     run_dir = Path(run_dir)
     if not (run_dir / "generate" / "manifest.json").exists():
         raise CompareError(f"{run_dir}/generate is missing; run `draftsmith generate` (or distill) first")
-    methods = check_choices(methods, divergences)
+    methods = applicable(check_choices(methods, divergences), target, chosen=bool(methods))
     (run_dir / "compare").mkdir(exist_ok=True)
     ctx = (recipe, run_dir, target, tokenizer)
     rows = _method_rows(*ctx, methods, steps)
