@@ -50,6 +50,16 @@ def resolve_target(spec: str) -> str:
     return spec
 
 
+def target_skeleton(spec: str):
+    """The target's modules on the meta device, no weights read: enough to ask what it is (a method's
+    refusal, pipeline.methods.check_applies) before a stage loads it or writes anything."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(resolve_target(spec))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
 def load_target(spec: str, dtype: str = "bfloat16", device: str = "auto"):
     """Return (model, tokenizer) in eval mode on the chosen device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,5 +1,5 @@
-"""A small draft LM: the target's first `num_layers` layers + final norm + LM head as a
-LlamaForCausalLM, or any local HF causal LM with the target's tokenizer (`init_from`), fully
+"""A small draft LM: the target's first `num_layers` layers + final norm + LM head as a model of the
+target's own class (any family), or any local HF causal LM with the target's tokenizer (`init_from`), fully
 fine-tuned or with LoRA (Hu et al., 2021, via peft). The checkpoint is an ordinary HF model (HF
 `assistant_model` loads it), with LoRA also the PEFT adapter in `adapter/`. It keeps the target's
 full vocabulary, so `assistant_model` can load it.
