@@ -28,6 +28,7 @@ from pathlib import Path
 from eval import speedup
 from eval.datastore import FILE as DATASTORE_FILE
 from eval.draft_dir import KINDS
+from eval.family import text_config
 
 from .shards import write_json_atomic
 from .tracking import NoOpTracker
@@ -96,7 +97,7 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
     from .features import FEATURES_FILE, RAW_TEACHER_FILE
     from .train import run_train
 
-    L = target.config.num_hidden_layers
+    L = text_config(target).num_hidden_layers
     own = getattr(recipe.train, recipe.train.method, None)  # the method's own section, train.<method>
     if recipe.train.method in ("self_spec", "draft_lm") and own.num_layers > max(L // 2, 1):
         own.num_layers = max(L // 2, 1)  # a small target: keep the draft a fraction of it

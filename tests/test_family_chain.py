@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from eval import bench
 from eval.drafts import DraftError, runs_layer_by_layer
 from pipeline.cli import main, stage_generate, stage_train
@@ -16,7 +17,7 @@ from pipeline.evaluate import run_evaluate
 from pipeline.methods import METHODS, check_applies, methods_for
 from pipeline.models import load_target
 
-from families import FAMILIES, save_family
+from families import FAMILIES, save_family, tiny_family
 
 LAYER_BY_LAYER = ("self_spec", "int8")  # run the target's own layers: only families the lean forward runs
 EVERY_FAMILY = ("medusa", "eagle", "eagle3", "draft_lm")
@@ -118,3 +119,34 @@ def test_layer_by_layer_methods_apply_or_are_refused_in_one_line(generated, meth
     assert len(err) == 1 and f"train.method={method}" in err[0] and arch in err[0], err
     assert all(n in err[0].split(": use ")[1] for n in others), err
     assert not list((run / "train").glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_draft_lm_copies_any_family_and_heads_read_its_norm(fam):
+    """draft_lm's "the target's first layers" on every family: all of them give the target's own logits,
+    fewer give a model of the same class; the EAGLE heads' norm computes the target's final norm where
+    that is an RMSNorm (Gemma's 1 + w included), and a LayerNorm target says why it cannot."""
+    import torch.nn as nn
+
+    from eval.family import final_norm, layer_list, rms_norm_gain
+    from eval.heads import EagleHead
+    from pipeline.methods.draft_lm import build_draft_lm
+
+    model = tiny_family(fam, 64, layers=3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(build_draft_lm(model, 3).eval()(ids).logits, model(ids).logits, atol=1e-5)
+    two = build_draft_lm(model, 2)
+    assert type(two) is type(model) and len(layer_list(two)[1]) == 2
+    prefix, layers = layer_list(model)
+    assert dict(model.named_modules())[prefix] is layers
+    norm = final_norm(model)
+    if isinstance(norm, nn.LayerNorm):
+        g, why = rms_norm_gain(model)
+        assert g is None and "LayerNorm" in why
+        return
+    with torch.no_grad():
+        norm.weight.normal_()  # a trained gain, not the init's ones (or Gemma's zeros)
+        head = EagleHead.from_target(model)
+        x = torch.randn(4, model.config.hidden_size)
+        assert torch.allclose(head.norm(x), norm(x), atol=1e-4)

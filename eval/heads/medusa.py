@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..family import text_config
 from .io import load_head, save_head
 
 
@@ -122,7 +123,7 @@ class MedusaHeads(nn.Module):
                     num_layers: int = 1, recurrent: bool = False) -> "MedusaHeads":
         """Fresh heads for `target` (an HF causal LM): every LM head starts as the target's LM head
         rows `draft_ids` (all rows when None), every residual block as the identity."""
-        cfg = target.config
+        cfg = text_config(target)
         n = cfg.vocab_size if draft_ids is None else len(draft_ids)
         heads = cls(MedusaConfig(cfg.hidden_size, cfg.vocab_size, n, num_heads, num_layers, recurrent), draft_ids)
         W = target.get_output_embeddings().weight.detach()  # [V, H]
