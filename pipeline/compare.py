@@ -22,11 +22,13 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 from eval import speedup
 from eval.datastore import FILE as DATASTORE_FILE
 from eval.draft_dir import KINDS
+from eval.family import text_config
 
 from .shards import write_json_atomic
 from .tracking import NoOpTracker
@@ -95,7 +97,7 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
     from .features import FEATURES_FILE, RAW_TEACHER_FILE
     from .train import run_train
 
-    L = target.config.num_hidden_layers
+    L = text_config(target).num_hidden_layers
     own = getattr(recipe.train, recipe.train.method, None)  # the method's own section, train.<method>
     if recipe.train.method in ("self_spec", "draft_lm") and own.num_layers > max(L // 2, 1):
         own.num_layers = max(L // 2, 1)  # a small target: keep the draft a fraction of it
@@ -167,6 +169,23 @@ def check_choices(methods, divergences) -> list[str]:
     if bad:
         raise CompareError(f"unknown divergence(s) {bad} for --divergences; choose from {list(DIVERGENCES)}")
     return methods
+
+
+def applicable(methods: list[str], target, chosen: bool) -> list[str]:
+    """The variants that apply to `target`: a variant the user named (--methods) that cannot is refused in
+    one line; from the default list it is left out, saying so."""
+    from .methods import check_applies, methods_for
+
+    if chosen:
+        for m in methods:
+            check_applies(METHODS[m]["method"], target, f"compare variant {m} (train.method={METHODS[m]['method']})")
+        return methods
+    ok = set(methods_for(target))
+    out = [m for m in methods if METHODS[m]["method"] in ok]
+    if len(out) < len(methods):
+        print(f"[compare] leaving out {', '.join(m for m in methods if m not in out)}: they run the target's layers "
+              f"in draftsmith's lean forward, which does not cover this target", file=sys.stderr)
+    return out
 
 
 def _method_rows(recipe, run_dir, target, tokenizer, methods, steps) -> list[dict]:
@@ -249,7 +268,7 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
     run_dir = Path(run_dir)
     if not (run_dir / "generate" / "manifest.json").exists():
         raise CompareError(f"{run_dir}/generate is missing; run `draftsmith generate` (or distill) first")
-    methods = check_choices(methods, divergences)
+    methods = applicable(check_choices(methods, divergences), target, chosen=bool(methods))
     (run_dir / "compare").mkdir(exist_ok=True)
     ctx = (recipe, run_dir, target, tokenizer)
     rows = _method_rows(*ctx, methods, steps)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eval.target import aux_hidden_states
+from eval.family import aux_hidden_states, final_features
 
 from .config import stable_hash
 from .train_data import right_padded
@@ -59,8 +59,8 @@ def padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
 def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, device=None,
                    layers=None) -> list[torch.Tensor]:
     """EAGLE Step 2: one teacher-forced target forward per sequence -> final-norm hidden states
-    (`target.model(...).last_hidden_state`) [n, H], or with `layers` the residual streams entering those
-    layers concatenated [n, len(layers) * H] (eval.target.aux_hidden_states), stored in the target's
+    (the decoder's last_hidden_state, any family) [n, H], or with `layers` the residual streams entering
+    those layers concatenated [n, len(layers) * H] (eval.family.aux_hidden_states), stored in the target's
     dtype (bf16 by default) in one safetensors file with per-row offsets. Reused when the key (target,
     dtype, seq_len, shard checksums, layers) matches; written to a temporary file and renamed."""
     from safetensors import safe_open
@@ -77,7 +77,7 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
     for idx, ids, am in padded_batches([r["ids"] for r in rows], batch_size, "target features"):
         ids, am = ids.to(device), am.to(device)
         if layers is None:
-            h = target.model(input_ids=ids, attention_mask=am).last_hidden_state  # [b, L, H]
+            h = final_features(target, ids, am)  # [b, L, H]
         else:
             h = aux_hidden_states(target, ids, am, layers)  # [b, L, len(layers) * H]
         for b, i in enumerate(idx):
@@ -125,8 +125,11 @@ def score_raw_windows(target, windows, k: int, path: Path, key: str, batch_size:
         device = next(target.parameters()).device
         feats, tk_ids, tk_lp = [None] * len(windows), [None] * len(windows), [None] * len(windows)
         for idx, ids, am in padded_batches(windows, batch_size, "score raw text"):
-            h = target.model(input_ids=ids.to(device), attention_mask=am.to(device)).last_hidden_state  # [B, L, H]
-            lp, ix = torch.log_softmax(target.lm_head(h[:, :-1]).float(), -1).topk(k, -1)  # [B, L-1, k] x2
+            # the whole model, not head(last_hidden_state): some families post-process logits (Gemma 2's soft-cap)
+            out = target(input_ids=ids.to(device), attention_mask=am.to(device), output_hidden_states=True,
+                         use_cache=False)
+            h = out.hidden_states[-1]  # [B, L, H]: last_hidden_state, after the final norm
+            lp, ix = torch.log_softmax(out.logits[:, :-1].float(), -1).topk(k, -1)  # [B, L-1, k] x2
             for b, i in enumerate(idx):
                 n = len(windows[i])
                 feats[i], tk_ids[i], tk_lp[i] = h[b, :n].cpu(), ix[b, :n - 1].cpu().int(), lp[b, :n - 1].cpu()

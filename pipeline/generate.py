@@ -12,8 +12,8 @@ Prompts are sorted by token length (then id) and cut into batches; shard i holds
 so the rows do not depend on the process count. Sampling (temperature > 0) reseeds from
 (recipe.seed, batch index) before each batch, for the same reason.
 
-Completions come from this project's decoder (plain decoding on the lean forward) where the target
-is Llama-family, else from HF `generate` (see `make_decoder`); `generate.engine` picks HF `generate`
+Completions come from this project's decoder (plain decoding, ragged batches) on every family whose
+runner takes batches, else from HF `generate` (see `make_decoder`); `generate.engine` picks HF `generate`
 or vLLM instead (its own venv, through pipeline/engines: `vllm_rows`, whose top-k come from vLLM's
 decode loop). Otherwise log-probs come from one teacher-forced HF forward over prompt+completion
 rather than the decode loop's logits: that is the parallel forward the speculative decoder's verify
@@ -94,25 +94,35 @@ def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
 
 
 def make_decoder(model, engine: str = "draftsmith"):
-    """This project's decoder (eval/decoder.py, plain decoding) for the generate stage where the target
-    runs on its lean forward (Llama-family) and generate.engine is 'draftsmith', else None: HF `generate`.
+    """This project's decoder (eval/decoder.py, plain decoding) for the generate stage where
+    generate.engine is 'draftsmith' and its runner takes ragged batches for this target (every family
+    once the HF path does), else None: HF `generate` (generate.engine=hf).
     Why not HF `generate` for all: it is slower on CPU (docs/reference/kernels.md), and its bf16 greedy
     tokens are not the ones the served decoder produces (they differ at near-ties: HF's attention runs in
     bf16, ours in fp32), while drafts are judged against the served decoder's. The decoder's batches are
     ragged: each row at its own positions, so a row's tokens do not depend on the batch it is in."""
     from eval.decoder import SpeculativeDecoder
-    from eval.target import lean_supported
 
-    return SpeculativeDecoder(model, None, k=1) if engine == "draftsmith" and lean_supported(model) else None
+    return SpeculativeDecoder(model, None, k=1) if engine == "draftsmith" and decoder_batches(model) else None
+
+
+def decoder_batches(model) -> bool:
+    """Whether the decoder's runner for `model` takes ragged batches: asked of the runner itself (a
+    runner that cannot says so at reset), so no family list is kept here."""
+    from eval.target import make_runner
+
+    try:
+        make_runner(model, fuse=False).reset(2, 2)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def engine_name(engine: str, model) -> str:
     """The manifest's "engine": who decoded the rows."""
-    from eval.target import lean_supported
-
     if engine == "vllm":
         return "vllm"
-    return "draftsmith-decoder" if engine == "draftsmith" and lean_supported(model) else "transformers-generate"
+    return "draftsmith-decoder" if engine == "draftsmith" and decoder_batches(model) else "transformers-generate"
 
 
 @torch.no_grad()

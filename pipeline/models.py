@@ -1,5 +1,6 @@
-"""Loading the target: the embedded GGUF (converted once to a bf16 HF checkpoint and cached), a local
-HF checkpoint directory, or a hub id where a network exists."""
+"""Loading the target: the embedded GGUF or any `.gguf` file transformers reads (converted once to a bf16
+HF checkpoint and cached by the file's hash), a local HF checkpoint directory, or a hub id where a network
+exists."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from eval.loading import convert_embedded, tokenizers_match
+from eval.loading import convert_embedded, convert_gguf, is_gguf, tokenizers_match
 
 from .config import EMBEDDED_TARGET
 
@@ -33,18 +34,30 @@ def resolve_target(spec: str) -> str:
     """Map a recipe's `target` to something `from_pretrained` takes."""
     if spec == EMBEDDED_TARGET:
         return str(convert_embedded())  # LoadError (a user-facing error) when the wheel is missing
+    if is_gguf(spec):
+        return str(convert_gguf(spec))  # LoadError (a user-facing error) when the file is missing or unreadable
     p = Path(spec)
     if p.exists():
         if not (p / "config.json").exists():
             raise ModelError(f"target path {spec} has no config.json; give an HF checkpoint directory")
         return str(p)
     if spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1:
-        raise ModelError(f"target path {spec} does not exist; give an HF checkpoint directory, a hub id, "
-                         f"or {EMBEDDED_TARGET}")
+        raise ModelError(f"target path {spec} does not exist; give an HF checkpoint directory, a .gguf file, "
+                         f"a hub id, or {EMBEDDED_TARGET}")
     if os.environ.get("HF_HUB_OFFLINE", "1") == "1" and not os.environ.get("DRAFTSMITH_ALLOW_HUB"):
         raise ModelError(f"target {spec!r} is neither a local directory nor the embedded default, and hub "
                          f"downloads are off; set DRAFTSMITH_ALLOW_HUB=1 to fetch it, or give a local path")
     return spec
+
+
+def target_skeleton(spec: str):
+    """The target's modules on the meta device, no weights read: enough to ask what it is (a method's
+    refusal, pipeline.methods.check_applies) before a stage loads it or writes anything."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(resolve_target(spec))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
 
 
 def load_target(spec: str, dtype: str = "bfloat16", device: str = "auto"):

@@ -10,7 +10,8 @@ and each sequence of a ragged batch writes at its own positions. The same module
 cache (plain causal attention).
 
 "Feature" here means the target's final hidden state after its final norm
-(`model.model(...).last_hidden_state`), i.e. the input of the target's LM head.
+(the decoder's `last_hidden_state` on every family, eval.family.final_features), i.e. the input
+of the target's LM head.
 """
 
 from __future__ import annotations
@@ -44,12 +45,33 @@ class HeadConfig:
 
     @classmethod
     def from_target(cls, cfg, num_layers: int = 1, draft_vocab_size: int = 0) -> "HeadConfig":
+        """The head for a target of HF config `cfg`, any family: names a family lacks (GPT-2 has no
+        num_key_value_heads, intermediate_size or rms_norm_eps) take the value that family implies."""
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        H, nh = cfg.hidden_size, cfg.num_attention_heads
         rope = getattr(cfg, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
-                   cfg.intermediate_size, float(cfg.rms_norm_eps), float(theta), cfg.vocab_size,
-                   draft_vocab_size or cfg.vocab_size, num_layers)
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0)
+        head_dim = getattr(cfg, "head_dim", None) or H // nh
+        inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * H
+        eps = next((getattr(cfg, a) for a in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+                    if getattr(cfg, a, None)), 1e-6)
+        return cls(H, nh, getattr(cfg, "num_key_value_heads", None) or nh, head_dim, inter, float(eps),
+                   float(theta), cfg.vocab_size, draft_vocab_size or cfg.vocab_size, num_layers)
+
+
+def init_norm(norm: RMSNorm, target) -> None:
+    """The head's final RMSNorm starts as the target's final norm where that is an RMSNorm (its gain,
+    Gemma's 1 + w included); a LayerNorm target (GPT-2, GPT-NeoX) keeps the fresh ones, with a warning:
+    its centring and bias have no RMSNorm counterpart."""
+    import warnings
+
+    from ..family import rms_norm_gain
+
+    g, why = rms_norm_gain(target)
+    if g is None:
+        warnings.warn(f"{why}: the head's norm starts at ones", stacklevel=3)
+        return
+    norm.weight.copy_(g)
 
 
 def attention(c, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None,
@@ -136,7 +158,7 @@ class EagleHead(nn.Module):
         W = target.get_output_embeddings().weight.detach()
         with torch.no_grad():
             head.lm_head.weight.copy_(W[head.d2t].float())
-            head.norm.weight.copy_(target.model.norm.weight.detach().float())
+            init_norm(head.norm, target)
             # Start close to "pass the feature through": identity on the feature half of fc.
             H = c.hidden_size
             head.fc.weight.zero_()

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layers import KVCache, RMSNorm
-from .eagle import HeadConfig, attention
+from .eagle import HeadConfig, attention, init_norm
 from .io import load_head, save_head
 
 
@@ -66,6 +66,7 @@ class Eagle3Config:
         """The head for a target of HF config `cfg`: its attention and MLP shapes, and `aux_layers` (None
         or empty: default_aux_layers), each in 0..N-1 (layer N's input would be the final norm's, which
         HF's hidden_states give after the norm and vLLM before it)."""
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         h = HeadConfig.from_target(cfg, 1, draft_vocab_size)
         N = cfg.num_hidden_layers
         layers = list(aux_layers) if aux_layers else default_aux_layers(N)
@@ -170,7 +171,7 @@ class Eagle3Head(nn.Module):
         with torch.no_grad():
             head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.detach().float())
             head.lm_head.weight.copy_(target.get_output_embeddings().weight.detach()[ids].float())
-            head.norm.weight.copy_(target.model.norm.weight.detach().float())
+            init_norm(head.norm, target)
             Ht = c.target_hidden_size
             head.fc.weight.zero_()
             head.fc.weight[:, 2 * Ht:].copy_(torch.eye(c.hidden_size, Ht))

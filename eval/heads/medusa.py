@@ -11,7 +11,7 @@ Alignment (absolute token positions):
 so with the current token at position n (produced from feature_{n-1}), head i proposes draft i at
 position n + 1 + i.
 
-"Feature" is the target's final hidden state AFTER its final norm (`target.model(...).last_hidden_state`,
+"Feature" is the target's final hidden state AFTER its final norm (the decoder's `last_hidden_state`,
 the input of the target's LM head, what `eval.target` runners return), so each head's LM head applies
 to the residual block's output directly; no norm is stored here.
 
@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..family import text_config
 from .io import load_head, save_head
 
 
@@ -122,7 +123,7 @@ class MedusaHeads(nn.Module):
                     num_layers: int = 1, recurrent: bool = False) -> "MedusaHeads":
         """Fresh heads for `target` (an HF causal LM): every LM head starts as the target's LM head
         rows `draft_ids` (all rows when None), every residual block as the identity."""
-        cfg = target.config
+        cfg = text_config(target)
         n = cfg.vocab_size if draft_ids is None else len(draft_ids)
         heads = cls(MedusaConfig(cfg.hidden_size, cfg.vocab_size, n, num_heads, num_layers, recurrent), draft_ids)
         W = target.get_output_embeddings().weight.detach()  # [V, H]

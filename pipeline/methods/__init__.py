@@ -16,11 +16,30 @@ from .self_spec import SelfSpec, SelfSpecOptions
 METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle(), Eagle3(), Medusa(), DraftLM(), SelfSpec(), Int8())}
 
 
+def methods_for(target) -> list[str]:
+    """The methods that apply to `target` (every method on the families the lean forward runs layer by
+    layer; the others lack self_spec and int8)."""
+    from eval.drafts import runs_layer_by_layer
+
+    lean = runs_layer_by_layer(target)
+    return [n for n, m in METHODS.items() if lean or not m.layer_by_layer]
+
+
+def check_applies(name: str, target, what: str | None = None) -> None:
+    """Refuse method `name` on a target it cannot apply to, in one line (eval.drafts.DraftError) naming the
+    architecture and the methods that can; `what` names the choice in the message (train.method=NAME)."""
+    from eval.drafts import check_layer_by_layer
+
+    if get_method(name).layer_by_layer:
+        others = [n for n, m in METHODS.items() if not m.layer_by_layer]
+        check_layer_by_layer(what or f"train.method={name}", target, ", ".join(others[:-1]) + f" or {others[-1]}")
+
+
 def get_method(name: str) -> DraftMethod:
     if name not in METHODS:
         raise KeyError(f"unknown draft method {name!r}; one of {', '.join(METHODS)}")
     return METHODS[name]
 
 
-__all__ = ["METHODS", "DraftMethod", "get_method", "DraftLMOptions", "Eagle3Options", "EagleOptions", "MedusaOptions",
+__all__ = ["METHODS", "DraftMethod", "check_applies", "get_method", "methods_for", "DraftLMOptions", "Eagle3Options", "EagleOptions", "MedusaOptions",
            "SelfSpecOptions"]

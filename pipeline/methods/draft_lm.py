@@ -1,5 +1,5 @@
-"""A small draft LM: the target's first `num_layers` layers + final norm + LM head as a
-LlamaForCausalLM, or any local HF causal LM with the target's tokenizer (`init_from`), fully
+"""A small draft LM: the target's first `num_layers` layers + final norm + LM head as a model of the
+target's own class (any family), or any local HF causal LM with the target's tokenizer (`init_from`), fully
 fine-tuned or with LoRA (Hu et al., 2021, via peft). The checkpoint is an ordinary HF model (HF
 `assistant_model` loads it), with LoRA also the PEFT adapter in `adapter/`. It keeps the target's
 full vocabulary, so `assistant_model` can load it.
@@ -53,21 +53,32 @@ class DraftLMTrainer(nn.Module):
 
 
 def build_draft_lm(target, num_layers: int):
-    """The target's first `num_layers` layers + final norm + LM head, weights copied."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The target's first `num_layers` layers + final norm + LM head, weights copied, as a model of the
+    target's own class (any family: its config with fewer layers, and the state dict without the later
+    layers, found under the decoder's layer list: `model.layers`, `transformer.h`, `gpt_neox.layers`...)."""
+    from transformers import AutoModelForCausalLM
 
-    if target.config.model_type != "llama":
-        raise TrainError(f"draft_lm supports Llama-architecture targets, not {target.config.model_type!r}")
-    cfg = LlamaConfig.from_dict(target.config.to_dict())
-    cfg.num_hidden_layers = min(num_layers, target.config.num_hidden_layers)
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:cfg.num_hidden_layers]
-    model = LlamaForCausalLM(cfg)
-    sd = {k: v for k, v in target.state_dict().items()
-          if not k.startswith("model.layers.") or int(k.split(".")[2]) < cfg.num_hidden_layers}
+    from eval.family import describe, layer_list
+
+    try:
+        prefix, _ = layer_list(target)
+    except ValueError as e:
+        raise TrainError(f"train.draft_lm.init_from='target': {e}; give init_from=<a local HF model>") from None
+    cfg = copy.deepcopy(target.config)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = min(num_layers, text.num_hidden_layers)
+    text.num_hidden_layers = n
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:n]
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    keep = [f"{prefix}.{i}." for i in range(n)]
+    sd = {k: v for k, v in target.state_dict().items() if not k.startswith(prefix + ".") or k.startswith(tuple(keep))}
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise TrainError(f"draft_lm weight copy failed: missing {missing}, unexpected {unexpected}")
+    head = model.get_output_embeddings()
+    tied = {f"{name}.weight" for name, m in model.named_modules() if m is head}  # absent where tied to the embedding
+    if unexpected or set(missing) - tied:
+        raise TrainError(f"draft_lm: copying the first {n} layers of {describe(target)} failed: missing "
+                         f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
     return model.float()
 
 

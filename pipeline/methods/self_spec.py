@@ -58,6 +58,7 @@ class SelfSpecTrainer(nn.Module):
 
 class SelfSpec(DraftMethod):
     name = "self_spec"
+    layer_by_layer = True
     config = SelfSpecOptions
     token_level = True
 
