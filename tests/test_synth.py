@@ -82,7 +82,7 @@ def test_self_source_drives_a_tiny_distill(tmp_path, monkeypatch):
     args = ["distill", "--recipe", "recipes/code.yaml", f"target={target}", "dtype=float32",
             f"runs_dir={tmp_path / 'runs'}", "wandb.mode=disabled", *TINY_BUDGET, "train.draft_vocab_size=0",
             "data.source=self", "data.synth.prompts=12", "data.synth.heldout=3", "data.synth.min_chars=4",
-            "data.synth.max_new_tokens=24", "data.synth.batch_size=8", "data.synth.check_json=true",
+            "data.synth.max_new_tokens=64", "data.synth.batch_size=16", "data.synth.check_json=true",
             "data.synth.system=w9 w10"]
     assert main(args) == 0
     run = (tmp_path / "runs" / "code" / "latest").resolve()
