@@ -106,13 +106,14 @@ def _trainer(recipe, student, target, tokenizer, prompts, optimizers, start: int
     args = GKDConfig(
         output_dir=str(Path(progress.train_dir)), max_steps=tc.steps - start, seed=recipe.seed + start,
         per_device_train_batch_size=tc.batch_size // world, gradient_accumulation_steps=1, max_grad_norm=1.0,
-        learning_rate=tc.lr, bf16=recipe.dtype == "bfloat16", use_cpu=recipe.device == "cpu",
+        learning_rate=tc.lr, bf16=False, fp16=False, use_cpu=recipe.device == "cpu",
         gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_drop_last=len(prompts) >= tc.batch_size, max_length=tc.seq_len,
         lmbda=1.0, beta=gkd_beta(tc), temperature=1.0, max_new_tokens=max_new, seq_kd=False)
     trainer = GKDTrainer(model=student, teacher_model=target, args=args, train_dataset=prompts,
                          processing_class=tokenizer if tokenizer is not None else _id_tokenizer(target, pad),
                          data_collator=_Collator(pad), optimizers=optimizers, callbacks=[_callback(progress)])
+    trainer.bf16_autocast = recipe.dtype == "bfloat16"
     for cb in (PrinterCallback, ProgressCallback):  # they print every step's log; our bar and tracker report it
         trainer.remove_callback(cb)
     return trainer
@@ -120,8 +121,8 @@ def _trainer(recipe, student, target, tokenizer, prompts, optimizers, start: int
 
 @functools.cache
 def _trl_gkd():
-    """(GKDConfig, GKDTrainer counting the tokens it trains on: the manifest's tokens_per_s); imported when
-    used: trl takes seconds to import."""
+    """(GKDConfig, GKDTrainer counting the tokens it trains on (the manifest's tokens_per_s), under our bf16
+    autocast, sending no telemetry); imported when used: trl takes seconds to import."""
     import warnings
 
     with warnings.catch_warnings():  # trl.experimental warns that its APIs may change: tests/test_gkd.py runs this one
@@ -129,11 +130,16 @@ def _trl_gkd():
         from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     class CountingGKDTrainer(GKDTrainer):
-        tokens = 0
+        tokens, bf16_autocast = 0, False
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             self.tokens += int(inputs["attention_mask"].sum())
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        def autocast_smart_context_manager(self, cache_enabled=True):
+            # bf16 autocast as train.py's loop does, not GKDConfig(bf16=True): that remakes accelerate's state,
+            # which cannot change once `distill`'s generate stage or run_train made it
+            return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast)
 
         def _send_telemetry(self):  # a draftsmith run sends nothing to the Hub on its owner's behalf
             pass

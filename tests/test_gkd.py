@@ -152,6 +152,19 @@ def test_finished_run_is_not_retrained_and_a_cut_run_resumes(trained, teacher, t
     assert torch.load(ck20 / "trainer_state.pt", weights_only=False)["step"] == STEPS
 
 
+def test_bf16_recipe_trains_under_autocast(tmp_path, gen_dir, teacher, tok, student):
+    """dtype=bfloat16 trains under our autocast: GKDConfig(bf16=True) would remake accelerate's state, which
+    run_train made first, and fail."""
+    import shutil
+
+    shutil.copytree(gen_dir / "generate", tmp_path / "generate")
+    recipe = _recipe(student, steps=2, save_every=2)
+    recipe.dtype = "bfloat16"
+    train_dir = run_train(recipe, tmp_path, target=teacher, tokenizer=tok)
+    assert [p.name for p in train_dir.glob("checkpoint-*")] == ["checkpoint-000002"]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_log(train_dir))
+
+
 @pytest.mark.parametrize("name,beta", [("fkl", 0.0), ("rkl", 1.0), ("jsd", 0.3)])
 def test_divergence_maps_onto_gkd_beta_exactly(name, beta):
     from trl.experimental.gkd import GKDTrainer
