@@ -98,11 +98,7 @@ def _trainer(recipe, student, target, tokenizer, prompts, optimizers, start: int
 
     GKDConfig, GKDTrainer = _trl_gkd()
 
-    tc = recipe.train
-    if tc.batch_size % world:
-        raise TrainError(f"train.batch_size={tc.batch_size} is the global batch and must divide among {world} "
-                         f"processes; set a multiple of {world}")
-    pad = _pad_id(tokenizer, target)
+    tc, pad = recipe.train, _pad_id(tokenizer, target)  # run_train checked that world divides train.batch_size
     args = GKDConfig(
         output_dir=str(Path(progress.train_dir)), max_steps=tc.steps - start, seed=recipe.seed + start,
         per_device_train_batch_size=tc.batch_size // world, gradient_accumulation_steps=1, max_grad_norm=1.0,
@@ -159,6 +155,7 @@ def _callback(progress):
 
 
 def _pad_id(tokenizer, target) -> int:
+    """The id that pads prompts and batches: the tokenizer's pad, else its EOS, else the target config's, else 0."""
     for t in (tokenizer.pad_token_id if tokenizer is not None else None,
               tokenizer.eos_token_id if tokenizer is not None else None, target.config.pad_token_id):
         if t is not None:

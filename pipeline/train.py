@@ -111,7 +111,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
             store.save(directory)
 
     tracker = tracker or NoOpTracker()
-    if gkd:  # TRL's GKDTrainer computes draft_lm's all-on-policy GKD as is; why the rest is ours: onpolicy.py
+    if gkd:  # exactly TRL GKDTrainer's GKD; ours: mix (stored top-k), self_spec (no generate), heads (features)
         step, loss, tps = run_gkd(recipe, method, module, rows, target, tokenizer, resume, save, train_dir,
                                   train_dir / LOG_FILE, tracker)
         _on_main(accelerator, lambda: _write_manifest(
