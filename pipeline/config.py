@@ -181,6 +181,15 @@ class TrainConfig:
         _positive("train.draft_vocab_size", self.draft_vocab_size, zero_ok=True)
         if not 0.0 < self.jsd_beta < 1.0:
             raise RecipeError(f"train.jsd_beta={self.jsd_beta} must be in (0, 1)")
+        if self.method == "draft_lm" and self.data == "onpolicy":  # TRL's GKDTrainer (pipeline/gkd.py)
+            if self.divergence == "tv":
+                raise RecipeError("train.divergence='tv' is not a generalized JSD, the only loss TRL's GKDTrainer has "
+                                  "(train.method=draft_lm, train.data=onpolicy); use fkl, rkl or jsd, or keep tv on "
+                                  "our loop with train.data=mix train.onpolicy_fraction=1")
+            if self.raw_windows:
+                raise RecipeError(f"train.raw_windows={self.raw_windows} adds target-scored raw text whose stored top-k "
+                                  f"TRL's GKDTrainer never reads (train.method=draft_lm, train.data=onpolicy); set "
+                                  f"raw_windows=0")
 
 
 def _refuse_other_sections(tc: TrainConfig, given: dict, prefix: str) -> None:

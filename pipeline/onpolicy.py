@@ -1,12 +1,11 @@
 """GKD's on-policy step (Agarwal et al., 2024, "On-Policy Distillation of Language Models"): a batch
 whose continuations are sampled from the draft itself and scored by the target.
 
-Not TRL's GKDTrainer (trl 1.16: trl.experimental.gkd; nor trl.DistillationTrainer, its fully on-policy
-successor): both run the target over every batch for full-vocabulary logits, where data=mix's generated
-batches here reuse the generate stage's stored top-k (no target forward), and both train and resume through
-HF Trainer checkpoints rather than the draft directories this loop keys, resumes and sets aside
-(pipeline/checkpoints.py); the self_spec draft has no HF `generate`, and Medusa/EAGLE heads read the
-target's features, which neither trainer feeds.
+draft_lm with data=onpolicy is the setting TRL's GKDTrainer computes as is: it trains there (pipeline/gkd.py).
+This step serves the rest, which GKDTrainer (trl 1.16: trl.experimental.gkd; nor trl.DistillationTrainer, its
+fully on-policy successor) does not fit: data=mix's generated batches reuse the generate stage's stored top-k where
+both trainers rerun the target over every batch for full-vocabulary logits; the self_spec draft has no HF
+`generate`; and Medusa/EAGLE heads read the target's features, which neither trainer feeds.
 """
 
 from __future__ import annotations

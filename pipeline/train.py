@@ -14,6 +14,7 @@ Methods (recipe.train.method), one module each in pipeline/methods/ behind `Draf
 Data (recipe.train.data): "generated" (the target's outputs), "raw" (raw domain text, one-hot
 targets: the undistilled baseline), "onpolicy" / "mix" (GKD, Agarwal et al., 2024: some or all steps
 train on continuations sampled from the draft itself and scored by the target, pipeline/onpolicy.py).
+draft_lm with data=onpolicy trains through TRL's GKDTrainer instead of this loop (pipeline/gkd.py).
 
 Teacher: the generate stage's stored top-k log-probs. They exist at completion positions only, so
 the divergence is computed on completion positions only; prompt positions still feed the draft as
@@ -55,6 +56,7 @@ from .checkpoints import STATE_FILE, checkpoints, restore, set_aside_foreign, tr
 from .features import (FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, aux_features_key, cache_features,
                        features_key, raw_teacher_key, score_raw_windows)
 from .data import read_jsonl
+from .gkd import run_gkd, uses_gkd
 from .methods import DraftMethod, check_applies, get_method
 from .onpolicy import is_onpolicy_step, onpolicy_batch, step_seed
 from .shards import read_manifest, write_json_atomic
@@ -89,6 +91,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
     if tc.batch_size % accelerator.num_processes:
         raise TrainError(f"train.batch_size={tc.batch_size} is the global batch and must divide among "
                          f"{accelerator.num_processes} processes; set a multiple of {accelerator.num_processes}")
+    gkd = uses_gkd(tc)  # refuses what GKDTrainer cannot do before the target loads
     rows, gen_manifest = load_rows(run_dir, recipe)
     if target is None:
         target, tok = load_target(recipe.target, recipe.dtype, recipe.device)
@@ -110,8 +113,15 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
         if store is not None:
             store.save(directory)
 
-    loop = _Loop(recipe, method, module, dataset, accelerator, target, _eos(tokenizer), tracker or NoOpTracker(),
-                 train_dir, save)
+    tracker = tracker or NoOpTracker()
+    if gkd:  # exactly TRL GKDTrainer's GKD; ours: mix (stored top-k), self_spec (no generate), heads (features)
+        step, loss, tps = run_gkd(recipe, method, module, rows, target, tokenizer, resume, save, train_dir,
+                                  train_dir / LOG_FILE, tracker)
+        _on_main(accelerator, lambda: _write_manifest(
+            train_dir, recipe, step, [p.name for p in checkpoints(train_dir)], tps, loss,
+            method.vocab_size(module, target), step, len(dataset), tracker, trainer="trl.GKDTrainer"))
+        return train_dir
+    loop = _Loop(recipe, method, module, dataset, accelerator, target, _eos(tokenizer), tracker, train_dir, save)
     step = loop.run(resume)
     loop.finish(step, len(dataset), method.vocab_size(module, target))
     return train_dir
@@ -277,7 +287,7 @@ class _Loop:
         """One optimizer step on `batch`, or on the draft's own samples when this is an on-policy step."""
         t0 = time.perf_counter()
         self.on_policy = is_onpolicy_step(self.tc.data, self.tc.onpolicy_fraction, self.recipe.seed, step)
-        if self.on_policy:  # our GKD step, not TRL's GKDTrainer: it reruns the target on every batch (onpolicy.py)
+        if self.on_policy:  # data=mix, or self_spec: our GKD step, not TRL's GKDTrainer (why: onpolicy.py)
             with self.autocast:
                 batch = onpolicy_batch(batch, self.method, self.module, self.target, self.eos,
                                        step_seed(self.recipe.seed, step))
@@ -332,17 +342,27 @@ class _Loop:
 
     def finish(self, step: int, n_sequences: int, draft_vocab_size: int) -> None:
         """The train manifest (what evaluate and compare read) and the run's training throughput."""
-        tc = self.tc
         if self.world > 1:  # every process's tokens over the main process's time
             self.tokens = int(self.accelerator.reduce(torch.tensor(self.tokens, device=self.device), "sum"))
-        tps = self.tokens / self.seconds if self.seconds > 0 else read_manifest(self.train_dir).get("tokens_per_s")
+        tps = self.tokens / self.seconds if self.seconds > 0 else None
         if self.accelerator.is_main_process:
-            write_json_atomic(self.train_dir / "manifest.json", {
-                "method": tc.method, "divergence": tc.divergence, "data": tc.data, "checkpoints": self.names,
-                "tokens_per_s": tps, "final_loss": self.last_loss, "draft_vocab_size": int(draft_vocab_size),
-                "onpolicy_steps": self.n_onpolicy, "steps": step, "recipe_hash": self.recipe.hash(),
-                "n_sequences": n_sequences})
-            self.tracker.log({"train/tokens_per_s": tps or 0.0}, step=step)
+            _write_manifest(self.train_dir, self.recipe, step, self.names, tps, self.last_loss, draft_vocab_size,
+                            self.n_onpolicy, n_sequences, self.tracker)
+
+
+def _write_manifest(train_dir: Path, recipe, step: int, names: list[str], tps: float | None, final_loss,
+                    draft_vocab_size: int, onpolicy_steps: int, n_sequences: int, tracker, **more) -> None:
+    """The train manifest (what evaluate and compare read) and the run's training throughput (a run that
+    trained nothing now keeps its earlier figure)."""
+    tc = recipe.train
+    if tps is None:
+        tps = read_manifest(train_dir).get("tokens_per_s")
+    write_json_atomic(train_dir / "manifest.json", {
+        "method": tc.method, "divergence": tc.divergence, "data": tc.data, "checkpoints": names,
+        "tokens_per_s": tps, "final_loss": final_loss, "draft_vocab_size": int(draft_vocab_size),
+        "onpolicy_steps": onpolicy_steps, "steps": step, "recipe_hash": recipe.hash(), "n_sequences": n_sequences,
+        **more})
+    tracker.log({"train/tokens_per_s": tps or 0.0}, step=step)
 
 
 def _untrained_checkpoint(train_dir: Path, recipe, method: DraftMethod, extra: dict) -> Path:

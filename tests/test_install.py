@@ -42,7 +42,7 @@ IMPORT_NAMES = {"pyyaml": "yaml"}
 
 def test_every_runtime_dependency_is_used():
     """A declared dependency is imported by pipeline/ or eval/ (or named in USED_INDIRECTLY): a model owner
-    installs nothing the code never loads (trl was such a dependency)."""
+    installs nothing the code never loads (trl once was: now pipeline/gkd.py imports it)."""
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     src = "\n".join(p.read_text() for d in ("pipeline", "eval") for p in (ROOT / d).rglob("*.py"))
     for d in deps:
