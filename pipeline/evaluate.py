@@ -310,13 +310,14 @@ def sampled_twin(r: dict, sampled: dict[str, dict]) -> dict | None:
 
 
 def log_results(tracker, results: list[dict], prefix: str = "eval") -> None:
+    """Each result's figures as <prefix>/<name>/<figure> (vLLM's acceptance names among them) and its
+    acceptance per position as a table."""
     for r in results:
-        s = r["stats"]
-        extra = vllm_acceptance(s) if prefix != "eval" else {}
+        s, acc = r["stats"], vllm_acceptance(r["stats"])
         tracker.log({f"{prefix}/{r['name']}/{k}": s[k] for k in ("alpha", "tau", "tokens_per_s") if k in s}
                     | {f"{prefix}/{r['name']}/speedup": r["speedup"]}
-                    | {f"{prefix}/{r['name']}/{k}": extra[k] for k in ("mean_acceptance_length",
-                                                                         "draft_acceptance_rate") if k in extra})
+                    | {f"{prefix}/{r['name']}/{k}": acc[k]
+                       for k in ("mean_acceptance_length", "draft_acceptance_rate")})
         tracker.table(f"{prefix}/{r['name']}/per_position", ["position", "acceptance"],
                       [[i + 1, a] for i, a in enumerate(s["accept_per_pos"])])
 

@@ -30,12 +30,9 @@ def _args(stage, tiny_target, runs_dir, *extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def sampled_run(tiny_target, tmp_path_factory):
-    """One tiny distill served at T=0.7, top-p 0.9, W&B offline: the run directory."""
+    """One tiny distill served at T=0.7, top-p 0.9, top-k 2: the run directory."""
     runs = tmp_path_factory.mktemp("runs")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("WANDB_API_KEY", raising=False)
-        mp.delenv("WANDB_MODE", raising=False)
-        assert main(_args("distill", tiny_target, runs, "wandb.mode=offline")) == 0
+    assert main(_args("distill", tiny_target, runs, "wandb.mode=disabled")) == 0
     return (runs / "code" / "latest").resolve()
 
 
@@ -67,6 +64,9 @@ def test_sampled_block_is_the_counters_of_the_sampled_measurements(sampled_run):
         assert (block["alpha"], block["tau"], block["speedup"]) == (st["alpha"], st["tau"], r["speedup"])
         assert block["speedup"] == st["tokens_per_s"] / r["plain_stats"]["tokens_per_s"]
     assert _sampled_file(sampled_run, "ngram")["stats"]["k"] == 8
+    hybrid = s["candidates"][1]["name"]  # sampling verifies chains: the hybrid's token trees are greedy only
+    assert _sampled_file(sampled_run, hybrid)["stats"]["tree_rounds"] == 0
+    assert json.loads((sampled_run / "eval" / f"{hybrid}.json").read_text())["stats"]["tree_rounds"] > 0
 
 
 def test_promoted_by_its_speedup_at_the_serving_temperature(sampled_run):
@@ -101,22 +101,10 @@ def test_report_gives_both_temperatures_for_the_draft_and_the_baseline(sampled_r
     assert "## Data" not in report  # no data.json in this run
 
 
-def test_wandb_holds_the_sampled_figures(sampled_run):
-    """The evaluate stage's W&B run records each sampled candidate's figures under eval/sampled/ and the
-    promoted draft's in the summary as sampled/<figure>."""
-    m = _metrics(sampled_run)
-    blob = b"".join(p.read_bytes() for p in sampled_run.glob("wandb/offline-run-*/run-*.wandb"))
-    names = [c["name"] for c in m["sampled"]["candidates"]] + ["ngram"]
-    for name in names:
-        for key in ("alpha", "tau", "speedup", "mean_acceptance_length", "draft_acceptance_rate"):
-            assert f"eval/sampled/{name}/{key}".encode() in blob, (name, key)
-    for key in ("sampled/speedup", "sampled/mean_acceptance_length", "sampled/ngram_speedup", "sampled/temperature"):
-        assert key.encode() in blob, key
-
-
 def test_evaluate_again_reads_the_sampled_measurements_back(sampled_run, tiny_target, monkeypatch):
-    """A second evaluate measures nothing (greedy and sampled results are read back) and writes the same
-    metrics.json."""
+    """A second evaluate (W&B offline) measures nothing (greedy and sampled results are read back), writes
+    the same metrics.json, and its W&B run records each sampled candidate's figures under eval/sampled/
+    and the promoted draft's in the summary as sampled/<figure>."""
     import pipeline.evaluate as evaluate
 
     before = _metrics(sampled_run)
@@ -125,9 +113,17 @@ def test_evaluate_again_reads_the_sampled_measurements_back(sampled_run, tiny_ta
         raise AssertionError("a cached candidate was measured again")
 
     monkeypatch.setattr(evaluate, "decode_together", measured)
-    args = _args("evaluate", tiny_target, sampled_run.parent.parent, "wandb.mode=disabled", "--run-id", sampled_run.name)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    args = _args("evaluate", tiny_target, sampled_run.parent.parent, "wandb.mode=offline", "--run-id", sampled_run.name)
     assert main(args) == 0
     assert _metrics(sampled_run) == before
+    blob = b"".join(p.read_bytes() for p in sampled_run.glob("wandb/offline-run-*/run-*.wandb"))
+    for name in [c["name"] for c in before["sampled"]["candidates"]] + ["ngram"]:
+        for key in ("alpha", "tau", "speedup", "mean_acceptance_length", "draft_acceptance_rate"):
+            assert f"eval/sampled/{name}/{key}".encode() in blob, (name, key)
+    for key in ("sampled/speedup", "sampled/mean_acceptance_length", "sampled/ngram_speedup", "sampled/temperature"):
+        assert key.encode() in blob, key
 
 
 def test_data_section_from_data_json(sampled_run, tmp_path):
