@@ -31,7 +31,8 @@ EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 
 # Keys added after runs and caches were keyed, with their defaults: at the default they are left out of
 # every key (recipe hash, train key, measurement caches), so what was made before them still resumes.
-LATER_KEYS = {("evaluate", "compile"): False, ("generate", "engine"): "draftsmith",
+LATER_KEYS = {("evaluate", "compile"): False, ("generate", "engine"): "draftsmith", ("evaluate", "temperature"): 0.0,
+              ("evaluate", "top_p"): 1.0, ("evaluate", "top_k"): 0,
               ("data", "heldout_fraction"): 0.1, ("data", "heldout_max"): 200}
 
 
@@ -258,9 +259,25 @@ class EvaluateConfig:
     compile: bool = _f(False, "torch.compile the decoder's chain step (Llama-family targets), for a GPU "
                               "(docs/reference/gpu.md); on CPU inductor was slower than eager. Token trees need "
                               "eager shapes, so with it every candidate is measured with chains.")
+    temperature: float = _f(0.0, "The temperature the draft will be served at. > 0: the best checkpoint (bare and as "
+                                 "a hybrid) and the n-gram baseline are also measured with lossless speculative "
+                                 "sampling at it (and top_p, top_k) against plain sampled decoding, and the draft "
+                                 "is promoted by its speedup there. 0 = greedy only. Greedy output is checked "
+                                 "against plain decoding either way.")
+    top_p: float = _f(1.0, "Served nucleus sampling, with temperature > 0: sample among the likeliest tokens "
+                           "holding this much probability (1 = off).")
+    top_k: int = _f(0, "Served top-k sampling, with temperature > 0: sample among the k likeliest tokens (0 = off).")
 
     def __post_init__(self):
         _one_of("evaluate.serve", self.serve, {"draftsmith", "vllm", "sglang", "hf"})
+        _positive("evaluate.temperature", self.temperature, zero_ok=True)
+        _positive("evaluate.top_k", self.top_k, zero_ok=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise RecipeError(f"evaluate.top_p={self.top_p} must be in (0, 1]; 1 turns nucleus sampling off")
+        if self.temperature == 0 and (self.top_p < 1.0 or self.top_k):
+            raise RecipeError(f"evaluate.top_p={self.top_p}, top_k={self.top_k} shape sampling, which "
+                              f"evaluate.temperature=0 (greedy) never does: set evaluate.temperature > 0 or "
+                              f"leave top_p=1, top_k=0")
         for k in ("max_new_tokens", "k", "ngram_k"):
             _positive(f"evaluate.{k}", getattr(self, k))
         _positive("evaluate.n_prompts", self.n_prompts, zero_ok=True)

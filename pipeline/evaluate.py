@@ -9,7 +9,10 @@ The steps of `run_evaluate`:
    hardware-aware trees; docs/reference/replay.md);
 3. measure the served forms: the best checkpoint served as a hybrid with n-gram lookups (with and
    without its datastore), and the n-gram baseline at its own K, all taking turns on each prompt;
-4. promote the candidate with the best measured speedup, not the lowest loss, to best/; its greedy
+   with a serving temperature (evaluate.temperature > 0), the best checkpoint bare and as a hybrid and
+   the n-gram baseline are also measured sampling at it, against plain sampled decoding;
+4. promote the candidate with the best measured speedup (at the serving temperature when there is one),
+   not the lowest loss, to best/; its greedy
    output is checked equal to plain greedy output exactly in fp32 on a subset of prompts. A promoted
    hybrid keeps its fitted budget in best/draftsmith_draft.json ("serve"), so it serves as measured.
    With evaluate.serve naming an engine, only a checkpoint that exports to it may be promoted; its
@@ -39,12 +42,14 @@ from eval.replay import fit_budget
 
 from .data import encode_prompt, read_jsonl
 from .export import MANIFEST, SERVE_FORMATS, engine_format, export_draft, kind_problem
-from .measure import MeasurementCache, decode_pairs, decode_together, evaluate_settings, proposer_for
+from .measure import (MeasurementCache, decode_pairs, decode_together, evaluate_settings, proposer_for,
+                      vllm_acceptance)
 from .models import check_tokenizers
 from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
 
 CHECKPOINT, SERVED, BASELINE = "checkpoint", "served", "baseline"
+SAMPLED = ".sampled"  # eval/<name>.sampled.json: a measurement at the serving temperature
 
 
 class EvaluateError(ValueError):
@@ -82,6 +87,7 @@ class HeldOut:
     cfg: object  # the recipe's EvaluateConfig
     eos: int | None
     cache: MeasurementCache
+    seed: int = 0  # the recipe's seed: sampled decoding draws with seed + the prompt's index
 
     @classmethod
     def open(cls, recipe, run_dir: Path, target, tokenizer) -> "HeldOut":
@@ -89,21 +95,42 @@ class HeldOut:
         cache_dir.mkdir(parents=True, exist_ok=True)
         prompts = heldout_ids(recipe, run_dir, tokenizer)
         settings = {"evaluate": evaluate_settings(recipe), "dtype": recipe.dtype, "n": len(prompts)}
-        return cls(target, prompts, recipe.evaluate, tokenizer.eos_token_id, MeasurementCache(cache_dir, settings))
+        return cls(target, prompts, recipe.evaluate, tokenizer.eos_token_id, MeasurementCache(cache_dir, settings),
+                   recipe.seed)
 
-    def measure(self, cands: list[Candidate]) -> dict[str, dict]:
+    @property
+    def sampling(self) -> dict | None:
+        """The serving sampling settings with the base seed; None when the recipe serves greedy."""
+        c = self.cfg
+        return None if c.temperature <= 0 else {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k,
+                                                "seed": self.seed}
+
+    def measure(self, cands: list[Candidate], sampling: dict | None = None) -> dict[str, dict]:
         """{name: result} for `cands`: read back from the cache, or measured together (taking turns with
-        plain decoding on each prompt) and stored."""
-        done = {c.name: self.cache.read(c.name, c.files, c.settings) for c in cands}
+        plain decoding on each prompt) and stored; greedy, or sampling with `sampling` (HeldOut.sampling),
+        stored as <name>.sampled with the sampling settings in the key."""
+        file = {c.name: c.name + (SAMPLED if sampling else "") for c in cands}
+        key = {c.name: (c.settings or {}) | ({"sampling": sampling} if sampling else {}) for c in cands}
+        done = {c.name: self.cache.read(file[c.name], c.files, key[c.name]) for c in cands}
         todo = [c for c in cands if done[c.name] is None]
         if todo:
             props = {c.name: (proposer_for(c.source, self.target, c.max_nodes), c.k) for c in todo}
+            desc = "+".join(props) + (f" T={sampling['temperature']}" if sampling else "")
             plain_seqs, plain, outs = decode_together(self.target, props, self.prompts, self.cfg.max_new_tokens,
-                                                      self.eos, "+".join(props), self.cfg.compile)
+                                                      self.eos, desc, self.cfg.compile, sampling)
             for c in todo:
-                result = self.judge(c, plain_seqs, plain, *outs[c.name])
-                done[c.name] = self.cache.store(c.name, result, c.files, c.settings)
+                seqs, stats = outs[c.name]
+                result = self.judge(c, plain_seqs, plain, seqs, stats) if sampling is None else \
+                    self.judge_sampled(c, plain, stats, sampling)
+                done[c.name] = self.cache.store(file[c.name], result, c.files, key[c.name])
         return done
+
+    @staticmethod
+    def judge_sampled(c: Candidate, plain: dict, stats: dict, sampling: dict) -> dict:
+        """A candidate's sampled result: its stats and its speedup over the plain sampled runs it took turns
+        with. Samples are not compared token for token: a lossless sample only matches in distribution."""
+        return {"name": c.name, "source": c.source, "stats": stats, "plain_stats": plain,
+                "speedup": stats["tokens_per_s"] / plain["tokens_per_s"], "sampling": sampling}
 
     def judge(self, c: Candidate, plain_seqs, plain: dict, seqs, stats: dict) -> dict:
         """A candidate's result: its stats, its speedup over the plain runs it took turns with, and its
@@ -250,12 +277,48 @@ def served_candidates(cfg, best_ck: dict, fit: dict | None) -> list[Candidate]:
     return cands
 
 
-def log_results(tracker, results: list[dict]) -> None:
+def sampled_candidates(cfg, best_ck: dict) -> list[Candidate]:
+    """Step 3b's candidates, measured at the serving temperature: the best checkpoint bare and served as a
+    hybrid, and the n-gram baseline. Sampling verifies chains, never trees, so the hybrid proposes the
+    lookup or the model's chain and never reads its datastore or node budget: with and without the
+    datastore it samples the same drafts and is measured once (sampled_twin). Only the best checkpoint:
+    measuring every one again would double evaluate's time, and greedy τ already ordered them."""
+    cands = [Candidate(best_ck["name"], best_ck["source"], cfg.k, CHECKPOINT)]
+    if cfg.hybrid:
+        suffix, src = served_sources(best_ck["source"])[0]
+        cands.append(Candidate(f"{best_ck['name']}{suffix}", src, cfg.k, SERVED))
+    if cfg.baselines:
+        cands.append(Candidate("ngram", "ngram", cfg.ngram_k, BASELINE))
+    return cands
+
+
+def measure_sampled(held: HeldOut, best_ck: dict) -> dict[str, dict]:
+    """Step 3b: {name: sampled result} at the serving temperature; {} when the recipe serves greedy."""
+    sampling = held.sampling
+    return held.measure(sampled_candidates(held.cfg, best_ck), sampling) if sampling else {}
+
+
+def sampled_twin(r: dict, sampled: dict[str, dict]) -> dict | None:
+    """The sampled measurement that stands for greedy result `r`: the same draft directory served the same
+    way (bare, or as a hybrid with or without its datastore: the same drafts when sampling); None if none."""
+    how, directory = served_as(r["source"])
+    for s in sampled.values():
+        how_s, dir_s = served_as(s["source"])
+        if s["source"] != "ngram" and dir_s == directory and (how_s is None) == (how is None):
+            return s
+    return None
+
+
+def log_results(tracker, results: list[dict], prefix: str = "eval") -> None:
+    """Each result's figures as <prefix>/<name>/<figure> (vLLM's acceptance names among them) and its
+    acceptance per position as a table."""
     for r in results:
-        s = r["stats"]
-        tracker.log({f"eval/{r['name']}/{k}": s[k] for k in ("alpha", "tau", "tokens_per_s") if k in s}
-                    | {f"eval/{r['name']}/speedup": r["speedup"]})
-        tracker.table(f"eval/{r['name']}/per_position", ["position", "acceptance"],
+        s, acc = r["stats"], vllm_acceptance(r["stats"])
+        tracker.log({f"{prefix}/{r['name']}/{k}": s[k] for k in ("alpha", "tau", "tokens_per_s") if k in s}
+                    | {f"{prefix}/{r['name']}/speedup": r["speedup"]}
+                    | {f"{prefix}/{r['name']}/{k}": acc[k]
+                       for k in ("mean_acceptance_length", "draft_acceptance_rate")})
+        tracker.table(f"{prefix}/{r['name']}/per_position", ["position", "acceptance"],
                       [[i + 1, a] for i, a in enumerate(s["accept_per_pos"])])
 
 
@@ -322,12 +385,23 @@ class Promotion:
     datastore: bool  # best/ holds a datastore
 
 
+def pick_best(results: list[dict], serve: str, sampled: dict[str, dict] | None = None) -> dict:
+    """The result to promote: the best measured speedup among those `serve` allows. With a serving
+    temperature (`sampled` measured), the best speedup at it, since that is the speed the recipe's traffic
+    gets; greedy speedup breaks ties between forms that sample the same drafts."""
+    pool = promotable(results, serve)
+    if not sampled:
+        return max(pool, key=lambda r: r["speedup"])
+    twins = [(sampled_twin(r, sampled), r) for r in pool]
+    return max(((t, r) for t, r in twins if t is not None), key=lambda x: (x[0]["speedup"], x[1]["speedup"]))[1]
+
+
 def promote(held: HeldOut, results: list[dict], every: list[dict], run_dir: Path, dtype: str,
-            serve: str = "draftsmith") -> Promotion:
-    """Step 4: the result with the best measured speedup (baselines excluded; with an engine named in
-    `serve`, among those it can serve) goes to best/, its exactness proven in fp32; every result gets
-    its exactness verdict."""
-    best = max(promotable(results, serve), key=lambda r: r["speedup"])
+            serve: str = "draftsmith", sampled: dict[str, dict] | None = None) -> Promotion:
+    """Step 4: the result pick_best chooses (baselines excluded; with an engine named in `serve`, among
+    those it can serve; at the serving temperature when `sampled`) goes to best/, its exactness proven in
+    fp32; every result gets its exactness verdict."""
+    best = pick_best(results, serve, sampled)
     exact32, n32 = check_fp32(held, best)
     mark_exactness(every, best, dtype, exact32)
     meta = copy_best(best, run_dir)
@@ -374,13 +448,17 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     baseline = measured.get("ngram")
     every = results + ([baseline] if baseline else [])
     log_results(tracker, every)
+    sampled = measure_sampled(held, best_ck)
+    log_results(tracker, list(sampled.values()), "eval/sampled")
 
-    promoted = promote(held, results, every, run_dir, recipe.dtype, cfg.serve)
+    promoted = promote(held, results, every, run_dir, recipe.dtype, cfg.serve, sampled)
     exports = write_exports(recipe, run_dir, promoted)
     metrics = metrics_for(recipe, held, results, baseline, fit, promoted) | {
-        "serve": cfg.serve, "exports": exports, "best_exportable": best_exportable(results)}
+        "serve": cfg.serve, "exports": exports, "best_exportable": best_exportable(results),
+        "promoted_by": "sampled" if sampled else "greedy", "sampled": sampled_metrics(held, sampled, promoted)}
     write_json_atomic(run_dir / "metrics.json", metrics)
-    tracker.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))})
+    tracker.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
+                    | sampled_summary(metrics["sampled"]))
     return metrics
 
 
@@ -388,8 +466,43 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
 
 def _brief(r: dict) -> dict:
     s = r["stats"]
+    acc = vllm_acceptance(s)
     return {"alpha": s["alpha"], "tau": s["tau"], "tokens_per_s": s["tokens_per_s"], "speedup": r["speedup"],
-            "greedy_exact": r["greedy_exact"]}
+            "greedy_exact": r["greedy_exact"], "mean_acceptance_length": acc["mean_acceptance_length"],
+            "draft_acceptance_rate": acc["draft_acceptance_rate"]}
+
+
+def _sampled_brief(r: dict) -> dict:
+    """A sampled result's figures: ours (α, τ per target forward, P(accepted | reached) per position) and
+    vLLM's (mean_acceptance_length, draft_acceptance_rate, acceptance_per_pos: accepted at i / drafts)."""
+    s = r["stats"]
+    return {"name": r["name"], "alpha": s["alpha"], "tau": s["tau"], "accept_per_pos": s["accept_per_pos"],
+            "tokens_per_s": s["tokens_per_s"], "tokens_per_s_plain": r["plain_stats"]["tokens_per_s"],
+            "speedup": r["speedup"]} | vllm_acceptance(s)
+
+
+def sampled_metrics(held: HeldOut, sampled: dict[str, dict], p: Promotion) -> dict | None:
+    """metrics.json's "sampled" block: the settings, and the promoted draft's, every sampled candidate's and
+    the n-gram baseline's figures at the serving temperature; None when the recipe serves greedy."""
+    if not sampled:
+        return None
+    twin = sampled_twin(p.result, sampled)
+    return {**held.sampling, "n_prompts": len(held.prompts), "max_new_tokens": held.cfg.max_new_tokens,
+            "draft": _sampled_brief(twin),
+            "candidates": [_sampled_brief(r) for n, r in sampled.items() if n != "ngram"],
+            "ngram_baseline": _sampled_brief(sampled["ngram"]) if "ngram" in sampled else None}
+
+
+def sampled_summary(block: dict | None) -> dict:
+    """The sampled block's scalars for the W&B summary, as sampled/<figure> and sampled/ngram_<figure>."""
+    if not block:
+        return {}
+    keys = ("alpha", "tau", "speedup", "mean_acceptance_length", "draft_acceptance_rate")
+    out = {"sampled/temperature": block["temperature"], "sampled/top_p": block["top_p"]}
+    out |= {f"sampled/{k}": block["draft"][k] for k in keys}
+    if block["ngram_baseline"]:
+        out |= {f"sampled/ngram_{k}": block["ngram_baseline"][k] for k in keys}
+    return out
 
 
 def _budget_fit(fit: dict | None, p: Promotion) -> dict | None:
@@ -405,6 +518,7 @@ def metrics_for(recipe, held: HeldOut, results: list[dict], baseline: dict | Non
     """metrics.json: the promoted candidate's figures, every candidate's summary and the n-gram baseline."""
     cfg, best, s = recipe.evaluate, p.result, p.result["stats"]
     hybrid = p.served is not None
+    acc = vllm_acceptance(s)  # vLLM's names: 1 + accepted / drafts, accepted / drafted tokens
     plain_tps = sum(r["plain_stats"]["n_tokens"] for r in results) / sum(r["plain_stats"]["wall_s"] for r in results)
     return {
         "domain": recipe.domain, "target": recipe.target,
@@ -412,6 +526,7 @@ def metrics_for(recipe, held: HeldOut, results: list[dict], baseline: dict | Non
         + ("+datastore" if hybrid and p.datastore else ""),
         "divergence": p.meta.get("divergence"), "checkpoint": best["name"], "k": cfg.k, "ngram_k": cfg.ngram_k,
         "alpha": s["alpha"], "tau": s["tau"], "accept_per_pos": s["accept_per_pos"],
+        "mean_acceptance_length": acc["mean_acceptance_length"], "draft_acceptance_rate": acc["draft_acceptance_rate"],
         # Plain tokens/s over every candidate's paired runs; the speedup is the promoted candidate's
         # own paired ratio (its plain runs interleaved with its speculative runs).
         "tokens_per_s_plain": plain_tps, "tokens_per_s_spec": s["tokens_per_s"],

@@ -15,6 +15,7 @@ from eval.proposers import load_proposer, serve_with
 from eval.speedup import expected_speedup
 
 from .config import drop_later_defaults
+from .engines.vllm import acceptance
 from .shards import write_json_atomic
 
 
@@ -24,33 +25,46 @@ def proposer_for(src: str, target, max_nodes: int | None = None):
 
 
 def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos, desc: str,
-                 compile: bool = False):
+                 compile: bool = False, sampling: dict | None = None):
     """One proposer against plain decoding, batch 1, the two taking turns on each prompt (decode_together).
     Returns (plain seqs, plain stats, spec seqs, spec stats)."""
     plain_seqs, plain, out = decode_together(target, {desc: (proposer, k)}, prompts, max_new_tokens, eos, desc,
-                                             compile)
+                                             compile, sampling)
     return plain_seqs, plain, *out[desc]
 
 
+def sampling_kwargs(sampling: dict | None, i: int) -> dict:
+    """generate()'s sampling arguments for prompt i: none (greedy), or the settings with seed `seed + i`."""
+    if not sampling:
+        return {}
+    return {"temperature": sampling["temperature"], "top_p": sampling["top_p"], "top_k": sampling["top_k"],
+            "seed": sampling["seed"] + i}
+
+
 def decode_together(target, proposers: dict, prompts: list[list[int]], max_new_tokens: int, eos, desc: str,
-                    compile: bool = False):
+                    compile: bool = False, sampling: dict | None = None):
     """Plain decoding and several proposers ({name: (proposer, k)}), batch 1: on each prompt every one
     takes a turn, in an order that rotates by prompt, so the speed drift of a shared machine falls on
     all of them alike and the ratios between them hold. compile: the decoders' compiled step (evaluate.compile).
+    sampling: {temperature, top_p, top_k, seed} for lossless speculative sampling instead of greedy; on
+    prompt i every decoder, plain included, draws from a generator seeded `seed + i`, so a rerun draws the
+    same samples (the runs do not share tokens: speculative sampling consumes its draws differently, and
+    each run is a sample of the same distribution).
     Returns (plain seqs, plain stats, {name: (seqs, stats)})."""
     decs = [(None, SpeculativeDecoder(target, None, compile=compile))] + [
         (name, SpeculativeDecoder(target, prop, k=k, compile=compile)) for name, (prop, k) in proposers.items()]
     for _, dec in decs:  # warm-up, not timed; compiled: at the longest cache, which later calls reuse
         if compile:
-            dec.generate([max(prompts, key=len)], max_new_tokens=max_new_tokens, eos_token_id=eos)
+            dec.generate([max(prompts, key=len)], max_new_tokens=max_new_tokens, eos_token_id=eos,
+                         **sampling_kwargs(sampling, 0))
         else:
-            dec.generate([prompts[0][:16]], max_new_tokens=4, eos_token_id=eos)
+            dec.generate([prompts[0][:16]], max_new_tokens=4, eos_token_id=eos, **sampling_kwargs(sampling, 0))
     seqs = {name: [] for name, _ in decs}
     stats = {name: [] for name, _ in decs}
     for i, p in enumerate(tqdm(prompts, desc=desc, leave=False)):
         r = i % len(decs)
         for name, dec in decs[r:] + decs[:r]:
-            res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos)
+            res = dec.generate([p], max_new_tokens=max_new_tokens, eos_token_id=eos, **sampling_kwargs(sampling, i))
             seqs[name].append(res.sequences[0])
             stats[name].append(res.stats)
     return seqs[None], aggregate(stats[None]), {n: (seqs[n], aggregate(stats[n])) for n in proposers}
@@ -98,6 +112,16 @@ def aggregate(per: list[dict]) -> dict:
     return out
 
 
+def vllm_acceptance(stats: dict) -> dict:
+    """{mean_acceptance_length, acceptance_per_pos, draft_acceptance_rate, drafts} under vLLM's definitions
+    (pipeline.engines.vllm.acceptance) from aggregate()'s counters: a draft is a round that proposed at least
+    one token; acceptance at position i is accepted there / drafts, not conditioned on reaching i."""
+    hist = stats["accept_len_hist"]
+    return acceptance({"num_drafts": sum(hist), "num_draft_tokens": stats["proposed"],
+                       "num_accepted_tokens": stats["accepted"],
+                       "num_accepted_tokens_per_pos": [sum(hist[i + 1:]) for i in range(len(hist) - 1)]})
+
+
 def source_fingerprint(src: str) -> list:
     """What a cached measurement of `src` ("ngram", a draft directory, "hybrid:<dir>", ...) depends on
     besides the decoder: the draft directory's file names and sizes, so that e.g. a datastore added to
@@ -108,11 +132,16 @@ def source_fingerprint(src: str) -> list:
     return sorted([p.name, p.stat().st_size] for p in d.iterdir() if p.is_file() and p.name != "trainer_state.pt")
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
 def evaluate_settings(recipe) -> dict:
-    """The evaluate section as a measurement key: `serve` only picks among measurements, so it is left out,
-    and keys added later enter only when set (config.LATER_KEYS), so older measurements are read back."""
+    """The evaluate section as a measurement key: `serve` only picks among measurements, so it is left out;
+    so are the sampling keys, which a greedy measurement does not depend on (a sampled one carries them in
+    its own key); keys added later enter only when set (config.LATER_KEYS), so older measurements are read back."""
     ev = drop_later_defaults({"evaluate": recipe.to_dict()["evaluate"]})["evaluate"]
-    ev.pop("serve")
+    for k in ("serve", *SAMPLING_KEYS):
+        ev.pop(k, None)
     return ev
 
 

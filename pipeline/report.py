@@ -110,6 +110,66 @@ def serve_section(m: dict) -> list[str]:
     return lines
 
 
+def _fmt(x, d: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{d}f}"
+
+
+def temperature_section(m: dict) -> list[str]:
+    """α, τ and speedup greedy and at the serving temperature, for the promoted draft and the n-gram
+    baseline (metrics.json's "sampled" block; greedy alone when the recipe serves greedy)."""
+    if "sampled" not in m:  # metrics.json written before evaluate.temperature
+        return []
+    s, f = m["sampled"], _fmt
+    if s is None:
+        return ["", "Served greedy (evaluate.temperature=0): every figure here is at temperature 0."]
+    how = f"T={s['temperature']:g}" + (f", top-p {s['top_p']:g}" if s["top_p"] < 1 else "") + \
+        (f", top-k {s['top_k']}" if s["top_k"] else "")
+    why = ("promoted by its speedup at the serving temperature" if m.get("promoted_by") == "sampled"
+           else "promoted by its greedy speedup")
+    lines = ["", f"## Greedy and at the serving temperature ({how})", "",
+             f"Lossless speculative sampling against plain sampled decoding on the same {s['n_prompts']} "
+             f"held-out prompts, the two taking turns, each prompt i drawn with seed {s['seed']} + i; the draft "
+             f"is {why}. Mean acceptance length and draft acceptance rate use vLLM's definitions "
+             f"(1 + accepted / drafts; accepted / drafted tokens).", "",
+             "| proposer | temperature | α | τ | mean acceptance length | speedup |",
+             "| --- | --- | --- | --- | --- | --- |",
+             f"| promoted `{m['checkpoint']}` | 0 | {f(m['alpha'], 3)} | {f(m['tau'])} | "
+             f"{f(m.get('mean_acceptance_length'))} | {f(m['speedup'])}× |",
+             f"| promoted `{s['draft']['name']}` | {s['temperature']:g} | {f(s['draft']['alpha'], 3)} | "
+             f"{f(s['draft']['tau'])} | {f(s['draft']['mean_acceptance_length'])} | {f(s['draft']['speedup'])}× |"]
+    b, bs = m.get("ngram_baseline"), s.get("ngram_baseline")
+    if b:
+        lines.append(f"| n-gram baseline | 0 | {f(b['alpha'], 3)} | {f(b['tau'])} | "
+                     f"{f(b.get('mean_acceptance_length'))} | {f(b['speedup'])}× |")
+    if bs:
+        lines.append(f"| n-gram baseline | {s['temperature']:g} | {f(bs['alpha'], 3)} | {f(bs['tau'])} | "
+                     f"{f(bs['mean_acceptance_length'])} | {f(bs['speedup'])}× |")
+    others = [c for c in s["candidates"] if c["name"] != s["draft"]["name"]]
+    lines += [f"| `{c['name']}` | {s['temperature']:g} | {f(c['alpha'], 3)} | {f(c['tau'])} | "
+              f"{f(c['mean_acceptance_length'])} | {f(c['speedup'])}× |" for c in others]
+    lines += ["", f"Acceptance per draft position at {how} (P(accepted | reached)): "
+              + ", ".join(f(a, 3) for a in s["draft"]["accept_per_pos"])]
+    return lines
+
+
+def data_section(run_dir: Path) -> list[str]:
+    """Where the prompts came from, when the data stage recorded it in run_dir/data.json."""
+    p = Path(run_dir) / "data.json"
+    if not p.exists():
+        return []
+    d = json.loads(p.read_text())
+    dropped = d.get("dropped")
+    if isinstance(dropped, dict):
+        dropped = ", ".join(f"{k}: {v}" for k, v in dropped.items()) or "none"
+    lines = ["", "## Data", "", f"- source: {d.get('source')}",
+             f"- prompts: {d.get('n_train')} for training, {d.get('n_heldout')} held out"]
+    if dropped is not None:
+        lines.append(f"- dropped: {dropped}")
+    if d.get("json_parse_rate") is not None:
+        lines.append(f"- JSON parse rate of the target's outputs: {d['json_parse_rate']:.1%}")
+    return lines
+
+
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     m = json.loads((run_dir / "metrics.json").read_text())
@@ -160,8 +220,10 @@ def write_report(run_dir: Path) -> Path:
         lines.append(f"| {c['name']} | {f(c['alpha'], 3)} | {f(c['tau'])} | {f(c['tokens_per_s'], 1)} | "
                      f"{f(c['speedup'])}× | {c['greedy_exact']} |")
     lines += ["", "Acceptance per draft position (P(accepted | reached)): "
-              + ", ".join(f(a, 3) for a in m.get("accept_per_pos", [])), ""]
-    lines += [f"![{p}]({p})" for p in plots]
+              + ", ".join(f(a, 3) for a in m.get("accept_per_pos", []))]
+    lines += temperature_section(m)
+    lines += data_section(run_dir)
+    lines += [""] + [f"![{p}]({p})" for p in plots]
     lines += serve_section(m)
     lines += compare_section(run_dir)
     out = run_dir / "report.md"

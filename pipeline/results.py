@@ -118,8 +118,18 @@ def render_headline(results: list[dict], machines: dict) -> str:
                             rows))
 
 
+def _sampled(f: dict) -> str:
+    """A run's speedup at its serving temperature, with the temperature: '1.40× (T=0.7)'; '–' when greedy."""
+    if f.get("sampled_speedup") is None:
+        return "–"
+    top_p = f" p={f['top_p']:g}" if f.get("top_p") not in (None, 1.0) else ""
+    return f"{_x(f['sampled_speedup'])} (T={f['temperature']:g}{top_p})"
+
+
 def render_distills(results: list[dict], machines: dict) -> str:
     runs = [r for r in results if r["kind"] == "distill"]
+    # the columns at the serving temperature appear once a run was evaluated sampling
+    sampled = any(r["figures"].get("sampled_speedup") is not None for r in runs)
     rows = []
     for r in runs:
         f = r["figures"]
@@ -127,9 +137,12 @@ def render_distills(results: list[dict], machines: dict) -> str:
         rows.append([r["id"], r["date"], f"`{r['machine']}`", _wall(f.get("wall_s")), f.get("promoted", "–"),
                      _x(f.get("speedup")), _num(f.get("tau"), ".2f"), _num(f.get("alpha"), ".3f"),
                      _num(f.get("tokens_per_s_plain"), ".1f"), _x(f.get("ngram_speedup")), _x(vs),
-                     _num(f.get("max_nodes"), "d")])
+                     _num(f.get("max_nodes"), "d")]
+                    + ([_sampled(f), _num(f.get("sampled_tau"), ".2f"), _x(f.get("ngram_sampled_speedup"))]
+                       if sampled else []))
     out = _table(["run", "date", "machine", "wall", "promoted", "speedup", "τ", "α", "plain tok/s",
-                  "n-gram", "vs n-gram", "tree nodes"], rows)
+                  "n-gram", "vs n-gram", "tree nodes"]
+                 + (["speedup sampled", "τ sampled", "n-gram sampled"] if sampled else []), rows)
     out.append("")
     for r in runs:
         out.append(f"- **{r['id']}**: {r['title']}. {_provenance(r, machines)}.")
@@ -262,6 +275,8 @@ def run_record(run_dir: Path, machine: str, *, command=None, wall_s=None, commit
             raise ResultsError(f"{run_dir / 'metrics.json'}: no {key!r}")
     domain = m.get("domain") or run_dir.parent.name
     ngram = m.get("ngram_baseline") or {}
+    sampled = m.get("sampled") or {}  # evaluate.temperature > 0: the figures at the serving temperature
+    draft_t, ngram_t = sampled.get("draft") or {}, sampled.get("ngram_baseline") or {}
     figures = {
         "wall_s": wall_s, "promoted": m["draft_method"], "checkpoint": m.get("checkpoint"),
         "speedup": m["speedup"], "tau": m["tau"], "alpha": m["alpha"], "k": m.get("k"),
@@ -274,6 +289,12 @@ def run_record(run_dir: Path, machine: str, *, command=None, wall_s=None, commit
         "train_tokens_per_s": train.get("tokens_per_s"), "generate_engine": gen.get("engine"),
         "versions": gen.get("versions"),
     }
+    if sampled:
+        figures |= {"temperature": sampled["temperature"], "top_p": sampled["top_p"],
+                    "sampled_speedup": draft_t.get("speedup"), "sampled_tau": draft_t.get("tau"),
+                    "sampled_alpha": draft_t.get("alpha"),
+                    "sampled_mean_acceptance_length": draft_t.get("mean_acceptance_length"),
+                    "ngram_sampled_speedup": ngram_t.get("speedup")}
     return {"kind": "distill", "title": title or f"distill of domain {domain}, run {run_dir.name}",
             "command": command or f"draftsmith distill --domain {domain} --run-id {run_dir.name}",
             "machine": machine, "date": _date_of(run_dir.name), "commit": commit or _git_commit(),

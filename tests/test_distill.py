@@ -88,6 +88,10 @@ def test_metrics_are_the_promoted_candidates_measurement(distilled):
                                                     measured["speedup"])
     baseline = json.loads((run / "eval" / "ngram.json").read_text())
     assert m["ngram_baseline"]["speedup"] == baseline["speedup"] and baseline["stats"]["k"] == 8
+    hist = measured["stats"]["accept_len_hist"]  # vLLM's mean acceptance length from the same counters
+    assert m["mean_acceptance_length"] == 1 + measured["stats"]["accepted"] / sum(hist)
+    # the code recipe serves greedy: nothing is measured sampling, and promotion is by greedy speedup
+    assert m["sampled"] is None and m["promoted_by"] == "greedy" and not list((run / "eval").glob("*.sampled.json"))
 
 
 def test_served_forms_of_the_best_checkpoint_and_promotion_by_speedup(distilled):
@@ -167,6 +171,7 @@ def test_report_shows_the_promoted_draft(distilled):
     assert f"speedup {m['ngram_baseline']['speedup']:.2f}×" in report
     if m["max_nodes"] is not None:
         assert f"at most **{m['max_nodes']} nodes**" in report
+    assert "Served greedy (evaluate.temperature=0)" in report and "## Greedy and at the serving" not in report
 
 
 def test_wandb_offline_runs_hold_the_logged_metrics(distilled):

@@ -129,3 +129,25 @@ def test_run_import_reads_the_wall_time_distill_recorded(tmp_path):
     rec = results.run_record(run, "box", commit="abc", serving_rev="r")
     assert rec["figures"]["wall_s"] == 1234.5
     assert results.run_record(run, "box", wall_s=60.0, commit="abc", serving_rev="r")["figures"]["wall_s"] == 60.0
+
+
+def test_a_run_evaluated_at_its_serving_temperature_carries_the_sampled_speedup(tmp_path):
+    """A run with metrics.json's sampled block imports its speedup, τ and the n-gram's at the serving
+    temperature, and the distill table gains those columns; runs served greedy show '–' there."""
+    run = tmp_path / "20260107-000000"
+    _write(run, "metrics.json", {
+        "draft_method": "eagle3", "speedup": 1.9, "tau": 3.1, "alpha": 0.6, "ngram_baseline": {"speedup": 1.2},
+        "sampled": {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "draft": {"speedup": 1.4, "tau": 2.2, "alpha": 0.5,
+                                                                              "mean_acceptance_length": 2.4},
+                    "ngram_baseline": {"speedup": 1.05}}})
+    rec = results.run_record(run, "box", commit="abc", serving_rev="r")
+    f = rec["figures"]
+    assert (f["temperature"], f["top_p"], f["sampled_speedup"], f["sampled_tau"], f["ngram_sampled_speedup"]) == \
+        (0.7, 0.9, 1.4, 2.2, 1.05)
+    _write(tmp_path / "docs", "2026-01-07-distill-chat.json", rec)
+    _write(tmp_path / "docs", "2026-01-02-distill-tiny.json", DISTILL)
+    page = results.render(tmp_path / "docs")
+    assert "| n-gram | vs n-gram | tree nodes | speedup sampled | τ sampled | n-gram sampled |" in page
+    assert "| 1.20× | 1.58× | – | 1.40× (T=0.7 p=0.9) | 2.20 | 1.05× |" in page
+    assert "| 1.60× | 1.25× | 4 | – | – | – |" in page
+    assert "speedup sampled" not in results.render_distills([dict(DISTILL, id="x")], {})
