@@ -20,8 +20,10 @@ SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # phi3's default
 PATH = {"llama": "lean", "qwen2": "lean", "qwen3": "lean", "mistral": "lean", "phi3": "lean",
         "gemma2": "hf", "gemma3": "hf", "gpt2": "hf", "gpt_neox": "hf"}
 # Qwen2 with use_sliding_window: full layers below max_window_layers, sliding ones above (mixed windows)
+# and Phi-3 with partial rotary (RoPE on half of each head's dims)
 VARIANTS = {"qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=SLIDING_WINDOW,
-                                            max_window_layers=1))}
+                                            max_window_layers=1)),
+            "phi3-partial": ("phi3", dict(partial_rotary_factor=0.5))}
 CASES = list(FAMILIES) + list(VARIANTS)
 LENS = (11, 5, 9)  # ragged prompt lengths; with the new tokens every row crosses the window of 8
 N_NEW = 10
@@ -66,11 +68,15 @@ def test_runner_logits_equal_the_hf_forward(name, lean):
     toks = torch.zeros(B, T, dtype=torch.long)
     for b, p in enumerate(P):
         toks[b, :len(p)] = torch.tensor(p)
+    r.aux_layers = (0, 1)  # EAGLE-3's features: the residual streams entering layers 0 and 1
     with torch.no_grad():
         logits, feats = r(toks, torch.arange(T).expand(B, T), T)  # prefill, right-padded
         for b, p in enumerate(P):
             for t in (0, len(p) - 1):
                 torch.testing.assert_close(logits[b, t], hf_logits(model, p[:t + 1]), atol=1e-4, rtol=1e-4)
+            hs = model(input_ids=torch.tensor([p]), output_hidden_states=True).hidden_states
+            torch.testing.assert_close(feats[b, :len(p)], torch.cat([hs[0][0], hs[1][0]], -1), atol=1e-5, rtol=1e-5)
+        r.aux_layers = None
         seqs, n = [list(p) for p in P], torch.tensor(LENS)
         # ragged steps of 1 and of 3 tokens, each row at its own positions
         for step in (1, 3, 1, 3):
