@@ -113,7 +113,7 @@ class SpeculativeDecoder:
         self.static = bool(compile)
         self.static_len = 0  # compile=True: the cache length of every call so far
         if self.static:
-            if self.runner.path != "lean":  # the HF path's forward (its own cache object, dicts of masks) is not compiled
+            if self.runner.path != "lean":  # compiled: the lean forward only
                 raise ValueError(f"compile=True needs the lean forward (eval/target.py LEAN_FAMILIES); "
                                  f"{type(target).__name__} runs on the HF path: leave compile off")
             self._fwd = torch.compile(self._static_step, dynamic=False)
