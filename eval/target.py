@@ -612,7 +612,12 @@ class HFFallback:
 
 
 def _final_logits(config, logits: torch.Tensor) -> torch.Tensor:
-    """What the model's CausalLM forward does to the LM head's output: Gemma 2/3's final softcapping."""
+    """What the model's CausalLM forward does to the LM head's output, by config key: Granite's
+    `logits_scaling` (divides), Cohere's `logit_scale` (multiplies), Gemma 2/3's final softcapping."""
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "logit_scale", None):
+        logits = logits * config.logit_scale
     cap = getattr(config, "final_logit_softcapping", None)
     return logits if not cap else torch.tanh(logits / cap) * cap
 
