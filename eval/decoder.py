@@ -113,12 +113,12 @@ class SpeculativeDecoder:
         self.static = bool(compile)
         self.static_len = 0  # compile=True: the cache length of every call so far
         if self.static:
-            if not self.runner.trees:  # the step passes its own mask, which only the lean runner takes
-                raise ValueError(f"compile=True needs the lean Llama-family forward (eval/target.py); "
-                                 f"{type(target).__name__} runs on the HF fallback: leave compile off")
+            if self.runner.path != "lean":  # compiled: the lean forward only
+                raise ValueError(f"compile=True needs the lean forward (eval/target.py LEAN_FAMILIES); "
+                                 f"{type(target).__name__} runs on the HF path: leave compile off")
             self._fwd = torch.compile(self._static_step, dynamic=False)
         # Token trees (eval/tree.py) for proposers that offer them, under greedy decoding: they need
-        # the lean runner's slots/mask/move, and their shapes vary, so not with the compiled step.
+        # the runner's slots/mask/move, and their shapes vary, so not with the compiled step.
         self.tree = tree and self.runner.trees and not self.static
 
     def _static_step(self, tokens, pos, s_len):

@@ -1,4 +1,4 @@
-"""A lean forward for a causal LM with a preallocated, position-indexed KV cache.
+"""The target's forward for the speculative decoder, with a preallocated, position-indexed KV cache.
 
 The speculative decoder needs three things from the target's forward that HF's cache classes do
 not give directly: (1) every row of a ragged batch writes keys/values at its *own* absolute
@@ -6,23 +6,26 @@ positions, (2) a rejected draft's slot is simply overwritten by the next round (
 (3) it returns both logits and the features (final hidden state after the final norm, the input of
 the LM head) that EAGLE heads read.
 
-`LeanLlama` reads the HF module's own weights for Llama-family decoders (Llama, Mistral
-without sliding window, Qwen2: q/k/v/o + SwiGLU MLP + RMSNorm + the model's own rotary module).
-Anything else goes through `HFFallback`: the HF forward with a DynamicCache cropped after each round
-(batch 1 only; ragged batches need per-row positions that DynamicCache does not have).
+Two runners (`make_runner` picks; `runner_path(model)` names the pick, docs/reference/architectures.md):
+`LeanLlama` reads the HF module's own weights for the families of `LEAN_FAMILIES` (Llama, Mistral,
+Qwen2, Qwen3, Phi-3: q/k/v/o + SwiGLU MLP + RMSNorm + the model's own rotary module, plus each row's
+extras) and runs this project's CPU kernels. `HFFallback` (the HF path) runs any other HF causal LM's
+own forward over a cache of ours (`_SlotLayer`) with masks we build.
 
 Both expose the same interface:
     runner.reset(batch, max_len)                       # allocate/zero the cache
-    logits, feats = runner(tokens [B,T], pos [B,T], s_len, logit_idx=None)
+    logits, feats = runner(tokens [B,T], pos [B,T], s_len, logit_idx=None, slots=None, mask=None)
+    runner.move(src [B,P], dst [B,P])                  # copy K/V between cache slots
 s_len (host int) is the number of cache slots attended (max position written + 1); `logit_idx`
 [B] picks one position per row for the LM head (prefill), else logits for all T positions.
 With `runner.aux_layers = (i, j, ...)` set (an EAGLE-3 draft's layers), the features returned are
 instead the residual streams entering those layers, concatenated [B, T, n*H] (vLLM's layer ids, HF's
 hidden_states[i]); None (the default) keeps the final-norm features.
 
-`LeanLlama` also verifies token trees (eval.tree): `runner(tokens, pos, s_len, slots=, mask=)` writes
-K/V at cache `slots` [B,T] (tree nodes sharing a position need their own slots) under an explicit
-attention `mask` [B,1,T,S], and `runner.move(src, dst)` copies the accepted path's K/V into place.
+Token trees (eval.tree): `runner(tokens, pos, s_len, slots=, mask=)` writes K/V at cache `slots` [B,T]
+(tree nodes sharing a position need their own slots) under an explicit attention `mask` [B,1,T,S], and
+`runner.move(src, dst)` copies the accepted path's K/V into place. Sliding-window layers see, on top of
+that mask, only slots within their window by position (`window_masks`).
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from transformers.cache_utils import CacheLayerMixin
 
 from .layers import KVCache
 from .kernels import MAX_ROWS, small_gemm
@@ -47,27 +53,91 @@ def cache_kwarg(fn) -> str:
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
-def _is_llama_like(model) -> bool:
+@dataclass(frozen=True)
+class LeanFamily:
+    """What the lean forward needs beyond Llama's layout for one `config.model_type` (LEAN_FAMILIES).
+    Attention/MLP biases need no row: the projections' own `.bias` is read wherever it is set (Qwen2)."""
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (`q_norm`, `k_norm`) before RoPE
+    fused: bool = False  # Phi-3: `qkv_proj` rows [q | k | v] and `gate_up_proj` rows [gate | up] (no q/k/v modules)
+
+
+# model_type -> its row. Sliding windows (Mistral, Phi-3, Qwen2/3 with use_sliding_window) need no flag:
+# every family's windows come from the config (`layer_windows`) and go into the attention mask. Partial
+# rotary (Phi-3's partial_rotary_factor) is read from the width of the model's own rotary module's cos.
+# Anything else (Gemma 2/3: (1+w) norms, scaled embeddings, GELU, softcapping; GPT-2; GPT-NeoX) runs on
+# the HF path (HFFallback), which decodes every family the same way, without this project's kernels.
+LEAN_FAMILIES: dict[str, LeanFamily] = {
+    "llama": LeanFamily(),
+    "mistral": LeanFamily(),
+    "qwen2": LeanFamily(),
+    "qwen3": LeanFamily(qk_norm=True),
+    "phi3": LeanFamily(fused=True),
+}
+
+
+def layer_windows(config, n_layers: int) -> list[int | None] | None:
+    """Each layer's sliding window (a key at position p is seen from position q iff p > q - W), as the
+    model's own mask builders read the config: `layer_types` where the config has them (Qwen2/3, Gemma),
+    else `sliding_window` on every layer (Mistral, Phi-3). None when no layer has a window."""
+    w = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise TypeError(f"{config.model_type}: layer types {sorted(unknown)} have no mask here "
+                            "(only full_attention and sliding_attention)")
+        wins = [w if t == "sliding_attention" else None for t in types[:n_layers]]
+    else:
+        wins = [w] * n_layers
+    return wins if any(x is not None for x in wins) else None
+
+
+def _lean_family(model) -> LeanFamily | None:
+    """The model's LEAN_FAMILIES row where its modules have the layout that row reads, else None."""
+    row = LEAN_FAMILIES.get(getattr(model.config, "model_type", None))
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if inner is None or layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
-        return False
-    cfg = model.config
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        return False
+    if row is None or layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return None
     l0 = layers[0]
     att, mlp = getattr(l0, "self_attn", None), getattr(l0, "mlp", None)
-    need_att = all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    need_mlp = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
-    act = getattr(cfg, "hidden_act", "silu")
-    return need_att and need_mlp and not hasattr(att, "q_norm") and act == "silu" \
+    fused = hasattr(att, "qkv_proj") and hasattr(mlp, "gate_up_proj")
+    need_att = fused or all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj"))
+    need_mlp = fused or all(hasattr(mlp, n) for n in ("gate_proj", "up_proj"))
+    ok = need_att and need_mlp and hasattr(att, "o_proj") and hasattr(mlp, "down_proj") \
+        and (fused or not row.fused) and hasattr(att, "q_norm") == row.qk_norm \
+        and getattr(model.config, "hidden_act", "silu") == "silu" \
         and hasattr(l0, "input_layernorm") and hasattr(l0, "post_attention_layernorm")
+    return row if ok else None
 
 
 def lean_supported(model) -> bool:
-    """Whether `make_runner` gives `model` the lean forward (ragged batches, trees) rather than the
-    batch-1 HF fallback."""
-    return _is_llama_like(model)
+    """Whether `make_runner` gives `model` the lean forward (LeanLlama: this project's kernels) rather
+    than the HF path (HFFallback). Both take ragged batches and token trees."""
+    return _lean_family(model) is not None
+
+
+def runner_path(model) -> str:
+    """"lean" or "hf": the forward `make_runner(model)` runs (docs/reference/architectures.md)."""
+    return "lean" if lean_supported(model) else "hf"
+
+
+def window_masks(mask: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, windows) -> dict:
+    """mask [B, 1, T, S] (which slots each query sees), pos/slots [B, T] of this forward -> {W: mask with
+    the slots older than W positions hidden} for each window W in `windows` (None: `mask` itself).
+    A slot written now holds its token's position; every other visible slot is a committed one, whose
+    position is its index (the cache is position-indexed), so trees get their nodes' true distances."""
+    B, S = mask.shape[0], mask.shape[-1]
+    cols = torch.arange(S, device=mask.device)
+    held = cols.expand(B, S).clone().scatter_(1, slots, pos)  # [B, S] position in each slot
+    return {w: mask if w is None else mask & (held[:, None, None, :] > pos[:, None, :, None] - w)
+            for w in set(windows)}
+
+
+def causal_mask(pos: torch.Tensor, s_len: int) -> torch.Tensor:
+    """pos [B, T] -> [B, 1, T, s_len]: query at position p sees slots 0..p of its own row (a chain)."""
+    cols = torch.arange(s_len, device=pos.device)
+    return (cols[None, None, :] <= pos[:, :, None])[:, None]
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -171,14 +241,19 @@ class LeanLlama:
     fuse=False calls the model's own q/k/v/gate/up modules: no copy, for drafts that share their
     layers with the target (eval.drafts.SelfSpecDraft); five projection calls per layer instead of two."""
 
+    path = "lean"
     trees = True  # slots/mask/move(): a token tree's nodes verified in one forward
     aux_layers: tuple[int, ...] | None = None  # features = the residual streams entering these layers
 
     def __init__(self, model, fuse: bool = True):
-        if not _is_llama_like(model):
-            raise TypeError(f"{type(model).__name__} is not a Llama-family decoder")
+        family = _lean_family(model)
+        if family is None:
+            raise TypeError(f"{type(model).__name__} is not a family the lean forward covers "
+                            f"({', '.join(LEAN_FAMILIES)}): use make_runner, which gives it the HF path")
         self.model = model
         cfg = model.config
+        self.qk_norm = family.qk_norm
+        self.windows = layer_windows(cfg, len(model.model.layers))  # per layer, None: no sliding layer
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -209,7 +284,7 @@ class LeanLlama:
                 att, mlp = layer.self_attn, layer.mlp
                 self.out[i] = (_module_linear(att.o_proj), _module_linear(mlp.down_proj))
                 if hasattr(att, "qkv_proj") and hasattr(mlp, "gate_up_proj"):
-                    self.fused[i] = (att.qkv_proj, mlp.gate_up_proj)
+                    self.fused[i] = (_module_linear(att.qkv_proj), _module_linear(mlp.gate_up_proj))
                     continue
                 qkv = [att.q_proj, att.k_proj, att.v_proj]
                 w_qkv = torch.cat([l.weight for l in qkv])
@@ -219,6 +294,11 @@ class LeanLlama:
                 self.fused[i] = (packed_linear(w_qkv, b_qkv), packed_linear(w_gu, b_gu))
             if fuse:
                 self.lm_head = _module_linear(model.lm_head)
+            elif family.fused:  # no q/k/v modules to fall back on: the model's own fused ones, uncopied
+                self.fused = [(l.self_attn.qkv_proj, l.mlp.gate_up_proj) for l in model.model.layers]
+            # Partial rotary (Phi-3's partial_rotary_factor): RoPE on the first `rot_dim` dims of each head.
+            self.rot_dim = model.model.rotary_emb(p[:1, None], torch.zeros(1, 1, dtype=torch.long,
+                                                                           device=self.device))[0].shape[-1]
         ext = small_gemm() if fuse and self.device.type == "cpu" and self.cache_dtype == torch.float32 else None
         self.attend = ext.attend if ext is not None and self.head_dim % 16 == 0 and self.head_dim <= 256 else None
         # Every forward of <= MAX_ROWS tokens rounds each row as a one-token step would (kernel matmuls
@@ -232,7 +312,10 @@ class LeanLlama:
         # The layer's elementwise steps fused (eval/kernels.py: residual add + RMSNorm, RoPE, SiLU * up),
         # for bf16 with our own fused projections: ~20 ATen ops per layer become 4.
         norms = [n for l in model.model.layers for n in (l.input_layernorm, l.post_attention_layernorm)] + [model.model.norm]
-        self.ew = ext if ext is not None and self.dtype == torch.bfloat16 and all(f is not None for f in self.fused) \
+        # Not for a table row's extra steps (q/k norms, partial rotary, per-layer sliding-window masks):
+        # those run _forward, with the same matmul and attention kernels.
+        plain = not self.qk_norm and self.rot_dim == self.head_dim and self.windows is None
+        self.ew = ext if ext is not None and plain and self.dtype == torch.bfloat16 and all(f is not None for f in self.fused) \
             and hasattr(ext, "add_rmsnorm") and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0 \
             and all(hasattr(n, "variance_epsilon") and n.weight.dtype == torch.bfloat16 for n in norms) else None
         if self.ew is not None:
@@ -288,9 +371,8 @@ class LeanLlama:
         # Query at position p sees slots 0..p of its own row; no mask when B == 1, T == 1 and every
         # attended slot is valid (s_len == pos + 1), which lets SDPA take its fast path. A tree round
         # passes its own mask (committed slots + the node's ancestors).
-        if mask is None and (T > 1 or B > 1):
-            cols = torch.arange(s_len, device=x.device)
-            mask = (cols[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+        if mask is None and (T > 1 or B > 1 or self.windows is not None):
+            mask = causal_mask(pos, s_len)  # [B, 1, T, S]
         # This project's attention kernel (eval/kernels.py) on CPU, where it builds: each row attends
         # over its visible slots in slot order with fixed-order sums, so a verify or tree forward gives
         # every row the numbers of a one-token step at its position (with the row-invariant matmuls:
@@ -300,6 +382,11 @@ class LeanLlama:
             vis = (mask[:, 0] if mask is not None else torch.ones(B, T, s_len, dtype=torch.bool)).contiguous()  # [B, T, S]
         if self.ew is not None:
             return self._forward_fused(x, cos, sin, slots, mask, vis, s_len, logit_idx)
+        # Sliding-window layers (LEAN_FAMILIES' windows): one mask (and kernel `vis`) per distinct window.
+        wm = None
+        if self.windows is not None:
+            wm = window_masks(mask, pos, slots, self.windows)
+            wm = {w: (mk, mk[:, 0].contiguous() if vis is not None else None) for w, mk in wm.items()}
         aux = self.aux_layers
         taps = {}  # layer id -> the residual stream entering it [B, T, H]
         for i, (layer, cache, fused, (o_proj, down_proj)) in enumerate(zip(m.layers, self.caches, self.fused,
@@ -312,9 +399,17 @@ class LeanLlama:
                 qk, v = fused[0](h).split([self.q_dim + self.kv_dim, self.kv_dim], -1)
             else:
                 qk, v = torch.cat([att.q_proj(h), att.k_proj(h)], -1), att.v_proj(h)
-            # RoPE on q and k together: one rotation per layer instead of two.
             qk = qk.view(B, T, nqk, self.head_dim)  # [B, T, nh + nkv, hd]
-            qk = qk * cos + _swap_halves(qk) * sin
+            if self.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+                qk = torch.cat([att.q_norm(qk[:, :, :self.n_heads]), att.k_norm(qk[:, :, self.n_heads:])], 2)
+            # RoPE on q and k together: one rotation per layer instead of two.
+            if self.rot_dim == self.head_dim:
+                qk = qk * cos + _swap_halves(qk) * sin
+            else:  # partial rotary: the dims past rot_dim pass through
+                r = qk[..., :self.rot_dim]
+                qk = torch.cat([r * cos + _swap_halves(r) * sin, qk[..., self.rot_dim:]], -1)
+            if wm is not None:
+                mask, vis = wm[self.windows[i]]
             q = qk[:, :, :self.n_heads].transpose(1, 2)  # [B, nh, T, hd]
             k = qk[:, :, self.n_heads:].transpose(1, 2)  # [B, nkv, T, hd]
             v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -395,48 +490,136 @@ class LeanLlama:
         return self._head(h, logit_idx, taps)  # h: after the final norm
 
 
-class HFFallback:
-    """Any HF causal LM with a `.model` body and an LM head, batch 1: DynamicCache cropped to the
-    position being written before each forward."""
+class _SlotLayer(CacheLayerMixin):
+    """One layer's keys/values [B, nkv, S_max, hd] for HF's attention modules, which call `update` like
+    on any HF cache: written at the runner's slots of this forward, the first s_len slots returned. HF's
+    StaticLayer writes at one cumulative offset for the whole batch, which ragged rows and tree nodes
+    are not, hence this layer."""
 
-    trees = False  # no slots/mask/move(): chains only
+    is_sliding = False  # windows are in the masks the runner passes, not in what the cache keeps
+
+    def __init__(self, runner: "HFFallback"):
+        super().__init__()
+        self.runner = runner  # .slots [B, T], .s_len, .max_len of the current forward
+
+    def lazy_initialization(self, key_states, value_states):
+        B, n_kv, _, hd = key_states.shape
+        S = self.runner.max_len
+        self.keys = key_states.new_zeros(B, n_kv, S, hd)
+        self.values = value_states.new_zeros(B, value_states.shape[1], S, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        KVCache.over(self.keys, self.values).write(self.runner.slots, key_states, value_states)
+        s = self.runner.s_len
+        return self.keys[:, :, :s], self.values[:, :, :s]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.runner.s_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.runner.s_len
+
+    def get_max_length(self) -> int:
+        return self.runner.max_len
+
+
+class HFFallback:
+    """The HF path: any HF causal LM's own forward, with ragged batches and token trees, like LeanLlama.
+    Its attention modules write into a preallocated position-indexed cache (`_SlotLayer`) at the slots
+    this runner picks, with explicit `position_ids` and a 4-D attention mask it builds (a chain: slot
+    visible iff slot <= pos; a tree: the tree's mask), so the model's own mask builders are skipped.
+    Sliding-window layers get the mask with slots older than the window hidden by position (one mask,
+    or HF's `{layer type: mask}` mapping where the model mixes full and sliding layers, e.g. Gemma 2/3).
+    ATen's matmuls and the model's attention (SDPA, or eager with an additive mask): slower than the lean
+    forward's kernels, and not row-invariant."""
+
+    path = "hf"
+    trees = True  # slots/mask/move(): a token tree's nodes verified in one forward
     row_invariant = False  # ATen's matmuls: a row's numbers may depend on the others in the forward
     aux_layers: tuple[int, ...] | None = None  # features = hidden_states[i] for these layers, concatenated
 
     def __init__(self, model):
-        from transformers import DynamicCache
-
         self.model = model
-        self._cache_cls = DynamicCache
-        self.cache = None
-        p = model.get_output_embeddings().weight
+        cfg = model.config
+        self.impl = cfg._attn_implementation
+        if self.impl not in ("sdpa", "eager"):
+            raise ValueError(f"{type(model).__name__}: the HF path passes its own 4-D masks, which need "
+                             f"attn_implementation 'sdpa' or 'eager', not {self.impl!r}: load it with one of those")
+        self.body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.head = model.get_output_embeddings()
+        p = self.head.weight
         self.dtype, self.device = p.dtype, p.device
+        n_layers = cfg.num_hidden_layers
+        self.windows = layer_windows(cfg, n_layers)
+        # HF's {layer type: mask} where the layers' windows differ (the model reads it per layer), else one mask
+        self.types = list(cfg.layer_types[:n_layers]) if self.windows is not None \
+            and len(set(self.windows)) > 1 else None
+        self.cache = None
+        self.slots, self.s_len, self.max_len, self.batch = None, 0, 0, 0
 
     def reset(self, batch: int, max_len: int) -> None:
-        if batch != 1:
-            raise NotImplementedError(
-                f"{type(self.model).__name__}: ragged batches need the lean Llama-family forward; use batch 1")
-        self.cache = self._cache_cls(config=self.model.config)
+        # Reuse the allocation when the shape fits; stale slots are never attended (the masks hide them).
+        if self.cache is not None and self.batch == batch and self.max_len >= max_len:
+            return
+        from transformers import Cache
 
-    def __call__(self, tokens, pos, s_len, logit_idx=None):
+        self.batch, self.max_len = batch, max_len
+        self.cache = Cache(layers=[_SlotLayer(self) for _ in range(self.model.config.num_hidden_layers)])
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads first)."""
+        for layer in self.cache.layers:
+            for t in (layer.keys, layer.values):  # [B, nkv, S_max, hd]
+                idx_s = src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])  # [B, nkv, P, hd]
+                t.scatter_(2, dst[:, None, :, None].expand_as(idx_s), t.gather(2, idx_s))
+
+    def __call__(self, tokens, pos, s_len, logit_idx=None, slots=None, mask=None):
         with cpu_gemv(tokens.numel(), self.device):
-            return self._forward(tokens, pos, s_len, logit_idx)
+            return self._forward(tokens, pos, s_len, logit_idx, slots, mask)
 
-    def _forward(self, tokens, pos, s_len, logit_idx):
-        start = int(pos[0, 0])  # host sync; the fallback is the slow path anyway
-        extra = self.cache.get_seq_length() - start
-        if extra > 0:
-            self.cache.crop(-extra)  # drop rejected drafts' slots (transformers 5: negative = tokens to remove)
-        body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+    def _masks(self, mask: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor):
+        """mask [B, 1, T, S] bool -> what the model's forward takes as attention_mask: one 4-D mask, or
+        {layer type: mask}; bool for SDPA, additive (0 / dtype min) for eager attention."""
+        if self.windows is not None:
+            wm = window_masks(mask, pos, slots, self.windows)
+            if self.types is None:
+                mask = wm[self.windows[0]]
+            else:
+                mask = {t: wm[w] for t, w in zip(self.types, self.windows)}
+        if self.impl == "eager":
+            fmt = lambda m: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(  # noqa: E731
+                ~m, torch.finfo(self.dtype).min)
+            return {t: fmt(m) for t, m in mask.items()} if isinstance(mask, dict) else fmt(mask)
+        return mask
+
+    def _forward(self, tokens, pos, s_len, logit_idx, slots, mask):
+        self.slots = pos if slots is None else slots  # [B, T] read by each layer's update
+        self.s_len = s_len
+        if mask is None:
+            mask = causal_mask(pos, s_len)  # [B, 1, T, S]
         aux = self.aux_layers
-        kw = {cache_kwarg(type(body).forward): self.cache} | ({"output_hidden_states": True} if aux is not None else {})
-        out = body(input_ids=tokens, position_ids=pos, use_cache=True, **kw)
-        feats = out.last_hidden_state
+        kw = {cache_kwarg(type(self.body).forward): self.cache} | ({"output_hidden_states": True} if aux is not None else {})
+        out = self.body(input_ids=tokens, position_ids=pos, attention_mask=self._masks(mask, pos, self.slots),
+                        use_cache=True, **kw)
+        feats = out.last_hidden_state  # [B, T, H] after the final norm
         ret = feats if aux is None else torch.cat([out.hidden_states[i] for i in aux], -1)  # [B, T, n*H]
-        head = self.model.get_output_embeddings()
         if logit_idx is not None:
-            return head(feats[torch.arange(tokens.shape[0]), logit_idx][:, None]), ret
-        return head(feats), ret
+            feats = feats[torch.arange(tokens.shape[0], device=feats.device), logit_idx][:, None]  # [B, 1, H]
+        return _final_logits(self.model.config, self.head(feats)), ret
+
+
+def _final_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """What the model's CausalLM forward does to the LM head's output, by config key: Granite's
+    `logits_scaling` (divides), Cohere's `logit_scale` (multiplies), Gemma 2/3's final softcapping."""
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "logit_scale", None):
+        logits = logits * config.logit_scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
 
 
 def aux_hidden_states(model, ids: torch.Tensor, attention_mask: torch.Tensor | None, layers) -> torch.Tensor:
@@ -457,6 +640,6 @@ def make_runner(model, lean: bool = True, fuse: bool | None = None):
     """The lean forward where the architecture allows it, else the HF fallback. fuse=None: fuse the
     projections unless the model says not to (`lean_fuse = False`: its weights are shared with the
     target, so fused copies would duplicate them)."""
-    if lean and _is_llama_like(model):
+    if lean and lean_supported(model):
         return LeanLlama(model, getattr(model, "lean_fuse", True) if fuse is None else fuse)
     return HFFallback(model)

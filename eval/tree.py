@@ -13,7 +13,7 @@ Layout of one round, per row b (node 0 is the current token, at position n_b):
     depth   [B, N+1]     node depth; node j sits at position n_b + depth[b, j]
     anc     [B, N+1, N+1] anc[b, j, i]: node i is node j or one of its ancestors
 Every node gets its own cache slot n_b + j; after the round the accepted path's K/V move to the
-consecutive slots n_b + 1..n_b + a (`LeanLlama.move`), so the cache stays position-indexed.
+consecutive slots n_b + 1..n_b + a (the runner's `move`), so the cache stays position-indexed.
 
 Only greedy decoding verifies trees: lossless sampling over a tree needs multi-draft rejection
 (SpecInfer's), which the chain decoder's `verify_sample` does not cover; sampling uses chains.

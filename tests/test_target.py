@@ -115,3 +115,29 @@ def test_move_copies_every_layers_slots_reading_before_writing(B):
         assert torch.equal(r.K[:, b], want_k) and torch.equal(r.V[:, b], want_v)
     for layer, c in enumerate(r.caches):  # the per-layer caches the forward writes are views of K and V
         assert c.k.data_ptr() == r.K[layer].data_ptr() and c.v.data_ptr() == r.V[layer].data_ptr()
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere"])
+def test_llama_shaped_models_outside_the_table_take_the_hf_path(family):
+    """Granite and Cohere have Llama-like modules but scale what Llama does not (Granite: embeddings,
+    residuals, attention and logits; Cohere: LayerNorm, logits): the table of families (LEAN_FAMILIES),
+    not the module layout, gives the lean forward, and the HF path's logits are the model's own."""
+    import transformers as tf
+
+    from eval.target import HFFallback, lean_supported, make_runner, runner_path
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = tf.GraniteConfig(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                           logits_scaling=4.0, **common) if family == "granite" \
+        else tf.CohereConfig(logit_scale=0.25, **common)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    assert not lean_supported(model) and runner_path(model) == "hf"
+    r = make_runner(model)
+    assert isinstance(r, HFFallback)
+    ids = torch.randint(3, 64, (2, 9))
+    r.reset(2, 16)
+    with torch.no_grad():
+        logits, _ = r(ids, torch.arange(9).expand(2, 9), 9)
+        torch.testing.assert_close(logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
