@@ -33,8 +33,6 @@ from .target import cache_kwarg
 
 ADAPTER_FILE = "adapter.safetensors"
 
-# The families whose layers the lean forward runs one by one (eval/target.py), for the refusal message.
-LEAN_FAMILIES = ("llama", "qwen2", "mistral without a sliding window")
 # The methods that apply to every family: they read the target's features or copy its layers whole.
 ANY_FAMILY_METHODS = "medusa, eagle, eagle3 or draft_lm"
 
@@ -46,15 +44,14 @@ class DraftError(ValueError):
 def runs_layer_by_layer(model) -> bool:
     """Whether draftsmith's lean forward runs `model`'s layers itself (what self_spec and int8 reuse)
     rather than handing the whole forward to HF."""
-    path = getattr(runner, "runner_path", None)
-    return path(model) == "lean" if path is not None else runner.lean_supported(model)
+    return runner.runner_path(model) == "lean"
 
 
 def check_layer_by_layer(what: str, model, others: str = ANY_FAMILY_METHODS) -> None:
     """Refuse `what` (a method that runs the target's own layers) on a target the lean forward does not
     run, in one line naming the architecture and the methods that can."""
     if not runs_layer_by_layer(model):
-        raise DraftError(f"{what} needs a target draftsmith runs layer by layer ({', '.join(LEAN_FAMILIES)}, ...); "
+        raise DraftError(f"{what} needs a target draftsmith runs layer by layer ({', '.join(runner.LEAN_FAMILIES)}); "
                          f"this target is {describe(model)}: use {others}")
 
 
@@ -260,6 +257,14 @@ class SelfSpecDraft(nn.Module):
 class _Int8Attention(nn.Module):
     def __init__(self, att, dtype):
         super().__init__()
+        if hasattr(att, "q_norm"):  # Qwen3: per-head q/k norms, shared like the layer norms
+            self.q_norm, self.k_norm = att.q_norm, att.k_norm
+        self.o_proj = Int8Linear.quantize(att.o_proj.weight, att.o_proj.bias, dtype)
+        if hasattr(att, "scaling"):
+            self.scaling = att.scaling
+        if hasattr(att, "qkv_proj"):  # Phi-3: already fused [q | k | v], which the lean forward reads as it is
+            self.qkv_proj = Int8Linear.quantize(att.qkv_proj.weight, att.qkv_proj.bias, dtype)
+            return
         q, k, v = att.q_proj, att.k_proj, att.v_proj
         self.qkv_proj = Int8Linear.cat([Int8Linear.quantize(p.weight, p.bias, dtype, pack=False) for p in (q, k, v)])
         nq, nk = q.out_features, k.out_features
@@ -267,19 +272,19 @@ class _Int8Attention(nn.Module):
         self.q_proj = self.qkv_proj.rows(0, nq)
         self.k_proj = self.qkv_proj.rows(nq, nq + nk)
         self.v_proj = self.qkv_proj.rows(nq + nk, nq + 2 * nk)
-        self.o_proj = Int8Linear.quantize(att.o_proj.weight, att.o_proj.bias, dtype)
-        if hasattr(att, "scaling"):
-            self.scaling = att.scaling
 
 
 class _Int8MLP(nn.Module):
     def __init__(self, mlp, dtype):
         super().__init__()
+        self.down_proj = Int8Linear.quantize(mlp.down_proj.weight, mlp.down_proj.bias, dtype)
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: already fused [gate | up]
+            self.gate_up_proj = Int8Linear.quantize(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, dtype)
+            return
         g, u = mlp.gate_proj, mlp.up_proj
         self.gate_up_proj = Int8Linear.cat([Int8Linear.quantize(p.weight, p.bias, dtype, pack=False) for p in (g, u)])
         n = g.out_features
         self.gate_proj, self.up_proj = self.gate_up_proj.rows(0, n), self.gate_up_proj.rows(n, 2 * n)
-        self.down_proj = Int8Linear.quantize(mlp.down_proj.weight, mlp.down_proj.bias, dtype)
 
 
 class _Int8Layer(nn.Module):

@@ -35,8 +35,8 @@ def _config(name: str, vocab: int, layers: int, hidden: int, special: dict):
     if name == "gemma3":
         return tf.Gemma3TextConfig(head_dim=hidden // heads, sliding_window=SLIDING_WINDOW,
                                    sliding_window_pattern=2, **common)
-    if name == "phi3":
-        return tf.Phi3Config(**common)
+    if name == "phi3":  # its config's default pad id (32000) lies outside a tiny vocabulary
+        return tf.Phi3Config(**{"pad_token_id": 0, **common})
     if name == "gpt2":
         return tf.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=512,
                              initializer_range=0.1, **special)

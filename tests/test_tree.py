@@ -117,13 +117,17 @@ def test_tree_rounds_move_the_accepted_path(target, ref, k):
         assert res.stats["tree_rounds"] == res.stats["rounds"]  # every round after prefill was a tree
 
 
-def test_trees_off_without_the_lean_runner_or_when_asked(target, ref):
-    """The HF fallback runner has no slots/mask/move: the decoder verifies chains there."""
-    for dec in (SpeculativeDecoder(target, OracleTree(ref[:1]), k=3, lean=False),
-                SpeculativeDecoder(target, OracleTree(ref[:1]), k=3, tree=False)):
-        assert not dec.tree
-        res = dec.generate([PROMPTS[0]], max_new_tokens=N_NEW)
-        assert res.sequences == ref[:1] and res.stats["tree_rounds"] == 0
+def test_trees_off_when_asked_and_on_the_hf_path(target, ref):
+    """tree=False verifies chains; the HF path (lean=False) verifies trees as the lean runner does."""
+    dec = SpeculativeDecoder(target, OracleTree(ref[:1]), k=3, tree=False)
+    assert not dec.tree
+    res = dec.generate([PROMPTS[0]], max_new_tokens=N_NEW)
+    assert res.sequences == ref[:1] and res.stats["tree_rounds"] == 0
+    for prompts, refs in (([PROMPTS[0]], ref[:1]), (PROMPTS, ref)):  # batch 1 and ragged
+        dec = SpeculativeDecoder(target, OracleTree(refs), k=3, lean=False)
+        assert dec.tree and dec.runner.path == "hf"
+        res = dec.generate(prompts, max_new_tokens=N_NEW)
+        assert res.sequences == refs and res.stats["tree_rounds"] == res.stats["rounds"]
 
 
 class FixedChain(Proposer):
