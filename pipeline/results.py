@@ -134,18 +134,21 @@ def render_distills(results: list[dict], machines: dict) -> str:
     for r in runs:
         f = r["figures"]
         vs = f["speedup"] / f["ngram_speedup"] if f.get("speedup") and f.get("ngram_speedup") else None
-        rows.append([r["id"], r["date"], f"`{r['machine']}`", _wall(f.get("wall_s")), f.get("promoted", "–"),
+        rows.append([r["id"], f.get("domain", "code"), r["date"], f"`{r['machine']}`", _wall(f.get("wall_s")),
+                     f.get("promoted", "–"),
                      _x(f.get("speedup")), _num(f.get("tau"), ".2f"), _num(f.get("alpha"), ".3f"),
                      _num(f.get("tokens_per_s_plain"), ".1f"), _x(f.get("ngram_speedup")), _x(vs),
                      _num(f.get("max_nodes"), "d")]
                     + ([_sampled(f), _num(f.get("sampled_tau"), ".2f"), _x(f.get("ngram_sampled_speedup"))]
                        if sampled else []))
-    out = _table(["run", "date", "machine", "wall", "promoted", "speedup", "τ", "α", "plain tok/s",
+    out = _table(["run", "domain", "date", "machine", "wall", "promoted", "speedup", "τ", "α", "plain tok/s",
                   "n-gram", "vs n-gram", "tree nodes"]
                  + (["speedup sampled", "τ sampled", "n-gram sampled"] if sampled else []), rows)
     out.append("")
     for r in runs:
         out.append(f"- **{r['id']}**: {r['title']}. {_provenance(r, machines)}.")
+        if r["figures"].get("json_parse_rate") is not None:
+            out.append(f"  The target's own answers that hold valid JSON: {r['figures']['json_parse_rate']:.1%}.")
         if r.get("notes"):
             out.append(f"  {r['notes']}")
     return "\n".join(out)
@@ -188,10 +191,13 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
            "[docs/results/](results/); do not edit this page. Every figure carries the command that made "
            "it, the machine, the date, the commit and the decoder's serving revision "
            "(`eval.decoder.SERVING_REV`; what each revision changed: [CHANGELOG.md](../CHANGELOG.md)). "
-           "All are greedy, batch 1, bf16, 128 new tokens on held-out HumanEval prompts, with the "
-           "embedded target (SmolLM2-135M-Instruct); speedups are over plain decoding in this project's "
-           "decoder, the two taking turns prompt by prompt. Speed on these machines drifts from minute "
-           "to minute, so only ratios within one run compare.", "",
+           "All are batch 1, bf16, 128 new tokens, with the embedded target (SmolLM2-135M-Instruct), "
+           "judged on each domain's own held-out prompts: HumanEval for code, and for chat and json "
+           "requests the target wrote from a seed never used for training (data/README.md). Figures are "
+           "greedy; the sampled columns are at the recipe's serving temperature (evaluate.temperature). "
+           "Speedups are over plain decoding in this project's decoder, the two taking turns prompt by "
+           "prompt. Speed on these machines drifts from minute to minute, so only ratios within one run "
+           "compare.", "",
            "## Headline", "", render_headline(results, machines), "",
            "## Distill runs", "", render_distills(results, machines), ""]
     compares = [r for r in results if r["kind"] == "compare"]
@@ -287,8 +293,11 @@ def run_record(run_dir: Path, machine: str, *, command=None, wall_s=None, commit
         "checkpoints": [{k: c.get(k) for k in ("name", "tau", "speedup")} for c in m.get("checkpoints", [])],
         "train_steps": train.get("steps"), "train_sequences": train.get("n_sequences"),
         "train_tokens_per_s": train.get("tokens_per_s"), "generate_engine": gen.get("engine"),
-        "versions": gen.get("versions"),
+        "versions": gen.get("versions"), "domain": domain,
     }
+    data = _read_json(run_dir / "data.json", required=False)  # data.source=self: what the target wrote
+    if data.get("json_parse_rate") is not None:
+        figures["json_parse_rate"] = data["json_parse_rate"]
     if sampled:
         figures |= {"temperature": sampled["temperature"], "top_p": sampled["top_p"],
                     "sampled_speedup": draft_t.get("speedup"), "sampled_tau": draft_t.get("tau"),

@@ -27,7 +27,7 @@ def test_renders_a_distill_result(tmp_path):
     _write(tmp_path, "2026-01-02-distill-tiny.json", DISTILL)
     _write(tmp_path, "machines.json", MACHINES)
     page = results.render(tmp_path)
-    assert ("| 2026-01-02-distill-tiny | 2026-01-02 | `box` | 2 min 05 s | medusa+ngram | 2.00× | 3.50 | 0.500 | "
+    assert ("| 2026-01-02-distill-tiny | code | 2026-01-02 | `box` | 2 min 05 s | medusa+ngram | 2.00× | 3.50 | 0.500 | "
             "80.0 | 1.60× | 1.25× | 4 |") in page
     assert "| a tiny distill | `make distill DOMAIN=code` | a test box | 2.00× | 3.50 | 1.60× | 2026-01-02 |" in page
     assert "commit `abc1234` · serving revision `rev-1`" in page
@@ -65,7 +65,7 @@ def test_run_imports_metrics_and_renders(tmp_path):
         (1926, 2.04, 4.03, 1.82, 6, 900)
     assert f["checkpoints"] == [{"name": "checkpoint-000900", "tau": 1.49, "speedup": 1.2}]
     page = (docs / "results.md").read_text()
-    assert "| 2026-01-03-distill-20260103-120000 | 2026-01-03 | `box` | 32 min 06 s | medusa+ngram | 2.04× |" in page
+    assert "| 2026-01-03-distill-20260103-120000 | code | 2026-01-03 | `box` | 32 min 06 s | medusa+ngram | 2.04× |" in page
     text = readme.read_text()
     assert "old" not in text and text.endswith(f"{results.HEADLINE_END}\nrest\n")
     assert "| distill of domain code, run 20260103-120000 |" in text
