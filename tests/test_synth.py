@@ -102,15 +102,15 @@ def test_self_source_drives_a_tiny_distill(tmp_path, monkeypatch):
     assert m["n_prompts"] == 2  # evaluate.n_prompts of the synthesised held-out requests
 
 
-def test_self_source_with_no_requests_kept_fails_in_one_line(tmp_path, monkeypatch):
+def test_self_source_with_no_requests_kept_fails_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     target = save_word_llama(tmp_path / "target", _chat_tok())
     args = ["distill", "--recipe", "recipes/code.yaml", f"target={target}", "dtype=float32",
             f"runs_dir={tmp_path / 'runs'}", "wandb.mode=disabled", *TINY_BUDGET, "train.draft_vocab_size=0",
             "data.source=self", "data.synth.prompts=4", "data.synth.min_chars=100000", "data.synth.batch_size=4"]
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    assert e.value.code != 0
+    assert main(args) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("draftsmith")]
+    assert len(err) == 1 and "data.source=self kept 0 training" in err[0] and "data.synth.min_chars" in err[0]
 
 
 def test_synth_options_are_checked():
