@@ -153,20 +153,28 @@ def temperature_section(m: dict) -> list[str]:
 
 
 def data_section(run_dir: Path) -> list[str]:
-    """Where the prompts came from, when the data stage recorded it in run_dir/data.json."""
+    """Where the prompts came from, when the generate stage recorded it in run_dir/data.json (data.source=self:
+    pipeline/synth.py's counts of what the target wrote and what was dropped, and the JSON parse rate)."""
     p = Path(run_dir) / "data.json"
     if not p.exists():
         return []
     d = json.loads(p.read_text())
-    dropped = d.get("dropped")
-    if isinstance(dropped, dict):
-        dropped = ", ".join(f"{k}: {v}" for k, v in dropped.items()) or "none"
-    lines = ["", "## Data", "", f"- source: {d.get('source')}",
-             f"- prompts: {d.get('n_train')} for training, {d.get('n_heldout')} held out"]
-    if dropped is not None:
-        lines.append(f"- dropped: {dropped}")
+    lines = ["", "## Data", "", f"- source: {d.get('source')}"
+             + (" (requests written by the target from its chat template's user turn, Magpie)"
+                if d.get("source") == "self" else "")]
+    if d.get("system"):
+        lines.append(f"- system prompt: {d['system']!r}")
+    if d.get("seeds"):
+        lines.append(f"- request beginnings: {', '.join(repr(x) for x in d['seeds'])}")
+    for split, n_key in (("train", "n_train_requests"), ("heldout", "n_heldout_requests")):
+        c = d.get(split)
+        if isinstance(c, dict) and n_key in d:
+            drops = ", ".join(f"{k} {v}" for k, v in c.items() if k != "sampled") or "none"
+            lines.append(f"- {'training' if split == 'train' else 'held-out'} requests: {d[n_key]} kept of "
+                         f"{c.get('sampled')} sampled (dropped: {drops})")
     if d.get("json_parse_rate") is not None:
-        lines.append(f"- JSON parse rate of the target's outputs: {d['json_parse_rate']:.1%}")
+        lines.append(f"- the target's answers that hold valid JSON: {d['json_parse_rate']:.1%} of "
+                     f"{d.get('json_checked')}")
     return lines
 
 

@@ -127,19 +127,24 @@ def test_evaluate_again_reads_the_sampled_measurements_back(sampled_run, tiny_ta
 
 
 def test_data_section_from_data_json(sampled_run, tmp_path):
+    """The report's Data section reads data.json as pipeline/synth.py writes it."""
     from pipeline.report import write_report
 
     run = tmp_path / "run"
     shutil.copytree(sampled_run, run, symlinks=True)
-    (run / "data.json").write_text(json.dumps({"source": "self", "n_train": 120, "n_heldout": 16,
-                                               "dropped": {"duplicate": 3, "too_long": 1}, "json_parse_rate": 0.875}))
+    (run / "data.json").write_text(json.dumps({
+        "source": "self", "method": "magpie", "system": "JSON only.", "seeds": ["Give me"],
+        "train": {"sampled": 130, "truncated": 7, "duplicate": 3}, "heldout": {"sampled": 17, "short": 1},
+        "n_train_requests": 120, "n_heldout_requests": 16, "json_parse_rate": 0.875, "json_checked": 120}))
     report = write_report(run).read_text()
-    assert "## Data\n\n- source: self\n- prompts: 120 for training, 16 held out\n- dropped: duplicate: 3, too_long: 1\n" \
-           "- JSON parse rate of the target's outputs: 87.5%" in report
-    (run / "data.json").write_text(json.dumps({"source": "prompts.jsonl", "n_train": 5, "n_heldout": 2,
-                                               "dropped": 0, "json_parse_rate": None}))
+    assert ("- system prompt: 'JSON only.'\n- request beginnings: 'Give me'\n"
+            "- training requests: 120 kept of 130 sampled (dropped: truncated 7, duplicate 3)\n"
+            "- held-out requests: 16 kept of 17 sampled (dropped: short 1)\n"
+            "- the target's answers that hold valid JSON: 87.5% of 120") in report
+    (run / "data.json").write_text(json.dumps({"source": "self", "n_train_requests": 5, "n_heldout_requests": 2,
+                                               "train": {"sampled": 5}, "heldout": {"sampled": 2}}))
     report = write_report(run).read_text()
-    assert "- dropped: 0\n" in report and "JSON parse rate" not in report
+    assert "(dropped: none)" in report and "valid JSON" not in report
 
 
 def test_default_recipe_keys_unchanged_and_greedy_keys_ignore_sampling():
