@@ -400,6 +400,11 @@ def main(argv=None) -> int:
         return 2
     if accelerator.is_main_process:
         print(f"[train] {out} complete ({accelerator.num_processes} process(es))")
+    # every process leaves the group together: one exiting while gloo's threads still serve the other aborted it
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -117,11 +117,11 @@ def test_trees_equal_plain(device, target, draft, hf_ref, name):
 
 @pytest.mark.parametrize("name", ["plain", "ngram", "draft_lm"])
 def test_hf_fallback_equals_plain(device, target, draft, hf_ref, name):
-    """The HF forward with a cropped DynamicCache (the path of targets that are not Llama-shaped), batch 1;
-    the draft LM on the fallback too."""
+    """The HF path (the model's own forward over our slot cache and masks: targets outside the lean table),
+    batch 1; the draft LM on the HF path too."""
     prop = {"plain": None, "ngram": NgramProposer(), "draft_lm": DraftLMProposer(draft, V, lean=False)}[name]
     dec = SpeculativeDecoder(target, prop, k=3, lean=False)
-    assert not dec.runner.trees
+    assert dec.runner.path == "hf" and dec.runner.trees
     assert [dec.generate([p], max_new_tokens=N_NEW).sequences[0] for p in PROMPTS] == hf_ref
 
 
@@ -225,7 +225,7 @@ def test_compiled_step_samples_losslessly(one_compile_thread):
 
 
 def test_compile_refuses_the_hf_fallback():
-    with pytest.raises(ValueError, match="compile=True needs the lean Llama-family forward"):
+    with pytest.raises(ValueError, match="compile=True needs the lean forward"):
         SpeculativeDecoder(decoder_llama(0), None, lean=False, compile=True)
 
 
