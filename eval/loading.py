@@ -132,3 +132,13 @@ def tokenizers_match(a, b) -> bool:
     """Same vocabulary and special tokens: a draft's token ids mean the same as the target's."""
     return (a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
             and a.bos_token_id == b.bos_token_id)
+
+
+def target_eos_ids(model, tokenizer) -> set[int]:
+    """The token ids that end the target's turn: its generation config's EOS id(s) and the tokenizer's."""
+    ids = set()
+    for v in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if v is None:
+            continue
+        ids.update(v if isinstance(v, (list, tuple)) else [v])
+    return ids

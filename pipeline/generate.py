@@ -12,8 +12,8 @@ Prompts are sorted by token length (then id) and cut into batches; shard i holds
 so the rows do not depend on the process count. Sampling (temperature > 0) reseeds from
 (recipe.seed, batch index) before each batch, for the same reason.
 
-Completions come from this project's decoder (plain decoding, ragged batches) on every family whose
-runner takes batches, else from HF `generate` (see `make_decoder`); `generate.engine` picks HF `generate`
+Completions come from this project's decoder (plain decoding, ragged batches on every family's runner;
+see `make_decoder`); `generate.engine` picks HF `generate`
 or vLLM instead (its own venv, through pipeline/engines: `vllm_rows`, whose top-k come from vLLM's
 decode loop). Otherwise log-probs come from one teacher-forced HF forward over prompt+completion
 rather than the decode loop's logits: that is the parallel forward the speculative decoder's verify
@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from eval.loading import target_eos_ids
 
 from . import shards
 from .config import drop_later_defaults, stable_hash
@@ -78,15 +80,6 @@ def _manifest_lock(stage_dir: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def target_eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for v in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if v is None:
-            continue
-        ids.update(v if isinstance(v, (list, tuple)) else [v])
-    return ids
-
-
 def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
     """[(id, prompt_ids)] sorted by (length, id), cut into batches."""
     enc = sorted(((r["id"], encode_prompt(r, tokenizer, chat)) for r in rows), key=lambda x: (len(x[1]), x[0]))
@@ -94,35 +87,20 @@ def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
 
 
 def make_decoder(model, engine: str = "draftsmith"):
-    """This project's decoder (eval/decoder.py, plain decoding) for the generate stage where
-    generate.engine is 'draftsmith' and its runner takes ragged batches for this target (every family
-    once the HF path does), else None: HF `generate` (generate.engine=hf).
+    """This project's decoder (eval/decoder.py, plain decoding, ragged batches on every family's runner)
+    for the generate stage where generate.engine is 'draftsmith', else None: HF `generate` (engine=hf).
     Why not HF `generate` for all: it is slower on CPU (docs/reference/kernels.md), and its bf16 greedy
     tokens are not the ones the served decoder produces (they differ at near-ties: HF's attention runs in
     bf16, ours in fp32), while drafts are judged against the served decoder's. The decoder's batches are
     ragged: each row at its own positions, so a row's tokens do not depend on the batch it is in."""
     from eval.decoder import SpeculativeDecoder
 
-    return SpeculativeDecoder(model, None, k=1) if engine == "draftsmith" and decoder_batches(model) else None
+    return SpeculativeDecoder(model, None, k=1) if engine == "draftsmith" else None
 
 
-def decoder_batches(model) -> bool:
-    """Whether the decoder's runner for `model` takes ragged batches: asked of the runner itself (a
-    runner that cannot says so at reset), so no family list is kept here."""
-    from eval.target import make_runner
-
-    try:
-        make_runner(model, fuse=False).reset(2, 2)
-    except NotImplementedError:
-        return False
-    return True
-
-
-def engine_name(engine: str, model) -> str:
+def engine_name(engine: str) -> str:
     """The manifest's "engine": who decoded the rows."""
-    if engine == "vllm":
-        return "vllm"
-    return "draftsmith-decoder" if engine == "draftsmith" and decoder_batches(model) else "transformers-generate"
+    return {"vllm": "vllm", "draftsmith": "draftsmith-decoder"}.get(engine, "transformers-generate")
 
 
 @torch.no_grad()
@@ -236,7 +214,7 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
     n_shards = math.ceil(len(batches) / g.batches_per_shard)
     header = {"recipe_hash": recipe.hash(), "generate_hash": generate_hash(recipe), "target": recipe.target,
               "versions": _versions(), "top_k": g.top_k_logprobs, "n_shards_expected": n_shards,
-              "engine": engine_name(g.engine, model), "complete": False}
+              "engine": engine_name(g.engine), "complete": False}
 
     done = _keep_finished_shards(stage, header, n_shards, accelerator)
     todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done]

@@ -82,10 +82,9 @@ def user_turn(tokenizer, system: str | None) -> tuple[str, str]:
 
 def _stop_ids(model, tokenizer, close: str) -> set[int]:
     """Token ids that end a request: the model's EOS ids and the first token of the turn-closing text."""
-    ids = set()
-    for v in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if v is not None:
-            ids.update(v if isinstance(v, (list, tuple)) else [v])
+    from eval.loading import target_eos_ids
+
+    ids = target_eos_ids(model, tokenizer)
     if close:
         ids.add(tokenizer(close, add_special_tokens=False)["input_ids"][0])
     return ids
