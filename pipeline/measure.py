@@ -83,6 +83,9 @@ def _acceptance(per: list[dict]) -> dict:
     return {"accept_len_hist": hist, "accept_per_pos": per_pos}
 
 
+PER_PROMPT_KEYS = ("n_tokens", "wall_s", "target_forwards", "proposed", "accepted")
+
+
 def aggregate(per: list[dict]) -> dict:
     """Sum counters over batch-1 runs; rates are recomputed from the sums, not averaged."""
     n_tokens, wall = _sum(per, "n_tokens"), _sum(per, "wall_s")
@@ -96,6 +99,8 @@ def aggregate(per: list[dict]) -> dict:
     out["tau"] = n_tokens / out["target_forwards"] if out["target_forwards"] else 0.0
     out["alpha"] = out["accepted"] / out["proposed"] if out["proposed"] else 0.0
     out |= _acceptance(per)
+    # per prompt, in prompt order: what a paired bootstrap over prompts and the worst-prompt list read
+    out["per_prompt"] = [{k: s.get(k) for k in PER_PROMPT_KEYS} for s in per]
     cs = [(s["c"], s.get("proposed", 0)) for s in per if s.get("c") is not None]
     w = sum(x[1] for x in cs)
     out["c"] = sum(c * n for c, n in cs) / w if w else None
