@@ -9,6 +9,7 @@
     draftsmith export --draft runs/code/latest/best --format speculators|eagle3|medusa|hf --out DIR
                       [--verifier TARGET] [--k K] [--force]
     draftsmith verify-export --export DIR [--target HF_DIR] [--prompts P.jsonl] [--n N] [--k K] [--json OUT]
+    draftsmith drafts list|show [ID]|rollback [--to ID] --domain D [--runs-dir runs]
     draftsmith recipe-help
 
 Errors a user can fix (a bad recipe key, a missing model, empty data, a corrupted shard...) print
@@ -19,6 +20,7 @@ rerunning the same command resumes an interrupted run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -79,7 +81,14 @@ def open_run(recipe: Recipe, *, for_stage: bool, new: bool = False) -> Path:
         if for_stage:
             raise RecipeError(f"no run under {domain_dir}; run `draftsmith distill` or `draftsmith generate` "
                               f"first, or pass --run-id")
-        run_id = time.strftime("%Y%m%d-%H%M%S")
+        from .lock import new_run_id
+
+        for _ in range(100):  # claim a fresh directory: another process may draw the same id
+            try:
+                (domain_dir / (run_id := new_run_id())).mkdir(parents=True)
+                break
+            except FileExistsError:
+                continue
     run_dir = domain_dir / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     import yaml
@@ -88,6 +97,9 @@ def open_run(recipe: Recipe, *, for_stage: bool, new: bool = False) -> Path:
     if not _read_status(run_dir):
         _write_status(run_dir, recipe_hash=recipe.hash(), complete=False, started=time.time())
     _point_latest(run_dir)
+    from .lock import note_run
+
+    note_run(domain_dir, run_id)
     return run_dir
 
 
@@ -260,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--run-dir", help="write the held-out prompts this run was judged on instead (runs/<domain>/<id>: "
                     "its own split of your data, or its synthesised requests)")
     sub.add_parser("recipe-help", help="every recipe key with its default and meaning")
+    from . import registry
+
+    registry.add_parser(sub)
     from .export import FORMATS
 
     e = sub.add_parser("export", help="write a draft in a format vLLM, SGLang or HF loads")
@@ -288,6 +303,29 @@ def _verify_export_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--eager", action="store_true", help="skip vLLM's torch.compile (starts faster, decodes slower)")
 
 
+def _lock_domain(recipe: Recipe, cmd: str) -> None:
+    """One writing job per domain (pipeline/lock.py); under `accelerate launch` only rank 0 holds it."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        from .lock import DomainLock
+
+        _locks.append(DomainLock(Path(recipe.runs_dir) / recipe.domain, f"draftsmith {cmd}", recipe.run_id).acquire())
+
+
+_locks: list = []
+
+
+def _releasing_locks(fn):
+    """The domain lock main took goes when main returns or raises."""
+    def wrapped(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        finally:
+            while _locks:
+                _locks.pop().release()
+    return functools.wraps(fn)(wrapped)
+
+
+@_releasing_locks
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # bench owns its arguments and imports nothing from pipeline's stages
@@ -327,7 +365,12 @@ def main(argv: list[str] | None = None) -> int:
                           n=args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype, json_out=args.json,
                           workdir=args.workdir, eager=args.eager)
             return 0
+        if args.cmd == "drafts":
+            from .registry import command
+
+            return command(args)
         recipe = _recipe_from(args)
+        _lock_domain(recipe, args.cmd)  # released when main returns
         if args.cmd == "distill":
             distill(recipe, new=args.new)
             return 0
