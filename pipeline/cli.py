@@ -93,7 +93,9 @@ def open_run(recipe: Recipe, *, for_stage: bool, new: bool = False) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     import yaml
 
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    from .atomic import write_text_atomic
+
+    write_text_atomic(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     if not _read_status(run_dir):
         _write_status(run_dir, recipe_hash=recipe.hash(), complete=False, started=time.time())
     _point_latest(run_dir)
