@@ -90,7 +90,7 @@ def holder_state(h: dict) -> str:
     if h.get("host") != socket.gethostname():
         return "unknown"
     pid = h.get("pid")
-    if not isinstance(pid, int) or not pid_alive(pid):
+    if not isinstance(pid, int) or pid <= 0 or not pid_alive(pid):
         return "dead"
     start = process_start(pid)
     if h.get("start") is not None and start is not None and start != h["start"]:
@@ -165,7 +165,11 @@ class DomainLock:
                     continue  # released between our two looks
                 if h == {}:
                     # a lock that is not JSON: only a writer without hard links, killed mid-write, leaves one
-                    if time.time() - self.path.stat().st_mtime < 10:
+                    try:
+                        young = time.time() - self.path.stat().st_mtime < 10
+                    except FileNotFoundError:
+                        continue
+                    if young:
                         time.sleep(0.5)
                         continue
                     why = "an unreadable lock file"

@@ -141,3 +141,16 @@ def test_a_read_only_runs_dir_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and "cannot write the lock file" in err and "Permission denied" in err
     finally:
         runs.chmod(0o700)
+
+
+def test_an_unreadable_old_lock_is_taken_over(tmp_path, capsys):
+    domain = tmp_path / "code"
+    domain.mkdir()
+    (domain / LOCK_FILE).write_text('{"pid": 12')  # a writer killed mid-write, a minute ago
+    os.utime(domain / LOCK_FILE, (time.time() - 60, time.time() - 60))
+    with DomainLock(domain, "draftsmith distill"):
+        pass
+    assert "taking over an unreadable lock file" in capsys.readouterr().err
+    write_holder(domain, pid=0)  # nonsense pids are nobody
+    with DomainLock(domain, "draftsmith distill"):
+        pass
