@@ -256,13 +256,18 @@ class Registry:
         text = self.decisions_path.read_text() if self.decisions_path.exists() else ""
         if text and not text.endswith("\n"):
             text += "\n"
-        write_text_atomic(self.decisions_path, text + json.dumps(d, sort_keys=True) + "\n",
+        write_text_atomic(self.decisions_path, text + json.dumps(d, sort_keys=True, default=str) + "\n",
                           before_replace=lambda: kill_point("registry.decisions_tmp"))
 
     def record_decision(self, decision: dict) -> dict:
-        """Log one gate outcome (promote or keep) with its figures; returns it stamped (decided_at, decision_id)."""
-        d = self._stamp(decision)
+        """Log one gate outcome (promote or keep) with its figures; returns it stamped (decided_at, decision_id).
+        A decision already logged (promote logs its own; a rerun repeats one) is not logged twice."""
+        plain = json.loads(json.dumps(decision, default=str))
         with self._writing():
+            for x in self.decisions():
+                if all(k in x and x[k] == v for k, v in plain.items()):
+                    return x
+            d = self._stamp(decision)
             self._append_decision(d)
         return d
 

@@ -52,6 +52,7 @@ def test_add_promote_keep_rollback(reg, tmp_path):
     reg.promote(b["id"], {"reason": "faster", "speedup_gain": 0.2})
     c = admit(reg, tmp_path, "run-c", 2, speedup=1.2, rows=200)
     kept = reg.record_decision({"outcome": "keep", "challenger": c["id"], "reason": "slower than the champion"})
+    assert reg.record_decision({"reason": "faster", "speedup_gain": 0.2})["entry"] == "run-b"  # logged by promote
 
     assert [e["id"] for e in reg.entries()] == ["run-a", "run-b", "run-c"]
     assert reg.champion()["id"] == "run-b" and reg.champion()["reason"] == "promoted: faster"
