@@ -6,8 +6,10 @@ appears complete or not at all (written aside, then hard-linked into place, whic
 A lock held by a live process is refused with one line naming the holder. A holder on this host that is
 provably dead (no such pid, or a different process under that pid) is taken over, with a note on stderr.
 A holder on another host cannot be proven dead from here: refused, with how to clear it by hand.
-The lock goes when its `with` block ends, on an exception too; SIGTERM (what schedulers send) is turned
-into an exit that releases it. Only SIGKILL or a power cut leaves it behind, and then the rules above apply.
+Within one process it nests: an inner `with` on a domain this process holds is a no-op (the CLI holds it
+for the whole command; a stage may take it again). The lock goes when its outer `with` block ends, on an
+exception too; SIGTERM (what schedulers send) is turned into an exit that releases it. Only SIGKILL or a
+power cut leaves it behind, and then the rules above apply.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class DomainLock:
         self.info = {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start(os.getpid()),
                      "started": time.time(), "what": what, "run_id": run_id}
         self._old_term = None
+        self._nested = False
 
     # ------------------------------------------------------------ acquiring
     def _read(self) -> dict | None:
@@ -155,6 +158,10 @@ class DomainLock:
         return True
 
     def acquire(self) -> "DomainLock":
+        outer = _held.get(self.domain_dir.resolve())
+        if outer is not None and outer.info["pid"] == os.getpid():
+            self._nested = True  # this process holds it already (the CLI for the whole command): nothing to do
+            return self
         try:
             self.domain_dir.mkdir(parents=True, exist_ok=True)
             for _ in range(20):
@@ -199,11 +206,16 @@ class DomainLock:
     # ------------------------------------------------------------ holding and releasing
     def note_run(self, run_id: str) -> None:
         """Record the run id once the run directory is chosen (the lock is taken before)."""
+        if self._nested:
+            return _held[self.domain_dir.resolve()].note_run(run_id)
         if self.info.get("run_id") != run_id and self._read() == self.info:
             self.info["run_id"] = run_id
             write_json_atomic(self.path, self.info)
 
     def release(self) -> None:
+        if self._nested:
+            self._nested = False
+            return
         _held.pop(self.domain_dir.resolve(), None)
         if self._old_term is not None:
             signal.signal(signal.SIGTERM, self._old_term)
