@@ -104,7 +104,8 @@ class Registry:
         return e
 
     def _none_yet(self) -> str:
-        return f"no draft registry under {self.domain_dir}; `draftsmith distill` or `draftsmith retrain` admits drafts to it"
+        return (f"no draft registry under {self.domain_dir}; `draftsmith distill` or `draftsmith retrain` admits "
+                f"drafts to it")
 
     def _pointer(self) -> dict | None:
         try:

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def write_holder(domain: Path, **kw) -> Path:
     domain.mkdir(parents=True, exist_ok=True)
-    h = {"pid": 1, "host": socket.gethostname(), "start": None, "started": time.time() - 60, "what": "draftsmith distill",
-         "run_id": "20260101-000000-abcd"} | kw
+    h = {"pid": 1, "host": socket.gethostname(), "start": None, "started": time.time() - 60,
+         "what": "draftsmith distill", "run_id": "20260101-000000-abcd"} | kw
     (domain / LOCK_FILE).write_text(json.dumps(h))
     return domain / LOCK_FILE
 
