@@ -47,7 +47,8 @@ class Decision:
         """One line: the verdict and the rules that decided it."""
         if self.promote:
             return "promote: " + "; ".join(c.detail for c in self.reasons)
-        return "keep the champion: " + "; ".join(c.detail for c in self.failed)
+        keep = "keep the champion" if self.figures.get("champion") else "not promoted (no champion yet)"
+        return f"{keep}: " + "; ".join(c.detail for c in self.failed)
 
     def to_dict(self) -> dict:
         return {"promote": self.promote, "reasons": [asdict(c) for c in self.reasons], "figures": self.figures,

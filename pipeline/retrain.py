@@ -80,26 +80,25 @@ def all_train_rows(run_dir: Path) -> list[dict]:
 
 def check_target(draft: Path, recipe, champion: dict | None) -> None:
     """A draft is judged only against a champion of the same target: one line otherwise."""
-    meta = draft_dir.read_meta(draft)
-    ours = meta.get("target")
-    if ours is not None and ours != recipe.target:
-        raise RetrainError(f"draft {draft} was trained for target {ours!r}, but this recipe serves {recipe.target!r}; "
-                           f"train it on this target (draftsmith distill) or use the other target's recipe")
     theirs = (champion or {}).get("metrics", {}).get("target")
     if champion is not None and theirs != recipe.target:
         raise RetrainError(f"the champion {champion['id']} serves target {theirs!r} but this recipe's target is "
-                           f"{recipe.target!r}; a challenger for another target is never compared with it: use a "
+                           f"{recipe.target!r}; a draft for another target is never compared with it: use a "
                            f"new domain for the new target, or roll back to a champion of {recipe.target!r}")
+    ours = draft_dir.read_meta(draft).get("target")
+    if ours is not None and ours != recipe.target:
+        raise RetrainError(f"draft {draft} was trained for target {ours!r}, but this recipe serves {recipe.target!r}; "
+                           f"train it on this target (draftsmith distill) or use the other target's recipe")
 
 
-def serve_like(src: Path, dst: Path, champion: dict | None) -> Path:
+def serve_like(src: Path, dst: Path, champion: dict | None, hybrid: bool = True) -> Path:
     """The challenger's draft directory (dst), served the way the champion is (bare or as a hybrid at its
-    node budget) so the two are compared in the same form; fresh drafts serve as hybrids."""
+    node budget) so the two are compared in the same form; without a champion, as a hybrid when `hybrid`."""
     tmp = dst.with_name(f".{dst.name}-tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("trainer_state.pt"))
     meta = draft_dir.read_meta(tmp)
-    cmeta = draft_dir.read_meta(Path(champion["draft_dir"])) if champion else {"proposer": "hybrid"}
+    cmeta = draft_dir.read_meta(Path(champion["draft_dir"])) if champion else {"proposer": "hybrid" if hybrid else "draft"}
     meta["proposer"] = cmeta.get("proposer", "draft")
     meta.pop("serve", None)
     if cmeta.get("serve"):
@@ -263,6 +262,9 @@ def retrain(recipe, traffic: list[str]) -> int:
     if traffic:
         read_traffic(traffic)  # bad traffic stops here, before the lock or any file
     with DomainLock(ddir, "retrain"):
+        champion = Registry(ddir).champion()
+        if champion is not None:
+            check_target(Path(champion["draft_dir"]), recipe, champion)  # another target: refused before any work
         ledger = Ledger(ddir)
         batch = ledger.pending()
         if batch is not None:
@@ -337,7 +339,8 @@ def _run_batch(recipe, ddir: Path, ledger: Ledger, batch: dict) -> int:
         run_train(crecipe, run_dir, target=target, tokenizer=tok, tracker=tracker, init_from=init)
         from .checkpoints import checkpoints
 
-        challenger = serve_like(checkpoints(run_dir / "train")[-1], run_dir / "challenger", champion)
+        challenger = serve_like(checkpoints(run_dir / "train")[-1], run_dir / "challenger", champion,
+                                recipe.evaluate.hybrid)
         kill_point("retrain.after_train")
         check_target(challenger, recipe, champion)
         judged = judge(recipe, run_dir, target, tok, challenger, champion)
