@@ -71,6 +71,8 @@ def read_traffic(paths: list[str]) -> list[dict]:
             got = load_source(str(p), "--traffic")
         except DataError as e:
             raise TrafficError(str(e)) from None
+        except (UnicodeDecodeError, EOFError, OSError) as e:  # a gzipped log that is not UTF-8 or is cut short
+            raise TrafficError(f"{p}: unreadable traffic ({type(e).__name__}: {e}); re-export it as UTF-8 JSONL") from None
         rows += got
     return rows
 

@@ -207,3 +207,40 @@ def test_chat_traffic_monitor_fires_then_retrain_then_rollback(loop, tiny_target
     back = reg.rollback()
     assert back["id"] == loop["champion0"]["id"] == reg.champion()["id"]
     assert len(reg.entries()) == 3  # nothing lost: every entry stays
+
+
+def test_ingest_dedupes_splits_and_commits_through_the_ledger(tmp_path):
+    """No model: the ledger drops prompts seen before (whitespace-insensitive), the fresh slice is held out
+    and never in train, a batch directory the ledger does not name (a crash before the commit) is removed."""
+    from pipeline.config import RetrainConfig
+    from pipeline.traffic import Ledger, ingest
+
+    cfg = RetrainConfig(fresh_prompts=3, fresh_fraction=0.25)
+    a = _jsonl(tmp_path / "a.jsonl", [{"prompt": p} for p in CODE])
+    first = ingest(tmp_path, [a], cfg)
+    assert (first["new_rows"], first["n_fresh"], first["n_train"]) == (12, 3, 9)
+    ledger = Ledger(tmp_path)
+    assert ledger.pending()["id"] == first["id"] and len(ledger.keys()) == 12
+    fresh = {r["id"] for r in ledger.rows(first["id"], "fresh")}
+    assert len(fresh) == 3 and not fresh & {r["id"] for r in ledger.rows(first["id"], "train")}
+    (ledger.dir / "batches" / "orphan").mkdir()
+    ledger.update(first["id"], status="decided")
+    b = _jsonl(tmp_path / "b.jsonl", [{"prompt": "  " + CODE[0]}, {"prompt": "def new_one():\n"}])
+    second = ingest(tmp_path, [b], cfg)
+    assert second["new_rows"] == 1 and second["duplicates"] == 1
+    assert not (ledger.dir / "batches" / "orphan").exists()
+    assert ingest(tmp_path, [a, b], cfg) is None  # nothing new: None, nothing written
+
+
+def test_check_target_names_both_targets(tmp_path):
+    from pipeline.config import recipe_from_dict
+    from pipeline.retrain import RetrainError, check_target
+
+    d = tmp_path / "draft"
+    d.mkdir()
+    (d / "draftsmith_draft.json").write_text(json.dumps({"kind": "medusa", "target": "/models/old"}))
+    recipe = recipe_from_dict({"target": "/models/new"})
+    with pytest.raises(RetrainError, match="trained for target '/models/old'.*serves '/models/new'"):
+        check_target(d, recipe, None)
+    with pytest.raises(RetrainError, match="serves target '/models/old'"):
+        check_target(d, recipe, {"id": "x", "metrics": {"target": "/models/old"}})
