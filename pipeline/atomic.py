@@ -37,7 +37,9 @@ def _unlink_quietly(p: str | Path) -> None:
         pass
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+def write_bytes_atomic(path: str | Path, data: bytes, *, before_replace=None) -> None:
+    """`path` holds `data` or what it held before, whatever happens; `before_replace()` runs with the
+    temporary file complete (the fault-injection tests kill the process there)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}-")
@@ -46,6 +48,8 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         _unlink_quietly(tmp)
@@ -53,12 +57,12 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    write_bytes_atomic(path, text.encode())
+def write_text_atomic(path: str | Path, text: str, *, before_replace=None) -> None:
+    write_bytes_atomic(path, text.encode(), before_replace=before_replace)
 
 
-def write_json_atomic(path: str | Path, obj) -> None:
-    write_bytes_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode())
+def write_json_atomic(path: str | Path, obj, *, before_replace=None) -> None:
+    write_bytes_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode(), before_replace=before_replace)
 
 
 def fsync_tree(d: str | Path) -> None:

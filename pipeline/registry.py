@@ -1,86 +1,394 @@
-"""Stand-in for helper A's pipeline/registry.py (same interface as issue 24's common spec; the lead keeps
-A's): runs/<domain>/registry/ holds immutable entries, a champion pointer and the gate's decisions."""
+"""The draft registry, runs/<domain>/registry/: every admitted draft as an immutable entry, and a champion pointer.
+
+    registry/entries/<id>/draft/        a copy of the draft directory (never changed after it appears)
+    registry/entries/<id>/exports/<f>/  export directories that lived outside the draft (if any)
+    registry/entries/<id>/entry.json    id, created, kind, run_dir, metrics summary, hashes, traffic, parent
+    registry/champion.json              the pointer: id, since, reason, and the history of champions
+    registry/decisions.jsonl            every gate outcome (promote or keep) with its figures
+
+Every change is atomic: an entry is built in a hidden `.tmp-*` directory and renamed into place; the pointer
+and the decision log are rewritten whole through a temporary file, fsynced, renamed. The pointer carries
+the champion history in the same file, so the two cannot disagree after a crash. A crash at any moment
+leaves the previous champion serving; leftover `.tmp-*` files are ignored and removed by the next writer.
+Writers take a short flock on registry/.write.lock, so `drafts rollback` during a retrain is safe.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from .atomic import copytree_atomic, fsync_dir, write_json_atomic
+from eval import draft_dir as dd
+
+from .atomic import TMP_PREFIX, fsync_tree, make_tmp_dir, publish_dir, write_json_atomic, write_text_atomic
+from .faults import kill_point
 from .lock import new_run_id
+
+REGISTRY = "registry"
+ENTRY_FILE = "entry.json"
+SUMMARY_KEYS = ("speedup", "tau", "alpha", "accept_per_pos", "mean_acceptance_length", "draft_acceptance_rate",
+                "greedy_exact", "k", "target", "draft_method")
 
 
 class RegistryError(ValueError):
-    pass
+    """The registry is missing, names an unknown entry, or its pointer names a broken one."""
+
+
+def dir_checksum(d: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(d).rglob("*") if p.is_file()):
+        h.update(f.relative_to(d).as_posix().encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def metrics_summary(metrics: dict) -> dict:
+    """What an entry keeps of a run's metrics.json: the SUMMARY_KEYS and any other plain value."""
+    return {k: v for k, v in (metrics or {}).items()
+            if k in SUMMARY_KEYS or v is None or isinstance(v, (bool, int, float, str))}
 
 
 class Registry:
-    def __init__(self, domain_dir):
-        self.dir = Path(domain_dir) / "registry"
+    def __init__(self, domain_dir: str | Path):
+        self.domain_dir = Path(domain_dir)
+        self.dir = self.domain_dir / REGISTRY
+        self.entries_dir = self.dir / "entries"
+        self.pointer_path = self.dir / "champion.json"
+        self.decisions_path = self.dir / "decisions.jsonl"
 
-    def _pointer(self) -> dict:
-        p = self.dir / "champion.json"
-        return json.loads(p.read_text()) if p.exists() else {}
+    def exists(self) -> bool:
+        return self.dir.is_dir()
 
-    def entries(self) -> list[dict]:
-        root = self.dir / "entries"
-        out = [json.loads(p.read_text()) for p in root.glob("*/entry.json")] if root.exists() else []
-        return sorted(out, key=lambda e: (e["created"], e["id"]))
+    def command(self, rest: str) -> str:
+        """A `draftsmith drafts ...` command line for this registry, for messages."""
+        where = f" --runs-dir {self.domain_dir.parent}" if self.domain_dir.parent != Path("runs") else ""
+        return f"`draftsmith drafts {rest} --domain {self.domain_dir.name}{where}`"
 
-    def entry(self, id: str) -> dict:
-        p = self.dir / "entries" / id / "entry.json"
-        if not p.exists():
-            raise RegistryError(f"no registry entry {id!r} in {self.dir}; `draftsmith drafts list` shows them")
-        return json.loads(p.read_text())
-
-    def champion(self) -> dict | None:
-        ptr = self._pointer()
-        if not ptr.get("id"):
+    # ------------------------------------------------------------------ reading
+    def _read_entry(self, d: Path) -> dict | None:
+        try:
+            e = json.loads((d / ENTRY_FILE).read_text())
+        except (OSError, json.JSONDecodeError):
             return None
-        e = self.entry(ptr["id"])
-        if not Path(e["draft_dir"]).is_dir():
-            raise RegistryError(f"champion {e['id']}'s draft {e['draft_dir']} is missing; roll back with "
-                                f"`draftsmith drafts rollback`")
+        if not isinstance(e, dict):
+            return None
+        # paths are where the registry is now (it may have been moved as a whole)
+        e["draft_dir"] = str((d / "draft").resolve())
+        e["exports"] = {name: str((d / "exports" / name).resolve()) for name in e.get("exports") or {}}
+        e["intact"] = dd.is_draft_dir(d / "draft")
         return e
 
-    def add(self, draft_dir, *, run_dir, metrics, kind, hashes, traffic, parent=None, exports=None) -> dict:
-        id = new_run_id()
-        d = self.dir / "entries" / id
-        d.parent.mkdir(parents=True, exist_ok=True)
-        copytree_atomic(draft_dir, d.parent / f".{id}-draft")
-        entry = {"id": id, "created": time.time(), "kind": kind, "run_dir": str(run_dir),
-                 "draft_dir": str((d / "draft").resolve()), "metrics": metrics, "hashes": hashes,
-                 "traffic": traffic, "parent": parent, "exports": exports}
-        d.mkdir()
-        (d.parent / f".{id}-draft").rename(d / "draft")
-        write_json_atomic(d / "entry.json", entry)
-        fsync_dir(d.parent)
-        return entry
+    def entries(self) -> list[dict]:
+        """Every complete entry, oldest first (half-written `.tmp-*` ones are not entries)."""
+        if not self.entries_dir.is_dir():
+            return []
+        found = [self._read_entry(d) for d in self.entries_dir.iterdir()
+                 if d.is_dir() and not d.name.startswith(".")]
+        return sorted((e for e in found if e is not None), key=lambda e: (e.get("created", 0), e["id"]))
 
-    def promote(self, id: str, decision: dict) -> None:
-        self.entry(id)
-        hist = self._pointer().get("history", [])
-        write_json_atomic(self.dir / "champion.json", {"id": id, "since": time.time(),
-                                                       "history": hist + [{"id": id, "since": time.time()}]})
+    def entry(self, id: str) -> dict:
+        if not id or "/" in id or id.startswith("."):
+            raise RegistryError(f"{id!r} is not an entry id; {self.command('list')} lists them")
+        e = self._read_entry(self.entries_dir / id)
+        if e is None:
+            if not self.exists():
+                raise RegistryError(self._none_yet())
+            raise RegistryError(f"no entry {id} in {self.dir}; {self.command('list')} lists them")
+        return e
 
-    def rollback(self, to=None) -> dict:
-        hist = self._pointer().get("history", [])
-        if to is None:
-            if len(hist) < 2:
-                raise RegistryError("no earlier champion to roll back to")
-            to = hist[-2]["id"]
-        self.promote(to, {"rollback": True})
-        return self.entry(to)
+    def _none_yet(self) -> str:
+        return (f"no draft registry under {self.domain_dir}; `draftsmith distill` or `draftsmith retrain` admits "
+                f"drafts to it")
 
-    def record_decision(self, decision: dict) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / "decisions.jsonl", "a") as fh:
-            fh.write(json.dumps(decision, sort_keys=True) + "\n")
+    def _pointer(self) -> dict | None:
+        try:
+            p = json.loads(self.pointer_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as e:
+            raise RegistryError(f"{self.pointer_path} cannot be read ({e}); {self.command('rollback --to ID')} "
+                                f"rewrites it") from None
+        if not isinstance(p, dict) or not isinstance(p.get("id"), str):
+            raise RegistryError(f"{self.pointer_path} does not name an entry; {self.command('rollback --to ID')} "
+                                f"rewrites it")
+        return p
 
-    def decisions(self) -> list[dict]:
-        p = self.dir / "decisions.jsonl"
-        return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+    def _latest_intact(self, besides: str | None = None) -> str | None:
+        ids = [h["id"] for h in reversed(self.history())] + [e["id"] for e in reversed(self.entries())]
+        for i in ids:
+            if i != besides and dd.is_draft_dir(self.entries_dir / i / "draft"):
+                return i
+        return None
+
+    def _broken(self, id: str, what: str) -> RegistryError:
+        ok = self._latest_intact(besides=id)
+        hint = f" (e.g. --to {ok})" if ok else ""
+        return RegistryError(f"the registry {self.dir} points at entry {id} whose {what}; "
+                             f"{self.command('rollback --to ID')} to an intact entry{hint}")
+
+    def champion(self) -> dict | None:
+        """The champion's entry (with the pointer's since and reason), None before the first promotion."""
+        p = self._pointer()
+        if p is None:
+            return None
+        e = self._read_entry(self.entries_dir / p["id"])
+        if e is None:
+            d = self.entries_dir / p["id"]
+            raise self._broken(p["id"], f"entry.json is missing ({d / ENTRY_FILE})" if (d / "draft").is_dir()
+                               else f"draft is missing ({d / 'draft'})")
+        if not e["intact"]:
+            raise self._broken(p["id"], f"draft is missing ({e['draft_dir']})")
+        return e | {"since": p.get("since"), "reason": p.get("reason")}
 
     def history(self) -> list[dict]:
-        return self._pointer().get("history", [])
+        """Champion changes, oldest first: id, since, reason, replaced, rollback_to, speedup, tau, traffic_rows."""
+        p = self._pointer()
+        return list(p.get("history", [])) if p else []
+
+    def decisions(self) -> list[dict]:
+        """Every gate outcome, oldest first (a promotion whose log line a crash cut off is taken from history)."""
+        out = self._read_decisions()
+        logged = {d.get("decision_id") for d in out}
+        out += [h["decision"] for h in self.history() if h.get("decision")
+                and h["decision"].get("decision_id") not in logged]
+        return sorted(out, key=lambda d: d.get("decided_at", 0))
+
+    def _read_decisions(self) -> list[dict]:
+        try:
+            lines = self.decisions_path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise RegistryError(f"{self.decisions_path} line {n} is not JSON; fix or remove that line") from None
+        return out
+
+    # ------------------------------------------------------------------ writing
+    @contextmanager
+    def _writing(self):
+        """One writer at a time (flock: released by the kernel if we die); stale temporaries removed."""
+        self.entries_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / ".write.lock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            for d in (self.dir, self.entries_dir):
+                for t in d.glob(f"{TMP_PREFIX}*"):
+                    shutil.rmtree(t) if t.is_dir() and not t.is_symlink() else t.unlink(missing_ok=True)
+            yield
+
+    def add(self, draft_dir: str | Path, *, run_dir: str | Path | None, metrics: dict, kind: str, hashes: dict,
+            traffic: dict, parent: str | None = None, exports: dict | list | None = None) -> dict:
+        """Admit a draft: an immutable copy under entries/<id>/ (id: the run's id). The pointer does not move.
+        Admitting the same draft of the same run again returns the existing entry (a resumed run adds none)."""
+        src = Path(draft_dir)
+        dd.read_meta(src)  # a draft directory, or a one-line error naming what is wrong
+        if kind not in ("distill", "retrain"):
+            raise RegistryError(f"entry kind {kind!r} is not 'distill' or 'retrain'")
+        run = str(Path(run_dir).resolve()) if run_dir is not None else None
+        extra = _export_dirs(exports, src, run_dir)
+        digest = dir_checksum(src)
+        with self._writing():
+            for e in self.entries():
+                if e.get("run_dir") == run and e.get("draft_sha256") == digest:
+                    return e
+            base = Path(run_dir).name if run_dir is not None else new_run_id()
+            id, n = base, 2
+            while (self.entries_dir / id).exists():
+                id, n = f"{base}.{n}", n + 1
+            tmp = make_tmp_dir(self.entries_dir, id)
+            try:
+                shutil.copytree(src, tmp / "draft")
+                for name, d in extra.items():
+                    shutil.copytree(d, tmp / "exports" / name)
+                entry = {"id": id, "created": time.time(), "kind": kind, "run_dir": run,
+                         "metrics": metrics_summary(metrics), "hashes": dict(hashes or {}),
+                         "traffic": dict(traffic or {}), "parent": parent, "exports": sorted(extra),
+                         "draft_sha256": digest, "source_draft": str(src.resolve())}
+                (tmp / ENTRY_FILE).write_text(json.dumps(entry, indent=2, sort_keys=True))
+                fsync_tree(tmp)
+                kill_point("registry.entry_copied")
+                publish_dir(tmp, self.entries_dir / id)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            kill_point("registry.entry_published")
+            return self.entry(id)
+
+    def _usable(self, id: str) -> dict:
+        e = self.entry(id)
+        if not e["intact"]:
+            raise RegistryError(f"entry {id}'s draft is missing ({e['draft_dir']}); pick an intact entry "
+                                f"({self.command('list')})")
+        return e
+
+    def _move(self, e: dict, reason: str, replaced: str | None, rollback_to: str | None,
+              decision: dict | None = None) -> None:
+        """Point at entry `e`, appending to the history in the same atomic write."""
+        p = self._pointer() or {}
+        rec = {"id": e["id"], "since": time.time(), "reason": reason, "replaced": replaced,
+               "rollback_to": rollback_to, "speedup": e["metrics"].get("speedup"), "tau": e["metrics"].get("tau"),
+               "traffic_rows": (e.get("traffic") or {}).get("rows")}
+        if decision is not None:
+            rec["decision"] = decision
+        new = {"id": e["id"], "since": rec["since"], "reason": reason, "history": p.get("history", []) + [rec]}
+        write_json_atomic(self.pointer_path, new, before_replace=lambda: kill_point("registry.pointer_tmp"))
+        kill_point("registry.pointer_moved")
+
+    def _stamp(self, decision: dict) -> dict:
+        d = dict(decision)
+        d.setdefault("decided_at", time.time())
+        d.setdefault("decision_id", new_run_id())
+        return d
+
+    def _append_decision(self, d: dict) -> None:
+        if any(x.get("decision_id") == d["decision_id"] for x in self._read_decisions()):
+            return
+        text = self.decisions_path.read_text() if self.decisions_path.exists() else ""
+        if text and not text.endswith("\n"):
+            text += "\n"
+        write_text_atomic(self.decisions_path, text + json.dumps(d, sort_keys=True, default=str) + "\n",
+                          before_replace=lambda: kill_point("registry.decisions_tmp"))
+
+    def record_decision(self, decision: dict) -> dict:
+        """Log one gate outcome (promote or keep) with its figures; returns it stamped (decided_at, decision_id).
+        A decision already logged (promote logs its own; a rerun repeats one) is not logged twice."""
+        plain = json.loads(json.dumps(decision, default=str))
+        with self._writing():
+            for x in self.decisions():
+                if all(k in x and x[k] == v for k, v in plain.items()):
+                    return x
+            d = self._stamp(decision)
+            self._append_decision(d)
+        return d
+
+    def promote(self, id: str, decision: dict) -> dict:
+        """Make entry `id` the champion (a pointer move) and log the decision; returns the champion entry."""
+        d = self._stamp({"outcome": "promote", **decision, "entry": id})
+        with self._writing():
+            e = self._usable(id)
+            p = self._pointer()
+            cur = p["id"] if p else None
+            if cur != id:
+                why = d.get("reason")
+                self._move(e, f"promoted: {why}" if why else "promoted", cur, cur, d)
+            else:  # promoted already: finish that promotion's log line if a crash cut it off
+                last = (p.get("history") or [{}])[-1].get("decision")
+                if last and last.get("decision_id") not in {x.get("decision_id") for x in self._read_decisions()}:
+                    d = last
+            self._append_decision(d)
+        return self.champion()
+
+    def rollback(self, to: str | None = None) -> dict:
+        """Move the pointer back: to the champion before the current one, or to entry `to`. Nothing is deleted;
+        the move is recorded in the history. Returns the new champion's entry with `replaced` (the old id)."""
+        with self._writing():
+            p = self._pointer()
+            if p is None:
+                raise RegistryError(self._none_yet() if not self.exists() else
+                                    f"no champion in {self.dir} yet; nothing to roll back")
+            cur, hist = p["id"], p.get("history", [])
+            if to is None:
+                to = hist[-1].get("rollback_to") if hist else None
+                if to is None:
+                    raise RegistryError(f"{cur} is the first champion, there is none before it to roll back to; "
+                                        f"{self.command('rollback --to ID')} picks any entry")
+                # rolling back again continues down the chain that made `to` the champion
+                made = [h for h in hist if h["id"] == to]
+                nxt = made[-1].get("rollback_to") if made else None
+            else:
+                if to == cur:
+                    raise RegistryError(f"{to} is already the champion")
+                nxt = cur  # a plain rollback afterwards undoes this move
+            e = self._usable(to)
+            self._move(e, f"rollback from {cur}", cur, nxt)
+        return e | {"replaced": cur}
+
+
+def _export_dirs(exports, draft: Path, run_dir) -> dict[str, Path]:
+    """Export directories to copy into the entry: {name: dir} or [dir, ...] or metrics.json's
+    {format: {"dir": relative to the run}}; those inside the draft directory come with it already."""
+    if not exports:
+        return {}
+    items = exports.items() if isinstance(exports, dict) else ((Path(x).name, x) for x in exports)
+    out = {}
+    for name, v in items:
+        d = Path(v["dir"] if isinstance(v, dict) else v)
+        if not d.is_absolute() and run_dir is not None and not d.exists():
+            d = Path(run_dir) / d
+        if not d.is_dir():
+            raise RegistryError(f"export {name}: {d} is not a directory; export the draft again "
+                                f"(`draftsmith export`) or leave it out")
+        if d.resolve().is_relative_to(draft.resolve()):
+            continue
+        out[str(name)] = d
+    return out
+
+
+# ---------------------------------------------------------------------- `draftsmith drafts`
+def add_parser(sub) -> None:
+    p = sub.add_parser("drafts", help="the draft registry: list entries, show one, roll the champion back")
+    acts = p.add_subparsers(dest="action", required=True)
+    for name, h in (("list", "every entry, the champion marked *"),
+                    ("show", "one entry's record and files (default: the champion)"),
+                    ("rollback", "move the champion pointer back (instant; nothing is deleted)")):
+        a = acts.add_parser(name, help=h)
+        a.add_argument("--domain", required=True, help="the domain (runs/<domain>/registry)")
+        a.add_argument("--runs-dir", default="runs", help="where run directories are (default: runs)")
+        if name == "show":
+            a.add_argument("id", nargs="?", help="entry id (default: the champion)")
+        if name == "rollback":
+            a.add_argument("--to", help="entry id to make the champion (default: the champion before this one)")
+
+
+def _fmt(v, spec: str) -> str:
+    return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def _table(reg: Registry, champ: str | None) -> list[str]:
+    rows = [f"  {'ID':24s} {'CREATED':16s} {'KIND':8s} {'SPEEDUP':>8s} {'TAU':>6s} {'ALPHA':>6s} {'TRAFFIC':>8s}"]
+    for e in reg.entries():
+        m = e.get("metrics", {})
+        mark = "*" if e["id"] == champ else " "
+        created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(e.get("created", 0)))
+        speed = _fmt(m.get("speedup"), ".2f") + ("x" if isinstance(m.get("speedup"), (int, float)) else "")
+        rows.append(f"{mark} {e['id']:24s} {created:16s} {e.get('kind', '-'):8s} {speed:>8s} "
+                    f"{_fmt(m.get('tau'), '.2f'):>6s} {_fmt(m.get('alpha'), '.3f'):>6s} "
+                    f"{_fmt((e.get('traffic') or {}).get('rows'), 'd'):>8s}"
+                    + ("" if e["intact"] else "  (draft missing)"))
+    return rows
+
+
+def command(args) -> int:
+    """`draftsmith drafts list|show|rollback`; RegistryError (one line, exit 2) for what a user can fix."""
+    reg = Registry(Path(args.runs_dir) / args.domain)
+    if not reg.exists():
+        raise RegistryError(reg._none_yet())
+    if args.action == "list":
+        p = reg._pointer()
+        print("\n".join(_table(reg, p["id"] if p else None)))
+        reg.champion()  # a broken pointer: the table, then the one-line error
+        return 0
+    if args.action == "show":
+        e = reg.entry(args.id) if args.id else reg.champion()
+        if e is None:
+            raise RegistryError(f"no champion in {reg.dir} yet; give an entry id ({reg.command('list')})")
+        print(json.dumps(e, indent=2, sort_keys=True))
+        d = Path(e["draft_dir"])
+        print(f"draft: {d}" + ("" if e["intact"] else " (missing)"))
+        for f in sorted(x for x in d.rglob("*") if x.is_file()) if d.is_dir() else []:
+            print(f"  {f.relative_to(d)}  {f.stat().st_size} bytes")
+        return 0
+    e = reg.rollback(args.to)
+    print(f"draftsmith: champion {e['replaced']} -> {e['id']} ({e['draft_dir']})")
+    return 0

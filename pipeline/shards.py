@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from .atomic import write_json_atomic  # noqa: F401  (re-exported: stages import it from here)
 
 MANIFEST = "manifest.json"
 
@@ -35,15 +36,6 @@ def _dir_checksum(d: Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True)
-    os.replace(tmp, path)
 
 
 def read_manifest(stage_dir: Path) -> dict:
