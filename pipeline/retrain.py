@@ -307,6 +307,9 @@ def _run_batch(recipe, ddir: Path, ledger: Ledger, batch: dict) -> int:
     reg = Registry(ddir)
     champion = reg.champion()
     run_dir = _open_retrain_run(recipe, ddir, ledger, batch)
+    from .lock import note_run
+
+    note_run(ddir, run_dir.name)  # the lock names the run it guards
     print(f"draftsmith: retrain of {recipe.domain} in {run_dir}: batch {batch['id']} ({batch['new_rows']} new prompts, "
           f"{batch['n_fresh']} held out fresh); champion {champion['id'] if champion else '(none yet)'}", file=sys.stderr)
     target, tok = load_target(recipe.target, recipe.dtype, recipe.device)

@@ -244,3 +244,27 @@ def test_check_target_names_both_targets(tmp_path):
         check_target(d, recipe, None)
     with pytest.raises(RetrainError, match="serves target '/models/old'"):
         check_target(d, recipe, {"id": "x", "metrics": {"target": "/models/old"}})
+
+
+def test_new_weights_change_the_reuse_key(tiny_target, tmp_path):
+    """The shards of earlier runs are reused only under the same target files: new weights at the same path
+    change the key (and so regenerate every prompt, saying so); another generate setting changes it too."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.config import recipe_from_dict
+    from pipeline.generate import reuse_key
+
+    t = tmp_path / "target"
+    shutil.copytree(tiny_target, t)
+    recipe = recipe_from_dict({"target": str(t), "dtype": "float32"})
+    before = reuse_key(recipe)
+    assert reuse_key(recipe) == before
+    assert reuse_key(recipe_from_dict({"target": str(t), "dtype": "float32", "generate": {"max_new_tokens": 7}})) != before
+    w = load_file(t / "model.safetensors")
+    name = next(iter(w))
+    w[name] = w[name] + torch.ones_like(w[name])
+    save_file(w, t / "model.safetensors", metadata={"format": "pt"})
+    assert reuse_key(recipe) != before
