@@ -268,3 +268,29 @@ def test_new_weights_change_the_reuse_key(tiny_target, tmp_path):
     w[name] = w[name] + torch.ones_like(w[name])
     save_file(w, t / "model.safetensors", metadata={"format": "pt"})
     assert reuse_key(recipe) != before
+
+
+def test_a_later_distill_is_judged_against_the_champion(loop, tiny_target, monkeypatch):
+    """distill's admission with a champion in place: its best/ is judged against the champion in one measurement
+    on its held-out prompts like a challenger (here 0.9x the champion: registered, not promoted)."""
+    import shutil
+
+    from pipeline.config import load_recipe
+    from pipeline.models import load_target
+    from pipeline.retrain import admit_distill
+
+    runs = loop["runs"]
+    reg = Registry(runs / "code")
+    champ = reg.champion()
+    run = runs / "code" / "later-distill"
+    shutil.copytree(loop["distill"], run, ignore=shutil.ignore_patterns("gate.json", "registered.json", "wandb"))
+    recipe = load_recipe("recipes/code.yaml", [f"target={tiny_target}", "dtype=float32", f"runs_dir={runs}", *FAST])
+    target, tok = load_target(recipe.target, recipe.dtype, "cpu")
+    synthetic_gate(monkeypatch, 0.9)
+    record = admit_distill(recipe, run, target, tok)
+    assert not record["promote"] and record["champion"] == champ["id"] and record["kind"] == "distill"
+    assert record["figures"]["bootstrap"]["ratio"] == pytest.approx(0.9)
+    assert json.loads((run / "gate.json").read_text())["challenger"] == record["challenger"] == "later-distill"
+    assert reg.champion()["id"] == champ["id"] and reg.entry("later-distill")["parent"] == champ["id"]
+    judged = [json.loads((run / "gate" / f"{n}.json").read_text()) for n in ("challenger", "champion", "ngram")]
+    assert judged[0]["plain_stats"] == judged[1]["plain_stats"] == judged[2]["plain_stats"]
