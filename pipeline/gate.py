@@ -122,7 +122,8 @@ def decide(challenger: dict, champion: dict | None, baseline: dict | None, *, mi
         ok = gain_lb >= min_gain
         checks.append(Check("gain_over_champion", ok, gain_lb, min_gain,
                             f"gain over the champion {boot['ratio'] - 1:+.3f} ({confidence:.0%} lower bound "
-                            f"{gain_lb:+.3f}, {boot['n_prompts']} prompts) {'>=' if ok else '<'} min_gain {min_gain:g}"))
+                            f"{gain_lb:+.3f}, {boot['n_prompts']} prompts) {'>=' if ok else '<'} "
+                            f"min_gain {min_gain:g}"))
         checks.append(_pos_check(challenger["stats"]["accept_per_pos"], champion["stats"]["accept_per_pos"],
                                  position_tolerance))
     return Decision(all(c.passed for c in checks), checks, figures)

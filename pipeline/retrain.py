@@ -98,7 +98,8 @@ def serve_like(src: Path, dst: Path, champion: dict | None, hybrid: bool = True)
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("trainer_state.pt"))
     meta = draft_dir.read_meta(tmp)
-    cmeta = draft_dir.read_meta(Path(champion["draft_dir"])) if champion else {"proposer": "hybrid" if hybrid else "draft"}
+    fresh = {"proposer": "hybrid" if hybrid else "draft"}
+    cmeta = draft_dir.read_meta(Path(champion["draft_dir"])) if champion else fresh
     meta["proposer"] = cmeta.get("proposer", "draft")
     meta.pop("serve", None)
     if cmeta.get("serve"):
@@ -168,7 +169,7 @@ def register(recipe, run_dir: Path, draft: Path, decision: gate.Decision, metric
                         parent=champion["id"] if champion else None)
         write_json_atomic(mark, {"id": entry["id"]})
     kill_point("retrain.after_register")
-    record = {"time": time.time(), "kind": kind, "run_dir": str(run_dir), "challenger": entry["id"],
+    record = {"kind": kind, "run_dir": str(run_dir), "challenger": entry["id"],
               "champion": champion["id"] if champion else None, **decision.to_dict()}
     kill_point("retrain.before_promote")
     if decision.promote and (reg.champion() or {}).get("id") != entry["id"]:
@@ -190,10 +191,23 @@ def register(recipe, run_dir: Path, draft: Path, decision: gate.Decision, metric
             tracker.draft_artifact(name, Path(champion["draft_dir"]), aliases=[champion["id"], "champion"],
                                    metadata={"registry_id": champion["id"], **(champion.get("metrics") or {})},
                                    used=True)
-        tracker.draft_artifact(name, draft, aliases=[entry["id"], "challenger"] + (["promoted"] if decision.promote else []),
+        aliases = [entry["id"], "challenger"] + (["promoted"] if decision.promote else [])
+        tracker.draft_artifact(name, draft, aliases=aliases,
                                metadata={"registry_id": entry["id"], "parent": champion["id"] if champion else None,
                                          "promoted": decision.promote, **metrics})
     return record
+
+
+def pinned_champion(reg: Registry, run_dir: Path) -> dict | None:
+    """The champion a run is judged against, fixed when the run first asks (run_dir/judged_against.json): a
+    rerun after a crash that followed the promotion still compares with the champion it replaced."""
+    p = Path(run_dir) / "judged_against.json"
+    if p.exists():
+        cid = json.loads(p.read_text())["id"]
+        return reg.entry(cid) if cid else None
+    champion = reg.champion()
+    write_json_atomic(p, {"id": champion["id"] if champion else None})
+    return champion
 
 
 def _say(record: dict) -> None:
@@ -213,7 +227,7 @@ def admit_distill(recipe, run_dir: Path, target, tokenizer) -> dict:
     if (run_dir / "gate.json").exists():
         return json.loads((run_dir / "gate.json").read_text())
     ddir = domain_dir(recipe)
-    champion = Registry(ddir).champion()
+    champion = pinned_champion(Registry(ddir), run_dir)
     best = run_dir / "best"
     check_target(best, recipe, champion)
     m = json.loads((run_dir / "metrics.json").read_text())
@@ -222,8 +236,8 @@ def admit_distill(recipe, run_dir: Path, target, tokenizer) -> dict:
         first = {"name": m["checkpoint"], "speedup": m["speedup"], "greedy_exact": m["greedy_exact"],
                  "stats": {"accept_per_pos": m["accept_per_pos"], "tau": m["tau"], "alpha": m["alpha"]}}
         base = m.get("ngram_baseline")
-        decision = decide(recipe, {"challenger": first, "champion": None,
-                                   "ngram": {"name": "ngram", "speedup": base["speedup"], "stats": base} if base else None})
+        ngram = {"name": "ngram", "speedup": base["speedup"], "stats": base} if base else None
+        decision = decide(recipe, {"challenger": first, "champion": None, "ngram": ngram})
     else:
         judged = judge(recipe, run_dir, target, tokenizer, best, champion)
         decision = decide(recipe, judged)
@@ -268,7 +282,8 @@ def retrain(recipe, traffic: list[str]) -> int:
         ledger = Ledger(ddir)
         batch = ledger.pending()
         if batch is not None:
-            print(f"draftsmith: resuming traffic batch {batch['id']} (interrupted before its decision)", file=sys.stderr)
+            print(f"draftsmith: resuming traffic batch {batch['id']} (interrupted before its decision)",
+                  file=sys.stderr)
         else:
             batch = ingest(ddir, traffic, recipe.retrain, recipe.seed) if traffic else None
             if batch is None:
@@ -305,13 +320,14 @@ def _run_batch(recipe, ddir: Path, ledger: Ledger, batch: dict) -> int:
 
     t0 = time.time()
     reg = Registry(ddir)
-    champion = reg.champion()
     run_dir = _open_retrain_run(recipe, ddir, ledger, batch)
+    champion = pinned_champion(reg, run_dir)
     from .lock import note_run
 
     note_run(ddir, run_dir.name)  # the lock names the run it guards
     print(f"draftsmith: retrain of {recipe.domain} in {run_dir}: batch {batch['id']} ({batch['new_rows']} new prompts, "
-          f"{batch['n_fresh']} held out fresh); champion {champion['id'] if champion else '(none yet)'}", file=sys.stderr)
+          f"{batch['n_fresh']} held out fresh); champion {champion['id'] if champion else '(none yet)'}",
+          file=sys.stderr)
     target, tok = load_target(recipe.target, recipe.dtype, recipe.device)
     state = data_state(ddir)
     prompts = run_dir / "prompts"
@@ -378,7 +394,8 @@ def monitor(recipe, traffic: list[str]) -> int:
     ddir = domain_dir(recipe)
     champion = Registry(ddir).champion()
     if champion is None:
-        raise RetrainError(f"{ddir} has no champion to monitor; run `draftsmith distill --domain {recipe.domain}` first")
+        raise RetrainError(f"{ddir} has no champion to monitor; run `draftsmith distill --domain {recipe.domain}` "
+                           f"first")
     rows = read_traffic(traffic)
     rc, cfg = recipe.retrain, recipe.evaluate
     target, tok = load_target(recipe.target, recipe.dtype, recipe.device)

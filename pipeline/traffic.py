@@ -64,7 +64,8 @@ def read_traffic(paths: list[str]) -> list[dict]:
         if not p.exists():
             raise TrafficError(f"traffic {p} does not exist; give a .jsonl, .jsonl.gz or .parquet file or a folder "
                                f"of them")
-        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(FILE_SUFFIXES))
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*")
+                                                if f.is_file() and f.name.endswith(FILE_SUFFIXES))
         for f in files:
             _check_utf8(f)
         try:
@@ -72,7 +73,8 @@ def read_traffic(paths: list[str]) -> list[dict]:
         except DataError as e:
             raise TrafficError(str(e)) from None
         except (UnicodeDecodeError, EOFError, OSError) as e:  # a gzipped log that is not UTF-8 or is cut short
-            raise TrafficError(f"{p}: unreadable traffic ({type(e).__name__}: {e}); re-export it as UTF-8 JSONL") from None
+            raise TrafficError(f"{p}: unreadable traffic ({type(e).__name__}: {e}); re-export it as UTF-8 "
+                               f"JSONL") from None
         rows += got
     return rows
 
