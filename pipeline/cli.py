@@ -10,6 +10,8 @@
                       [--verifier TARGET] [--k K] [--force]
     draftsmith verify-export --export DIR [--target HF_DIR] [--prompts P.jsonl] [--n N] [--k K] [--json OUT]
     draftsmith drafts list|show [ID]|rollback [--to ID] --domain D [--runs-dir runs]
+    draftsmith retrain --domain code [--traffic LOGS ...] [section.key=value ...]   (docs/retraining.md)
+    draftsmith monitor --domain code --traffic LOGS [section.key=value ...]       (exit 1: drift)
     draftsmith recipe-help
 
 Errors a user can fix (a bad recipe key, a missing model, empty data, a corrupted shard...) print
@@ -221,6 +223,9 @@ def distill(recipe: Recipe, new: bool = False) -> Path:
     stage_generate(recipe, run_dir, target, tok)
     stage_train(recipe, run_dir, target, tok)
     stage_evaluate(recipe, run_dir, target, tok)
+    from .retrain import admit_distill
+
+    admit_distill(recipe, run_dir, target, tok)  # best/ enters the registry; champion only through the gate
     _write_status(run_dir, complete=True, wall_s=time.time() - t0)
     print(f"draftsmith: done in {time.time() - t0:.0f}s; outputs in {run_dir} (and {run_dir.parent / 'latest'})")
     return run_dir
@@ -273,6 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "by default)")
     pr.add_argument("--run-dir", help="write the held-out prompts this run was judged on instead (runs/<domain>/<id>: "
                     "its own split of your data, or its synthesised requests)")
+    r = sub.add_parser("retrain", help="the scheduled job: new traffic -> challenger -> gate -> promote or keep")
+    _recipe_args(r)
+    r.add_argument("--traffic", action="append", default=[], metavar="PATH", help="new traffic (repeat for more): "
+                   ".jsonl/.jsonl.gz/.parquet files or folders, in any format distill reads (prompts, served logs, "
+                   "OpenAI request/response)")
+    m = sub.add_parser("monitor", help="the champion's acceptance on the newest traffic; exit 1 on drift")
+    _recipe_args(m)
+    m.add_argument("--traffic", action="append", required=True, metavar="PATH", help="the newest traffic (as for "
+                   "retrain; repeat for more)")
     sub.add_parser("recipe-help", help="every recipe key with its default and meaning")
     from . import registry
 
@@ -376,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "distill":
             distill(recipe, new=args.new)
             return 0
+        if args.cmd in ("retrain", "monitor"):
+            from .retrain import monitor, retrain
+
+            return (retrain if args.cmd == "retrain" else monitor)(recipe, args.traffic)
         if args.cmd == "compare":
             methods, divergences = compare_choices(args)
             try:  # continue the latest run (its generated data), else start one

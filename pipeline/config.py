@@ -37,10 +37,14 @@ LATER_KEYS = {("evaluate", "compile"): False, ("generate", "engine"): "draftsmit
 
 
 def drop_later_defaults(d: dict) -> dict:
-    """Remove LATER_KEYS at their defaults from the recipe dict `d` (sections absent are skipped); returns d."""
+    """Remove LATER_KEYS at their defaults from the recipe dict `d` (sections absent are skipped), and a
+    section added later when all its keys are at their defaults; returns d."""
     for (section, key), default in LATER_KEYS.items():
         if section in d and key in d[section] and d[section][key] == default:
             del d[section][key]
+    for section in LATER_SECTIONS:
+        if section in d and d[section] == LATER_SECTIONS[section]():
+            del d[section]
     return d
 
 
@@ -324,6 +328,49 @@ class WandbConfig:
 
 
 @dataclass
+class RetrainConfig:
+    min_gain: float = _f(0.02, "The gate promotes a challenger only when the lower bound of its speedup gain over "
+                               "the champion (paired bootstrap over the fresh prompts) is at least this (0.02 = 2%).")
+    confidence: float = _f(0.95, "One-sided confidence of that lower bound.")
+    bootstrap: int = _f(2000, "Bootstrap resamples of the prompts (fixed seed: the same figures on a rerun).")
+    warm_start: bool = _f(True, "Train the challenger from the champion's weights (true) or from scratch (false); "
+                                "a champion of another draft method is never warm-started from.")
+    steps: typing.Optional[int] = _f(None, "Training steps of the challenger (None = train.steps).")
+    fresh_prompts: int = _f(32, "At most this many of each batch's new prompts are held out as the fresh slice "
+                                "the challenger and champion are judged on (never trained on).")
+    fresh_fraction: float = _f(0.25, "At most this fraction of a batch's new prompts is held out (at least 1).")
+    position_tolerance: float = _f(0.05, "The challenger's acceptance at each draft position may be at most this "
+                                         "much below the champion's.")
+    drift_threshold: float = _f(0.10, "`draftsmith monitor` exits 1 when the champion's τ on new traffic is this "
+                                      "fraction (relative) below its own recorded τ.")
+    monitor_prompts: int = _f(16, "Prompts of the newest traffic `draftsmith monitor` decodes.")
+
+    def __post_init__(self):
+        _positive("retrain.min_gain", self.min_gain, zero_ok=True)
+        if not 0.5 <= self.confidence < 1.0:
+            raise RecipeError(f"retrain.confidence={self.confidence} must be in [0.5, 1), e.g. 0.95")
+        _positive("retrain.bootstrap", self.bootstrap)
+        if self.bootstrap < 100:
+            raise RecipeError(f"retrain.bootstrap={self.bootstrap} is too few resamples for a bound; use >= 100")
+        if not isinstance(self.warm_start, bool):
+            raise RecipeError(f"retrain.warm_start={self.warm_start!r} must be true or false")
+        if self.steps is not None:
+            _positive("retrain.steps", self.steps)
+        _positive("retrain.fresh_prompts", self.fresh_prompts)
+        if not 0.0 < self.fresh_fraction < 1.0:
+            raise RecipeError(f"retrain.fresh_fraction={self.fresh_fraction} must be in (0, 1)")
+        if not 0.0 <= self.position_tolerance <= 1.0:
+            raise RecipeError(f"retrain.position_tolerance={self.position_tolerance} must be in [0, 1]")
+        if not 0.0 < self.drift_threshold < 1.0:
+            raise RecipeError(f"retrain.drift_threshold={self.drift_threshold} must be in (0, 1), e.g. 0.10")
+        _positive("retrain.monitor_prompts", self.monitor_prompts)
+
+
+# Sections added after runs were keyed: at all their defaults they are left out of every key.
+LATER_SECTIONS = {"retrain": lambda: dataclasses.asdict(RetrainConfig())}
+
+
+@dataclass
 class Recipe:
     domain: str = _f("code", "Domain name; outputs go to runs/<domain>/<run-id>/.")
     target: str = _f(EMBEDDED_TARGET, "Target model: the embedded default, a local HF checkpoint dir, or a hub id.")
@@ -338,6 +385,8 @@ class Recipe:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig, metadata={"help": "Stage 3."})
     export: ExportConfig = field(default_factory=ExportConfig, metadata={"help": "The promoted draft, exported."})
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "Stage 4: tracking."})
+    retrain: RetrainConfig = field(default_factory=RetrainConfig, metadata={
+        "help": "`draftsmith retrain` and `monitor`: the promotion gate, the fresh slice, drift (docs/retraining.md)."})
 
     def __post_init__(self):
         _one_of("dtype", self.dtype, {"bfloat16", "float32"})

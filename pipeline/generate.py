@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import json
 import logging
 import math
 import sys
@@ -367,3 +368,103 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ------------------------------------------------------------------------------- incremental (retrain)
+
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def target_fingerprint(spec: str) -> str:
+    """The target's files (names and bytes: config, tokenizer, weights) as a hash, so new weights at the same
+    path or hub id are told apart from the old; cached per process by the files' sizes and times."""
+    from .models import resolve_target
+
+    p = Path(resolve_target(spec))
+    if not p.is_dir():
+        return stable_hash({"hub": spec})
+    files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+    stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if stamp not in _FINGERPRINTS:
+        import hashlib
+
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.relative_to(p).as_posix().encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+        _FINGERPRINTS[stamp] = h.hexdigest()[:16]
+    return _FINGERPRINTS[stamp]
+
+
+def reuse_key(recipe) -> str:
+    """What a generated row depends on besides its prompt: the target's files, dtype, seed, the generate
+    section (not the engine) and the chat wrapping. Shards of an earlier run are reused only under the same key."""
+    g = {k: v for k, v in drop_later_defaults(recipe.to_dict())["generate"].items() if k != "engine"}
+    return stable_hash({"target": target_fingerprint(recipe.target), "dtype": recipe.dtype, "seed": recipe.seed,
+                        "generate": g, "chat": recipe.data.chat, "max_prompt_tokens": recipe.data.max_prompt_tokens})
+
+
+def _link_copy(src: Path, dst: Path) -> None:
+    import os
+    import shutil
+
+    def link(a, b):
+        try:
+            os.link(a, b)  # shards are never written in place: a hard link is an immutable copy
+        except OSError:
+            shutil.copy2(a, b)
+    shutil.copytree(src, dst, copy_function=link)
+
+
+def run_generate_incremental(recipe, run_dir, base: dict | None, model, tokenizer) -> tuple[Path, dict]:
+    """run_dir/generate for retrain: the shards of `base` ({"generate": an earlier complete generate dir,
+    "reuse_key"}) reused when its reuse_key matches, plus shards generated only for the prompts of
+    run_dir/prompts/all_train.jsonl not in them (under run_dir/new/). A changed target regenerates every
+    prompt, and says so. Returns (the stage dir, {"reused_rows", "new_rows", "reused_from", "regenerated"})."""
+    from datasets import load_from_disk
+
+    run_dir = Path(run_dir)
+    stage = run_dir / STAGE
+    m = shards.read_manifest(stage)
+    if m.get("complete") and m.get("incremental"):
+        return stage, m["incremental"]
+    if stage.exists():  # an interrupted assembly: redo it (copies are cheap, new rows resume under new/)
+        import shutil
+        shutil.rmtree(stage)
+    key = reuse_key(recipe)
+    rows = read_jsonl(run_dir / "prompts" / "all_train.jsonl")
+    reused, have, regenerated = [], set(), False
+    if base is not None and base.get("reuse_key") == key and shards.read_manifest(base["generate"]).get("complete"):
+        reused = sorted(shards.complete_shards(base["generate"]).items())
+        for name, _ in reused:
+            have.update(load_from_disk(str(Path(base["generate"]) / name))["id"])
+    elif base is not None:
+        regenerated = True
+        print(f"draftsmith: the target changed since {base['generate']} was generated (reuse key "
+              f"{base.get('reuse_key')} != {key}: new weights or generate settings); its shards are not reused and "
+              f"all {len(rows)} training prompts are generated again", file=sys.stderr)
+    new_rows = [r for r in rows if r["id"] not in have]
+    entries = {}
+    for i, (name, e) in enumerate(reused):
+        _link_copy(Path(base["generate"]) / name, stage / shards.shard_name(i))
+        entries[shards.shard_name(i)] = e
+    if new_rows:
+        sub = run_dir / "new"
+        (sub / "prompts").mkdir(parents=True, exist_ok=True)
+        if not (sub / "prompts" / "train.jsonl").exists():
+            from .atomic import write_text_atomic
+            write_text_atomic(sub / "prompts" / "train.jsonl", "".join(json.dumps(r) + "\n" for r in new_rows))
+        sub_stage = run_generate(recipe, sub, model=model, tokenizer=tokenizer)
+        for j, (name, e) in enumerate(sorted(shards.read_manifest(sub_stage)["shards"].items())):
+            _link_copy(sub_stage / name, stage / shards.shard_name(len(reused) + j))
+            entries[shards.shard_name(len(reused) + j)] = e
+    info = {"reused_rows": len(have), "new_rows": len(new_rows), "regenerated": regenerated,
+            "reused_from": str(base["generate"]) if reused else None}
+    stage.mkdir(parents=True, exist_ok=True)
+    shards.write_json_atomic(stage / shards.MANIFEST, {
+        "complete": True, "target": recipe.target, "top_k": recipe.generate.top_k_logprobs,
+        "generate_hash": generate_hash(recipe), "reuse_key": key, "recipe_hash": recipe.hash(),
+        "engine": engine_name(recipe.generate.engine), "incremental": info, "shards": entries})
+    return stage, info

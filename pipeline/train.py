@@ -40,6 +40,7 @@ train/log.jsonl and the manifest.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -55,6 +56,7 @@ from eval.datastore import FILE as DATASTORE_FILE, Datastore
 from .checkpoints import STATE_FILE, checkpoints, restore, set_aside_foreign, train_key, trainer_state, write_checkpoint
 from .features import (FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, aux_features_key, cache_features,
                        features_key, raw_teacher_key, score_raw_windows)
+from .config import stable_hash
 from .data import read_jsonl
 from .gkd import run_gkd, uses_gkd
 from .methods import DraftMethod, check_applies, get_method
@@ -68,10 +70,14 @@ __all__ = ["run_train", "TrainError", "LOG_FILE", "read_log"]
 LOG_FILE = "log.jsonl"  # train/log.jsonl: one {"step", "loss", "lr", metrics...} per step, up to the last checkpoint
 
 
-def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accelerator=None) -> Path:
+def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accelerator=None,
+              init_from: Path | None = None) -> Path:
     """Train the recipe's draft on run_dir/generate; return run_dir/train. Resumes from the newest
     complete checkpoint; a finished run (checkpoint at train.steps) returns at once. Under `accelerate
-    launch` each process runs this (module docstring); `accelerator` defaults to one made from the recipe."""
+    launch` each process runs this (module docstring); `accelerator` defaults to one made from the recipe.
+    init_from: a draft directory of the recipe's method whose weights step 0 starts from (retrain's warm
+    start from the champion); the optimizer starts fresh. It enters the train key, so a resume never mixes
+    checkpoints started from different weights."""
     from .models import load_target, target_skeleton
 
     tc, method = recipe.train, get_method(recipe.train.method)
@@ -80,8 +86,10 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
     train_dir = Path(run_dir) / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
     key = train_key(recipe)
+    if init_from is not None:
+        key = stable_hash([key, warm_start_key(init_from)])
     extra = {"target": recipe.target, "method": tc.method, "divergence": tc.divergence, "data": tc.data,
-             "train_key": key}
+             "train_key": key} | ({"init_from": str(init_from)} if init_from is not None else {})
     if _finished(train_dir, recipe):
         return train_dir  # nothing to load or recompute
     accelerator = accelerator or make_accelerator(recipe)  # before the target loads: each GPU process picks its own
@@ -105,7 +113,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
     resume = ckpts[-1] if ckpts else None
     with accelerator.local_main_process_first():
         dataset = _dataset(method, recipe, target, rows, raw_feats, train_dir, gen_manifest)
-    module = method.build(tc, target, tokenizer, rows, resume)
+    module = method.build(tc, target, tokenizer, rows, resume or init_from)  # weights only: loop.run restores state
     store = _datastore(tc, rows[:n_gen], ckpts if accelerator.is_main_process else [])
 
     def save(directory: Path, step: int):
@@ -125,6 +133,15 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
     step = loop.run(resume)
     loop.finish(step, len(dataset), method.vocab_size(module, target))
     return train_dir
+
+
+def warm_start_key(draft: Path) -> str:
+    """What a warm start depends on: the starting draft's files (names and bytes of its weights)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(draft).rglob("*") if p.is_file() and p.name != STATE_FILE):
+        h.update(f.relative_to(draft).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def make_accelerator(recipe):
