@@ -9,6 +9,8 @@
     draftsmith export --draft runs/code/latest/best --format speculators|eagle3|medusa|hf --out DIR
                       [--verifier TARGET] [--k K] [--force]
     draftsmith verify-export --export DIR [--target HF_DIR] [--prompts P.jsonl] [--n N] [--k K] [--json OUT]
+    draftsmith report --domain code [--runs-dir runs] [--run-dir DIR] [--draft DIR] [--prompts F.jsonl]
+                      [--out report.html] [report.key=value ...]
     draftsmith recipe-help
 
 Errors a user can fix (a bad recipe key, a missing model, empty data, a corrupted shard...) print
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -156,6 +159,15 @@ def stage_evaluate(recipe, run_dir, target=None, tok=None):
     return metrics
 
 
+def stage_report(recipe, run_dir, target=None, tok=None, command=None, **kw) -> Path:
+    """The owner's report.html (pipeline/owner_report.py), its curves measured unless report.curves is false."""
+    from .owner_report import write_html_report
+
+    out = write_html_report(run_dir, recipe=recipe, target=target, tokenizer=tok, command=command, **kw)
+    print(f"draftsmith: report -> {out}", file=sys.stderr)
+    return out
+
+
 def compare_choices(args) -> tuple[list[str], list[str]]:
     """--methods / --divergences, checked (a one-line error before any model loads or run opens)."""
     from .compare import DIVERGENCES, CompareError, check_choices
@@ -199,14 +211,15 @@ def stage_compare(recipe, run_dir, args, methods, divergences, target=None, tok=
     return out
 
 
-def distill(recipe: Recipe, new: bool = False) -> Path:
-    """Step 1 generate -> Step 2 train -> Step 3 evaluate (+ Step 4 logging inside each)."""
+def distill(recipe: Recipe, new: bool = False, command: str | None = None) -> Path:
+    """Step 1 generate -> Step 2 train -> Step 3 evaluate (+ Step 4 logging inside each) -> report.html."""
     run_dir = open_run(recipe, for_stage=False, new=new)
     t0 = time.time()
     target, tok = _load(recipe)
     stage_generate(recipe, run_dir, target, tok)
     stage_train(recipe, run_dir, target, tok)
     stage_evaluate(recipe, run_dir, target, tok)
+    stage_report(recipe, run_dir, target, tok, command)
     _write_status(run_dir, complete=True, wall_s=time.time() - t0)
     print(f"draftsmith: done in {time.time() - t0:.0f}s; outputs in {run_dir} (and {run_dir.parent / 'latest'})")
     return run_dir
@@ -259,6 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "by default)")
     pr.add_argument("--run-dir", help="write the held-out prompts this run was judged on instead (runs/<domain>/<id>: "
                     "its own split of your data, or its synthesised requests)")
+    r = sub.add_parser("report", help="the model owner's acceptance-rate report: one self-contained HTML file")
+    r.add_argument("--domain", required=True, help="the domain whose run is reported (runs/<domain>/)")
+    r.add_argument("--runs-dir", default="runs", help="where run directories are (default: runs)")
+    r.add_argument("--run-dir", help="the run to report (default: the registry champion's run, else "
+                   "runs/<domain>/latest)")
+    r.add_argument("--draft", help="measure this draft directory instead of the run's promoted best/")
+    r.add_argument("--prompts", help="measure on this JSONL (a 'prompt' or 'messages' per line, optionally a "
+                   "'category') instead of the run's held-out prompts")
+    r.add_argument("--out", help="the HTML file to write (default: <run>/report.html)")
+    r.add_argument("overrides", nargs="*", metavar="report.key=value", help="override the run's recipe (e.g. "
+                   "report.curves=false, report.ks=[1,2,4])")
     sub.add_parser("recipe-help", help="every recipe key with its default and meaning")
     from .export import FORMATS
 
@@ -327,9 +351,18 @@ def main(argv: list[str] | None = None) -> int:
                           n=args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype, json_out=args.json,
                           workdir=args.workdir, eager=args.eager)
             return 0
+        if args.cmd == "report":
+            from .config import load_recipe
+            from .owner_report import report_run_dir
+
+            run_dir = report_run_dir(args.domain, args.runs_dir, args.run_dir)
+            recipe = load_recipe(run_dir / "recipe.yaml", list(args.overrides))
+            stage_report(recipe, run_dir, command=shlex.join(["draftsmith", *argv]), out=args.out, draft=args.draft,
+                         prompts=args.prompts)
+            return 0
         recipe = _recipe_from(args)
         if args.cmd == "distill":
-            distill(recipe, new=args.new)
+            distill(recipe, new=args.new, command=shlex.join(["draftsmith", *argv]))
             return 0
         if args.cmd == "compare":
             methods, divergences = compare_choices(args)

@@ -249,7 +249,7 @@ def main_view(main: dict, sw: Sweeps, recipe) -> View:
     ng = main["ngram"]
     ngf = {"alpha": ng["stats"]["alpha"], "tau": ng["stats"]["tau"], "speedup": ng["speedup"],
            **{k: vllm_acceptance(ng["stats"])[k] for k in ("mean_acceptance_length", "draft_acceptance_rate")}}
-    return View("report/main.json", figs, keys, r, sw.rows, ngf,
+    return View(_src(sw, "main"), figs, keys, r, sw.rows, ngf,
                 {"alpha": "ngram.stats.alpha", "tau": "ngram.stats.tau", "speedup": "ngram.speedup"})
 
 
@@ -358,12 +358,17 @@ def _curve_caption(sw: Sweeps | None) -> dict:
                                   "date": _date(sw.cache.directory / "k-curve.json")}
 
 
+def _src(sw: Sweeps | None, name: str) -> str:
+    """A curve file's path relative to the run directory (data-src)."""
+    return sw.file(name) if sw else f"report/{name}.json"
+
+
 def k_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: str) -> tuple[str, int | None]:
     if not curves:
         return section("k-curve", off), None
     rows = curves["k"]
     best = max(rows, key=lambda r: r["speedup"])
-    src = "report/k-curve.json"
+    src = _src(sw, "k-curve")
     t = table(["K", "mean_acceptance_length", "draft_acceptance_rate", "α", "τ", "speedup"],
               [[str(r["k"]), num(r["mean_acceptance_length"], ".3f", f"rows.{i}.mean_acceptance_length", src),
                 num(r["draft_acceptance_rate"], ".3f", f"rows.{i}.draft_acceptance_rate", src),
@@ -393,7 +398,7 @@ def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: st
     rows = curves["batch"]
     out = []
     for r in rows:
-        src = f"report/batch-{r['batch_size']}.json"
+        src = _src(sw, f"batch-{r['batch_size']}")
         claim = ("exact" if r["exact"] else
                  f"{r['n_divergences']} divergences, " + ("all near-ties" if r["all_near_ties"] else "NOT all near-ties"))
         out.append([str(r["batch_size"]), str(r["n_sequences"]), num(r["plain_tokens_per_s"], ".1f", "plain_tokens_per_s", src),
@@ -433,7 +438,7 @@ def temperature_section(curves: dict | None, sw: Sweeps | None, figs: Figures, o
     rows = curves["temperature"]
     out = []
     for r in rows:
-        src = f"report/temperature-{r['temperature']:g}.json"
+        src = _src(sw, f"temperature-{r['temperature']:g}")
         out.append([f"{r['temperature']:g}", num(r["speedup"], ".2f", "speedup", src, "×"),
                     num(r["alpha"], ".3f", "alpha", src),
                     num(r["mean_acceptance_length"], ".3f", "mean_acceptance_length", src),
@@ -685,6 +690,24 @@ def default_command(run_dir: Path) -> str:
     if Path(sys.argv[0]).name == "draftsmith" or (argv and argv[0] in ("distill", "report", "retrain")):
         return shlex.join(["draftsmith", *argv])
     return f"draftsmith report --run-dir {shlex.quote(str(run_dir))}"
+
+
+def report_run_dir(domain: str, runs_dir: str | Path = "runs", run_dir: str | Path | None = None) -> Path:
+    """The run `draftsmith report` reports: --run-dir, else the registry champion's run, else runs/<domain>/latest."""
+    if run_dir is not None:
+        d = Path(run_dir)
+        if not (d / "recipe.yaml").exists():
+            raise ReportError(f"{d} is not a draftsmith run (no recipe.yaml); give --run-dir runs/<domain>/<run-id>")
+        return d.resolve()
+    domain_dir = Path(runs_dir) / domain
+    champ = registry_state(domain_dir, domain_dir).get("champion")
+    if champ and champ.get("run_dir") and (Path(champ["run_dir"]) / "metrics.json").exists():
+        return Path(champ["run_dir"]).resolve()
+    latest = domain_dir / "latest"
+    if not (latest / "recipe.yaml").exists():
+        raise ReportError(f"no run under {domain_dir} (no latest run, no registry champion); run `draftsmith distill "
+                          f"--domain {domain}` first, or give --runs-dir / --run-dir")
+    return latest.resolve()
 
 
 def write_html_report(run_dir, *, out=None, command: str | None = None, recipe=None, target=None, tokenizer=None,

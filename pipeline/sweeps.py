@@ -11,8 +11,9 @@ decoding in the project's decoder, as curves over K, batch size and sampling tem
 - with --draft / --prompts (`draftsmith report`): that draft on those prompts at the recipe's K, with the
   n-gram baseline, measured and judged as evaluate judges a candidate ("main").
 
-Every measurement is kept in run_dir/report/ (pipeline.measure.MeasurementCache) keyed by the prompts,
-the settings and the draft's files, so a rerun reads it back instead of measuring again.
+Every measurement is kept in run_dir/report/ (another draft or prompt set: run_dir/report/custom-<hash>/;
+pipeline.measure.MeasurementCache) keyed by the prompts, the settings and the draft's files, so a rerun
+reads it back instead of measuring again.
 """
 
 from __future__ import annotations
@@ -51,11 +52,16 @@ class Sweeps:
     seed: int
     cfg: object  # the recipe's ReportConfig
     cache: MeasurementCache
+    run_dir: Path
+
+    def file(self, name: str) -> str:
+        """A measurement's file, relative to the run directory."""
+        return str((self.cache.directory / f"{name}.json").relative_to(self.run_dir))
 
     @classmethod
     def open(cls, recipe, run_dir: Path, target, tokenizer, draft: str | Path | None = None,
              prompts_file: str | Path | None = None) -> "Sweeps":
-        run_dir = Path(run_dir)
+        run_dir = Path(run_dir).resolve()
         source = Path(draft) if draft else run_dir / "best"
         if not draft_dir.is_draft_dir(source):
             raise SweepError(f"{source} is not a draft directory (no draftsmith_draft.json); give --draft a "
@@ -68,9 +74,12 @@ class Sweeps:
         max_new = cfg.max_new_tokens or recipe.evaluate.max_new_tokens
         settings = {"dtype": recipe.dtype, "max_new_tokens": max_new, "prompts": stable_hash(prompts),
                     "near_tie_tol": recipe.evaluate.near_tie_tol, "seed": recipe.seed}
+        cache = run_dir / "report"
+        if draft or prompts_file:  # another draft or prompt set: its own directory, beside the run's own curves
+            cache = cache / f"custom-{stable_hash([str(source.resolve()), settings['prompts']])}"
         return cls(target, str(source), rows, prompts, str(path), tokenizer.eos_token_id, recipe.evaluate.k,
                    recipe.evaluate.ngram_k, max_new, recipe.evaluate.near_tie_tol, recipe.dtype, recipe.seed, cfg,
-                   MeasurementCache(run_dir / "report", settings))
+                   MeasurementCache(cache, settings), run_dir)
 
     def _cached(self, name: str, extra: dict, measure) -> dict:
         got = self.cache.read(name, self.source, extra)
