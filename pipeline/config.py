@@ -324,7 +324,8 @@ class ReportConfig:
     temperatures: list[float] = _f([0.0, 0.7, 1.0], "Temperatures on the temperature curve (lossless speculative "
                                                     "sampling, prompt i seeded seed + i; 0 = greedy).")
     n_prompts: int = _f(8, "Held-out prompts each curve point is measured on (the first of evaluate's).")
-    max_new_tokens: int = _f(0, "New tokens per prompt on the curves (0 = evaluate.max_new_tokens).")
+    max_new_tokens: int = _f(64, "New tokens per prompt on the curves (0 = evaluate.max_new_tokens); fewer than "
+                                 "evaluate's by default, so the curves' ~150 sequences stay a few minutes.")
     bootstrap: int = _f(2000, "Bootstrap resamples over prompts for the speedup's confidence interval.")
     confidence: float = _f(0.95, "Confidence level of the speedup's interval.")
 
