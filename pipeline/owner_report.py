@@ -254,26 +254,26 @@ def main_view(main: dict, sw: Sweeps, recipe) -> View:
 
 
 def registry_state(domain_dir: Path, run_dir: Path) -> dict:
-    """{"entries", "champion", "previous", "history", "note"} from the domain's draft registry
-    (pipeline.registry), with a note instead when there is none."""
+    """{"champion", "previous", "previous_role", "history", "note"} from the domain's draft registry
+    (pipeline.registry): "previous" is the champion this run's draft replaced when it is the champion, else
+    the champion in service; a note says why there is none."""
     try:
         from .registry import Registry
     except ImportError:
-        return {"note": "no registry yet (pipeline.registry is not installed in this checkout)"}
+        return {"note": "no registry yet (pipeline.registry is not in this checkout)"}
     try:
         reg = Registry(domain_dir)
-        entries, champ, hist = reg.entries(), reg.champion(), reg.history()
-    except Exception as e:  # noqa: BLE001  (a broken registry is reported, not fatal to the report)
-        return {"note": f"the registry at {domain_dir / 'registry'} could not be read: {e}"}
-    if not entries:
-        return {"note": f"no registry entries yet under {domain_dir / 'registry'}", "history": hist}
-    mine = [e for e in entries if Path(str(e.get("run_dir", ""))).resolve() == run_dir.resolve()]
-    prev = champ
-    if champ and mine and champ.get("id") in {e.get("id") for e in mine}:  # this run is the champion
-        ids = [h.get("id") for h in hist]
-        before = ids[:ids.index(champ["id"])] if champ["id"] in ids else []
-        prev = next((e for e in reversed(entries) if e.get("id") in before), None)
-    return {"entries": entries, "champion": champ, "previous": prev, "history": hist, "note": None}
+        champ, hist = reg.champion(), reg.history()
+        if champ is None:
+            return {"note": f"no champion yet in {domain_dir / 'registry'}", "history": hist}
+        mine = bool(champ.get("run_dir")) and Path(champ["run_dir"]).resolve() == Path(run_dir).resolve()
+        prev_id = (hist[-1].get("replaced") if hist else None) if mine else champ["id"]
+        prev = reg.entry(prev_id) if prev_id else None
+    except Exception as e:  # noqa: BLE001  (a broken registry is reported on the page, not fatal to it)
+        return {"note": f"the registry under {domain_dir} could not be read: {e}"}
+    return {"champion": champ, "previous": prev, "history": hist,
+            "previous_role": "previous champion" if mine else "champion in service",
+            "note": None if prev else "none: this run's draft is the first champion"}
 
 
 def verify_results(run_dir: Path) -> list[tuple[str, dict]]:
@@ -524,11 +524,12 @@ def baselines_section(v: View, reg: dict, figs: Figures) -> str:
     prev = reg.get("previous")
     if prev:
         pm = prev.get("metrics") or {}
-        rows.append([f"previous champion <code>{esc(prev.get('id'))}</code>", num(pm.get("speedup"), ".2f", suffix="×"),
+        rows.append([f"{esc(reg['previous_role'])} <code>{esc(prev.get('id'))}</code>",
+                     num(pm.get("speedup"), ".2f", suffix="×"),
                      num(pm.get("tau"), ".2f"), num(pm.get("mean_acceptance_length"), ".3f"),
                      num(pm.get("draft_acceptance_rate"), ".3f"),
                      f"its own measurement ({esc(prev.get('kind'))}, run {esc(prev.get('run_dir'))}), not paired"])
-        bars.append(("previous champion", pm.get("speedup") or 0))
+        bars.append((reg["previous_role"], pm.get("speedup") or 0))
     else:
         rows.append(["previous champion", "–", "–", "–", "–", esc(reg.get("note") or "none: this is the first")])
     plt = _plt()
@@ -545,22 +546,19 @@ def history_section(reg: dict, figs: Figures) -> str:
     if not hist:
         return section("history", f"<p>{esc(reg.get('note') or 'No champion has been promoted yet.')}</p>")
 
-    def rows_seen(h):
-        t = h.get("traffic")
-        return h.get("traffic_rows", h.get("rows", t.get("rows") if isinstance(t, dict) else t))
     rows = []
     for h in hist:
         since = h.get("since")
         when = dt.datetime.fromtimestamp(since, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") \
             if isinstance(since, (int, float)) else str(since)
-        rows.append([f"<code>{esc(h.get('id'))}</code>", esc(when), esc(rows_seen(h)),
-                     num(h.get("speedup"), ".2f", suffix="×"), num(h.get("tau"), ".2f"), esc(h.get("kind", ""))])
+        rows.append([f"<code>{esc(h.get('id'))}</code>", esc(when), esc("–" if h.get("traffic_rows") is None else h["traffic_rows"]),
+                     num(h.get("speedup"), ".2f", suffix="×"), num(h.get("tau"), ".2f"), esc(h.get("reason", ""))])
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 2.8))
     ax.plot(range(len(hist)), [h.get("speedup") or 0 for h in hist], "o-")
     ax.set_xticks(range(len(hist)), [str(h.get("id"))[-9:] for h in hist], rotation=20, fontsize=7)
     ax.set_ylabel("speedup when promoted")
-    return section("history", table(["champion", "since", "traffic rows seen", "speedup", "τ", "kind"], rows,
+    return section("history", table(["champion", "since", "traffic rows seen", "speedup", "τ", "why"], rows,
                                     "history") + figs(fig, "Champions over time"))
 
 
@@ -622,6 +620,11 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
                          esc(" ".join(f"{a:.2f}" for a in vl.get("acceptance_per_pos") or [])),
                          num(ours.get("mean_acceptance_length"), ".3f"),
                          num(vl.get("speedup"), ".2f", "vllm.speedup", src, "×"), esc(d.get("ok"))])
+        low = [p for p, d in verify if (d.get("vllm_vs_ours_tau") or 1.0) < 0.9]
+        if low:
+            parts.append(f"<p><b>The engine accepts less than our decoder</b> in {esc(', '.join(low))} (its mean "
+                         f"acceptance length over 10% below ours): expect less speedup there than measured here, "
+                         f"and check the export.</p>")
         parts.append("<p>The engine's own acceptance (<code>draftsmith verify-export</code> beside the export):</p>"
                      + table(["file", "K", "vLLM mean_acceptance_length", "vLLM draft_acceptance_rate",
                               "vLLM acceptance_at_pos_i", "ours mean_acceptance_length", "vLLM speedup", "ok"],

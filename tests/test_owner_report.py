@@ -224,6 +224,28 @@ def test_report_without_curves_and_a_missing_run(run, tmp_path, capsys):
     assert err[-1].startswith("draftsmith: error: no run under") and "draftsmith distill" in err[-1]
 
 
+def test_report_shows_the_registry_champions(run, tmp_path):
+    """With a registry (pipeline.registry): the champion this run's draft replaced is a baseline, and the
+    history lists every champion with the traffic rows it saw; `draftsmith report` picks the champion's run."""
+    registry = pytest.importorskip("pipeline.registry", reason="the draft registry is not in this checkout yet")
+    domain = tmp_path / "runs" / "code"
+    old, new = domain / "20260101-000000-aaaa", domain / run.name
+    for d in (old, new):
+        shutil.copytree(run, d, symlinks=True, ignore=shutil.ignore_patterns("report.html"))
+    m = json.loads((run / "metrics.json").read_text())
+    reg = registry.Registry(domain)
+    first = reg.add(old / "best", run_dir=old, metrics=m | {"speedup": 1.25}, kind="distill", hashes={},
+                    traffic={"rows": 24})
+    reg.promote(first["id"], {"reason": "first"})
+    second = reg.add(new / "best", run_dir=new, metrics=m, kind="retrain", hashes={}, traffic={"rows": 40})
+    reg.promote(second["id"], {"reason": "faster <b>"})
+    assert main(["report", "--domain", "code", "--runs-dir", str(tmp_path / "runs"), "report.curves=false"]) == 0
+    text = (new / "report.html").read_text()
+    assert f"previous champion <code>{first['id']}</code>" in text and "1.25×" in text
+    assert "<td>24</td>" in text and "<td>40</td>" in text and "faster &lt;b&gt;" in text
+    assert len(Page(text).figures) == 4  # per position, worst prompts, baselines, history (curves off)
+
+
 def test_bootstrap_interval_is_seeded_and_holds_the_estimate():
     pairs = [{"spec": {"n_tokens": 10, "wall_s": w}, "plain": {"n_tokens": 10, "wall_s": 1.0}}
              for w in (0.5, 0.6, 0.8, 0.4, 0.7)]
