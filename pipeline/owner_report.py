@@ -236,7 +236,8 @@ def main_view(main: dict, sw: Sweeps, recipe) -> View:
     acc = vllm_acceptance(s)
     figs = {"alpha": s["alpha"], "tau": s["tau"], "speedup": r["speedup"], "k": sw.k,
             "mean_acceptance_length": acc["mean_acceptance_length"],
-            "draft_acceptance_rate": acc["draft_acceptance_rate"], "tokens_per_s_plain": r["plain_stats"]["tokens_per_s"],
+            "draft_acceptance_rate": acc["draft_acceptance_rate"],
+            "tokens_per_s_plain": r["plain_stats"]["tokens_per_s"],
             "tokens_per_s_spec": s["tokens_per_s"], "accept_per_pos": s["accept_per_pos"],
             "greedy_exact": r["exact_match"] if r["exactness_rule"] == "exact" else r["all_near_ties"],
             "bf16_match_rate": r["match_rate"] if recipe.dtype == "bfloat16" else None,
@@ -399,9 +400,10 @@ def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: st
     out = []
     for r in rows:
         src = _src(sw, f"batch-{r['batch_size']}")
-        claim = ("exact" if r["exact"] else
-                 f"{r['n_divergences']} divergences, " + ("all near-ties" if r["all_near_ties"] else "NOT all near-ties"))
-        out.append([str(r["batch_size"]), str(r["n_sequences"]), num(r["plain_tokens_per_s"], ".1f", "plain_tokens_per_s", src),
+        ties = "all near-ties" if r["all_near_ties"] else "NOT all near-ties"
+        claim = "exact" if r["exact"] else f"{r['n_divergences']} divergences, {ties}"
+        out.append([str(r["batch_size"]), str(r["n_sequences"]),
+                    num(r["plain_tokens_per_s"], ".1f", "plain_tokens_per_s", src),
                     num(r["tokens_per_s"], ".1f", "tokens_per_s", src), num(r["speedup"], ".2f", "speedup", src, "×"),
                     num(r["match_rate"], ".4f", "match_rate", src), num(r["n_divergences"], "d", "n_divergences", src),
                     num(r["max_divergence_margin"], ".3f", "max_divergence_margin", src) if r["max_divergence_margin"]
@@ -531,7 +533,7 @@ def baselines_section(v: View, reg: dict, figs: Figures) -> str:
                      f"its own measurement ({esc(prev.get('kind'))}, run {esc(prev.get('run_dir'))}), not paired"])
         bars.append((reg["previous_role"], pm.get("speedup") or 0))
     else:
-        rows.append(["previous champion", "–", "–", "–", "–", esc(reg.get("note") or "none: this is the first")])
+        rows.append(["previous champion", "–", "–", "–", "–", esc(reg.get("note") or "none")])
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 2.8))
     ax.bar([b[0] for b in bars], [b[1] for b in bars], color=["C0", "C1", "C2"][:len(bars)])
@@ -551,7 +553,8 @@ def history_section(reg: dict, figs: Figures) -> str:
         since = h.get("since")
         when = dt.datetime.fromtimestamp(since, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") \
             if isinstance(since, (int, float)) else str(since)
-        rows.append([f"<code>{esc(h.get('id'))}</code>", esc(when), esc("–" if h.get("traffic_rows") is None else h["traffic_rows"]),
+        seen = "–" if h.get("traffic_rows") is None else h["traffic_rows"]
+        rows.append([f"<code>{esc(h.get('id'))}</code>", esc(when), esc(seen),
                      num(h.get("speedup"), ".2f", suffix="×"), num(h.get("tau"), ".2f"), esc(h.get("reason", ""))])
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 2.8))

@@ -62,7 +62,7 @@ class Sweeps:
     def open(cls, recipe, run_dir: Path, target, tokenizer, draft: str | Path | None = None,
              prompts_file: str | Path | None = None) -> "Sweeps":
         run_dir = Path(run_dir).resolve()
-        source = Path(draft) if draft else run_dir / "best"
+        source = Path(draft).resolve() if draft else run_dir / "best"
         if not draft_dir.is_draft_dir(source):
             raise SweepError(f"{source} is not a draft directory (no draftsmith_draft.json); give --draft a "
                              f"checkpoint or best/ directory, or finish the run's evaluate stage first")

@@ -137,7 +137,8 @@ def test_numbers_equal_the_files_they_come_from(run, rendered):
             "tokens_per_s_spec", "n_prompts", "k", "ngram_baseline.speedup"}
     want |= {f"accept_per_pos.{i}" for i in range(len(m["accept_per_pos"]))}
     assert {("metrics.json", k) for k in want} <= seen
-    assert {("report/k-curve.json", f"rows.{i}.{f}") for i in (0, 1) for f in ("mean_acceptance_length", "speedup")} <= seen
+    k_curve = {("report/k-curve.json", f"rows.{i}.{f}") for i in (0, 1) for f in ("mean_acceptance_length", "speedup")}
+    assert k_curve <= seen
     for b in (1, 2):
         assert {(f"report/batch-{b}.json", f) for f in ("speedup", "match_rate", "n_divergences")} <= seen
     for t in ("0", "1"):
@@ -190,7 +191,7 @@ def test_rerun_reads_the_curves_back(run, tmp_path, monkeypatch):
 
 
 def test_report_cli_on_other_prompts_with_categories(run, tmp_path):
-    """`draftsmith report --prompts` measures the promoted draft (and the n-gram baseline) on those prompts:
+    """`draftsmith report --draft --prompts` measures that draft (and the n-gram baseline) on those prompts:
     a row per category, the worst prompts listed by their beginnings, HTML-escaped."""
     prompts = tmp_path / "p.jsonl"
     rows = [{"prompt": "def f(x):\n    \"\"\"<script>alert(1)</script> & co\"\"\"\n", "category": "docstrings"},
@@ -198,8 +199,9 @@ def test_report_cli_on_other_prompts_with_categories(run, tmp_path):
             {"messages": [{"role": "user", "content": "Write <b>bold</b> code"}], "category": "chat"}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "custom.html"
-    assert main(["report", "--domain", "code", "--run-dir", str(run), "--prompts", str(prompts), "--out", str(out),
-                 "report.n_prompts=3", "report.curves=false"]) == 0
+    ckpt = run / "train" / json.loads((run / "train" / "manifest.json").read_text())["checkpoints"][0]
+    assert main(["report", "--domain", "code", "--run-dir", str(run), "--draft", str(ckpt), "--prompts", str(prompts),
+                 "--out", str(out), "report.n_prompts=3", "report.curves=false"]) == 0
     text = out.read_text()
     assert "<script" not in text and "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in text
     assert "&lt;b&gt;bold&lt;/b&gt;" in text
@@ -210,7 +212,8 @@ def test_report_cli_on_other_prompts_with_categories(run, tmp_path):
     page = Page(text)
     speed = [n for n in page.numbers if n.get("data-key") == "draft.speedup"]
     assert speed and json.loads(speed[0]["data-value"]) == measured["draft"]["speedup"]
-    assert len(measured["draft"]["stats"]["per_prompt"]) == 3
+    assert len(measured["draft"]["stats"]["per_prompt"]) == 3 and measured["draft"]["source"] == str(ckpt)
+    assert f"{ckpt}" in Page(text).figures[0]["caption"]["draft"]
 
 
 def test_report_without_curves_and_a_missing_run(run, tmp_path, capsys):
