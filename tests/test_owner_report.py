@@ -216,7 +216,7 @@ def test_report_cli_on_other_prompts_with_categories(run, tmp_path):
     assert f"{ckpt}" in Page(text).figures[0]["caption"]["draft"]
 
 
-def test_report_without_curves_and_a_missing_run(run, tmp_path, capsys):
+def test_report_without_curves_and_bad_input(run, tmp_path, capsys):
     out = tmp_path / "nocurves.html"
     assert main(["report", "--domain", "code", "--run-dir", str(run), "--out", str(out), "report.curves=false"]) == 0
     page = Page(out.read_text())
@@ -225,6 +225,13 @@ def test_report_without_curves_and_a_missing_run(run, tmp_path, capsys):
     assert main(["report", "--domain", "code", "--runs-dir", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("draftsmith: error: no run under") and "draftsmith distill" in err[-1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    assert main(["report", "--domain", "code", "--run-dir", str(run), "--prompts", str(bad), "--out",
+                 str(tmp_path / "bad.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"draftsmith: error: {bad}:2: each line needs a 'prompt' string or a 'messages' list"
+    assert not (tmp_path / "bad.html").exists()
 
 
 def test_report_shows_the_registry_champions(run, tmp_path):
