@@ -51,6 +51,7 @@ class Sweeps:
     dtype: str
     seed: int
     cfg: object  # the recipe's ReportConfig
+    compile: bool  # evaluate.compile: the decoders' compiled step, as evaluate measured
     cache: MeasurementCache
     run_dir: Path
 
@@ -74,12 +75,14 @@ class Sweeps:
         max_new = cfg.max_new_tokens or recipe.evaluate.max_new_tokens
         settings = {"dtype": recipe.dtype, "max_new_tokens": max_new, "prompts": stable_hash(prompts),
                     "near_tie_tol": recipe.evaluate.near_tie_tol, "seed": recipe.seed}
+        if recipe.evaluate.compile:  # keyed only when set, like config.LATER_KEYS
+            settings["compile"] = True
         cache = run_dir / "report"
         if draft or prompts_file:  # another draft or prompt set: its own directory, beside the run's own curves
             cache = cache / f"custom-{stable_hash([str(source.resolve()), settings['prompts']])}"
         return cls(target, str(source), rows, prompts, str(path), tokenizer.eos_token_id, recipe.evaluate.k,
                    recipe.evaluate.ngram_k, max_new, recipe.evaluate.near_tie_tol, recipe.dtype, recipe.seed, cfg,
-                   MeasurementCache(cache, settings), run_dir)
+                   recipe.evaluate.compile, MeasurementCache(cache, settings), run_dir)
 
     def _cached(self, name: str, extra: dict, measure) -> dict:
         got = self.cache.read(name, self.source, extra)
@@ -93,7 +96,7 @@ class Sweeps:
             props = {"draft": (proposer_for(self.source, self.target), self.k),
                      "ngram": (proposer_for("ngram", self.target), self.ngram_k)}
             plain_seqs, plain, outs = decode_together(self.target, props, self.prompts, self.max_new_tokens,
-                                                      self.eos, "report: draft+ngram")
+                                                      self.eos, "report: draft+ngram", self.compile)
             out = {}
             for name, (seqs, stats) in outs.items():
                 match = compare_greedy(self.target, self.prompts, plain_seqs, seqs, tol=self.near_tie_tol)
@@ -112,7 +115,7 @@ class Sweeps:
         def measure():
             props = {f"K={k}": (proposer_for(self.source, self.target), k) for k in ks}
             _, plain, outs = decode_together(self.target, props, self.prompts, self.max_new_tokens, self.eos,
-                                             "report: K curve")
+                                             "report: K curve", self.compile)
             return {"rows": [_row(outs[f"K={k}"][1], plain) | {"k": k} for k in ks]}
         return self._cached("k-curve", {"ks": ks}, measure)
 
@@ -123,10 +126,13 @@ class Sweeps:
             prompts = self.prompts if len(self.prompts) >= b else \
                 [self.prompts[i % len(self.prompts)] for i in range(b)]
             batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
-            decs = [SpeculativeDecoder(self.target, None),
-                    SpeculativeDecoder(self.target, proposer_for(self.source, self.target), k=self.k)]
-            for dec in decs:  # warm-up, not timed
-                dec.generate([p[:16] for p in batches[0]], max_new_tokens=4, eos_token_id=self.eos)
+            decs = [SpeculativeDecoder(self.target, None, compile=self.compile),
+                    SpeculativeDecoder(self.target, proposer_for(self.source, self.target), k=self.k,
+                                       compile=self.compile)]
+            for dec in decs:  # warm-up, not timed; compiled: every batch once, so each shape compiles here
+                for batch in batches if self.compile else [[p[:16] for p in batches[0]]]:
+                    dec.generate(batch, max_new_tokens=self.max_new_tokens if self.compile else 4,
+                                 eos_token_id=self.eos)
             seqs, stats = ([], []), ([], [])
             for i, batch in enumerate(batches):
                 for j in (0, 1) if i % 2 == 0 else (1, 0):
@@ -151,7 +157,7 @@ class Sweeps:
         def measure():
             _, plain, outs = decode_together(self.target, {"draft": (proposer_for(self.source, self.target), self.k)},
                                              self.prompts, self.max_new_tokens, self.eos, f"report: T={t:g}",
-                                             sampling=sampling)
+                                             self.compile, sampling)
             return _row(outs["draft"][1], plain) | {"temperature": t, "sampling": sampling}
         return self._cached(f"temperature-{t:g}", {"temperature": t, "k": self.k}, measure)
 
