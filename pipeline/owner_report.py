@@ -726,15 +726,19 @@ def write_html_report(run_dir, *, out=None, command: str | None = None, recipe=N
 
     run_dir = Path(run_dir).resolve()
     mpath = run_dir / "metrics.json"
-    if not mpath.exists():
+    custom = draft is not None or prompts is not None
+    if not mpath.exists() and custom and recipe is not None:  # a retrain run: the draft is measured here
+        m = {"domain": recipe.domain, "target": recipe.target, "dtype": recipe.dtype, "k": recipe.evaluate.k,
+             "ngram_k": recipe.evaluate.ngram_k}
+    elif not mpath.exists():
         raise ReportError(f"{mpath} is missing; finish the run (`draftsmith distill` or `draftsmith evaluate`) "
                           f"or give --run-dir a finished run")
-    m = json.loads(mpath.read_text())
+    else:
+        m = json.loads(mpath.read_text())
     if recipe is None:
         if not (run_dir / "recipe.yaml").exists():
             raise ReportError(f"{run_dir / 'recipe.yaml'} is missing; give --run-dir a run written by draftsmith")
         recipe = load_recipe(run_dir / "recipe.yaml")
-    custom = draft is not None or prompts is not None
     sw = curves = None
     if recipe.report.curves or custom:
         if target is None:

@@ -376,7 +376,25 @@ def _run_batch(recipe, ddir: Path, ledger: Ledger, batch: dict) -> int:
     write_json_atomic(run_dir / "status.json", {"kind": "retrain", "batch": batch["id"], "complete": True,
                                                 "recipe_hash": recipe.hash(), "wall_s": time.time() - t0})
     _say(record)
+    write_report(recipe, run_dir, target, tok)
     return 0
+
+
+def write_report(recipe, run_dir: Path, target, tok) -> Path | None:
+    """run_dir/report.html: the champion in service after the decision, measured on this batch's fresh slice."""
+    import shlex
+
+    from .owner_report import write_html_report
+
+    champ = Registry(domain_dir(recipe)).champion()
+    if champ is None:
+        return None
+    cmd = shlex.join(["draftsmith", *sys.argv[1:]]) if sys.argv[1:2] == ["retrain"] else \
+        f"draftsmith retrain --domain {recipe.domain}"
+    out = write_html_report(run_dir, out=run_dir / "report.html", command=cmd, recipe=recipe, target=target,
+                            tokenizer=tok, draft=champ["draft_dir"], prompts=run_dir / "prompts" / "heldout.jsonl")
+    print(f"draftsmith: report of the champion {champ['id']} -> {out}", file=sys.stderr)
+    return out
 
 
 # ------------------------------------------------------------------------------- monitor
