@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from .config import Recipe, RecipeError, help_table, load_recipe
+from .faults import kill_point
 
 EXIT_USER_ERROR = 2
 
@@ -52,12 +53,27 @@ def _write_status(run_dir: Path, **kw) -> None:
     write_json_atomic(_status_path(run_dir), {**_read_status(run_dir), **kw})
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        pass
+    return True
+
+
 def _point_latest(run_dir: Path) -> None:
     link = run_dir.parent / "latest"
+    for old in run_dir.parent.glob(".latest-*"):  # left by a run killed while it moved the pointer
+        pid = old.name.split("-")[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            old.unlink()
     tmp = run_dir.parent / f".latest-{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     tmp.symlink_to(run_dir.name)
+    kill_point("cli.latest_pointer")
     os.replace(tmp, link)
 
 
@@ -149,6 +165,7 @@ def stage_evaluate(recipe, run_dir, target=None, tok=None):
         metrics = run_evaluate(recipe, run_dir, target, tok, tracker=tracker)
     finally:
         tracker.finish()
+    kill_point("evaluate.before_report")
     report = write_report(run_dir)
     print(f"draftsmith: {metrics['draft_method']} {metrics['checkpoint']}: alpha {metrics['alpha']:.3f}, "
           f"tau {metrics['tau']:.2f}, speedup {metrics['speedup']:.2f}x, greedy_exact {metrics['greedy_exact']}"
@@ -207,6 +224,7 @@ def distill(recipe: Recipe, new: bool = False) -> Path:
     stage_generate(recipe, run_dir, target, tok)
     stage_train(recipe, run_dir, target, tok)
     stage_evaluate(recipe, run_dir, target, tok)
+    kill_point("cli.before_complete")
     _write_status(run_dir, complete=True, wall_s=time.time() - t0)
     print(f"draftsmith: done in {time.time() - t0:.0f}s; outputs in {run_dir} (and {run_dir.parent / 'latest'})")
     return run_dir
