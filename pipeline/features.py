@@ -145,7 +145,6 @@ def score_raw_windows(target, windows, k: int, path: Path, key: str, batch_size:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".raw-teacher-", suffix=".safetensors")
         os.close(fd)
         save_file(t, tmp, metadata={"key": key})
-        kill_point("features.raw_before_rename")
         os.replace(tmp, path)
     rows, feats = [], []
     o = ot = 0
