@@ -19,6 +19,7 @@ rerunning the same command resumes an interrupted run.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -29,6 +30,19 @@ from .config import Recipe, RecipeError, help_table, load_recipe
 from .faults import kill_point
 
 EXIT_USER_ERROR = 2
+
+
+def _os_error_line(e: OSError) -> str | None:
+    """One line for a write the machine refused (disk full, no permission, a file where a directory should be);
+    None for other OS errors (a traceback is the most useful report of those)."""
+    path = e.filename or "a file"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full while writing {path}: free space and rerun (the finished parts are kept)"
+    # EEXIST/ENOTDIR: a file stands where a directory goes
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+        return (f"cannot write {path} ({e.strerror}): make it writable or choose another location (runs_dir=..., "
+                f"--out), then rerun (the finished parts are kept)")
+    return None
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -44,7 +58,16 @@ def _status_path(run_dir: Path) -> Path:
 
 def _read_status(run_dir: Path) -> dict:
     p = _status_path(run_dir)
-    return json.loads(p.read_text()) if p.exists() else {}
+    if not p.exists():
+        return {}
+    try:
+        st = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        st = None
+    if not isinstance(st, dict):
+        raise RecipeError(f"{p} is corrupted (not a JSON object); delete it and rerun: the run's finished stages "
+                          f"are kept and read back")
+    return st
 
 
 def _write_status(run_dir: Path, **kw) -> None:
@@ -346,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                           workdir=args.workdir, eager=args.eager)
             return 0
         recipe = _recipe_from(args)
+        from .models import resolve_target
+
+        resolve_target(recipe.target)  # a missing target: refused before any run directory is touched
         if args.cmd == "distill":
             distill(recipe, new=args.new)
             return 0
@@ -365,9 +391,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001
-        if not _is_user_error(e) or os.environ.get("DRAFTSMITH_DEBUG"):
+        line = _os_error_line(e) if isinstance(e, OSError) else str(e) if _is_user_error(e) else None
+        if line is None or os.environ.get("DRAFTSMITH_DEBUG"):
             raise
-        print(f"draftsmith: error: {e}", file=sys.stderr)
+        print(f"draftsmith: error: {line}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 
