@@ -7,8 +7,10 @@ the uninterrupted reference's: the generated rows (none lost or duplicated), eve
 weights, the train log, every candidate's measured acceptance, the promoted draft; and nothing
 half-written is left or counted as complete. The reference and the chains run as parallel processes.
 
-To add a stage (registry, retrain): append a Chain to CHAINS with its command and its kill points,
-and, when it writes other outputs, an `outputs(run_dir) -> dict` of what must not depend on the kills.
+To add a stage (registry, retrain): append a Chain to CHAINS with its command and its kill points; with
+`before` (commands run uninterrupted first, e.g. the distill that makes a champion) when it needs a state
+to start from; and, when it writes other outputs, an `outputs(path) -> dict` of what must not depend on the
+kills. Chains with the same `before` and command share one reference.
 """
 
 from __future__ import annotations
@@ -99,7 +101,12 @@ class Chain:
     command: Callable[[Path, Path], list[str]]  # (tiny target, runs dir) -> draftsmith arguments
     kills: list[str]
     outputs: Callable[[Path], dict] = distill_outputs
-    run: Callable[[Path], Path] = field(default=lambda runs: runs / "code" / RUN_ID)
+    run: Callable[[Path], Path] = field(default=lambda runs: runs / "code" / RUN_ID)  # what `outputs` reads
+    before: Callable[[Path, Path], list[list[str]]] = field(default=lambda target, runs: [])
+
+    @property
+    def reference(self) -> tuple:
+        return self.before, self.command
 
 
 CHAINS = [
@@ -146,11 +153,14 @@ def _draftsmith(args: list[str], kill: str | None = None) -> subprocess.Complete
                           capture_output=True, text=True, timeout=600)
 
 
-def _run_chain(chain: Chain | None, target: Path, runs: Path) -> list[tuple[str | None, int, str]]:
-    """[(kill point or None, return code, stderr tail)] for each run of the chain (None: the reference)."""
+def _run_chain(chain: Chain, target: Path, runs: Path, kills: list[str]) -> list[tuple[str | None, int, str]]:
+    """[(kill point or None, return code, stderr tail)] for each run of the chain (kills=[]: its reference)."""
+    for args in chain.before(target, runs):
+        p = _draftsmith(args)
+        assert p.returncode == 0, p.stderr[-3000:]
     out = []
-    for kill in (chain.kills if chain else []) + [None]:
-        p = _draftsmith((chain or CHAINS[0]).command(target, runs), kill)
+    for kill in kills + [None]:
+        p = _draftsmith(chain.command(target, runs), kill)
         out.append((kill, p.returncode, p.stderr[-3000:]))
         if p.returncode not in (0, -signal.SIGKILL):
             break
@@ -159,12 +169,19 @@ def _run_chain(chain: Chain | None, target: Path, runs: Path) -> list[tuple[str 
 
 @pytest.fixture(scope="module")
 def runs(tiny_target, tmp_path_factory):
-    """{chain name (None: the uninterrupted reference): (runs dir, [(kill, return code, stderr)])}."""
-    jobs = {None: tmp_path_factory.mktemp("reference")} | {c.name: tmp_path_factory.mktemp(c.name) for c in CHAINS}
-    by_name = {c.name: c for c in CHAINS}
+    """{chain name, or ("reference", chain name): (runs dir, [(kill, return code, stderr)])}: every chain and one
+    uninterrupted reference per distinct (before, command), all as parallel processes."""
+    refs = {}
+    for c in CHAINS:
+        refs.setdefault(c.reference, c)
+    jobs = [(("reference", c.name), c, []) for c in refs.values()] + [(c.name, c, c.kills) for c in CHAINS]
+    dirs = {key: tmp_path_factory.mktemp("-".join(key) if isinstance(key, tuple) else key) for key, _, _ in jobs}
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {n: pool.submit(_run_chain, by_name.get(n), tiny_target, d) for n, d in jobs.items()}
-        return {n: (jobs[n], f.result()) for n, f in futures.items()}
+        futures = {key: pool.submit(_run_chain, c, tiny_target, dirs[key], kills) for key, c, kills in jobs}
+        out = {key: (dirs[key], f.result()) for key, f in futures.items()}
+    for c in CHAINS:  # each chain's reference under its own name too
+        out.setdefault(("reference", c.name), out[("reference", refs[c.reference].name)])
+    return out
 
 
 def test_the_table_covers_every_kill_point():
@@ -181,7 +198,7 @@ def test_the_table_covers_every_kill_point():
 @pytest.mark.parametrize("chain", CHAINS, ids=lambda c: c.name)
 def test_each_kill_point_is_reached_and_the_rerun_finishes(runs, chain):
     """Each run dies by SIGKILL at its point (so the point was reached), and the last rerun succeeds."""
-    ref_dir, ref = runs[None]
+    _, ref = runs["reference", chain.name]
     assert ref[-1][1] == 0, ref[-1][2]
     _, results = runs[chain.name]
     for kill, rc, err in results[:-1]:
@@ -192,7 +209,7 @@ def test_each_kill_point_is_reached_and_the_rerun_finishes(runs, chain):
 
 @pytest.mark.parametrize("chain", CHAINS, ids=lambda c: c.name)
 def test_resumed_outputs_equal_the_uninterrupted_run(runs, chain):
-    ref_dir, _ = runs[None]
+    ref_dir, _ = runs["reference", chain.name]
     runs_dir, results = runs[chain.name]
     assert results[-1][1] == 0, results[-1][2]
     ref, got = chain.outputs(chain.run(ref_dir)), chain.outputs(chain.run(runs_dir))
@@ -204,13 +221,16 @@ def test_resumed_outputs_equal_the_uninterrupted_run(runs, chain):
         assert len(ids) == len(set(ids)) == len(train)
 
 
-@pytest.mark.parametrize("chain", CHAINS, ids=lambda c: c.name)
+DISTILLS = [c for c in CHAINS if c.outputs is distill_outputs]
+
+
+@pytest.mark.parametrize("chain", DISTILLS, ids=lambda c: c.name)
 def test_the_promoted_draft_is_the_measured_best(runs, chain):
     """Promotion is by measured wall-clock speedup, so which checkpoint wins may differ from the
     reference's (it does between two uninterrupted runs too); what must hold: the promoted one is the
     best of its own run's measurements, its figures are the deterministic ones the reference measured
     for it, and best/ holds exactly its weights."""
-    ref_run, run = chain.run(runs[None][0]), chain.run(runs[chain.name][0])
+    ref_run, run = chain.run(runs["reference", chain.name][0]), chain.run(runs[chain.name][0])
     m = json.loads((run / "metrics.json").read_text())
     assert m["checkpoint"] == max(m["checkpoints"], key=lambda c: c["speedup"])["name"]
     ref_measured = json.loads((ref_run / "eval" / f"{m['checkpoint']}.json").read_text())
@@ -223,12 +243,17 @@ def test_the_promoted_draft_is_the_measured_best(runs, chain):
 
 
 @pytest.mark.parametrize("chain", CHAINS, ids=lambda c: c.name)
-def test_nothing_half_written_is_left(runs, chain):
-    """No temporary file or directory survives the reruns, and everything a stage counts as complete
-    is: every shard directory in the manifest, every checkpoint whole and listed."""
+def test_no_temporary_file_is_left(runs, chain):
+    """No temporary (dot-named, written-aside) file or directory survives the reruns."""
+    runs_dir = runs[chain.name][0]
+    assert not [p for p in runs_dir.rglob(".*") if p.name != ".manifest.lock" and "wandb" not in p.parts]
+
+
+@pytest.mark.parametrize("chain", DISTILLS, ids=lambda c: c.name)
+def test_only_complete_shards_and_checkpoints_are_kept(runs, chain):
+    """Everything a stage counts as complete is: every shard directory in the manifest, every checkpoint
+    whole and listed."""
     run = chain.run(runs[chain.name][0])
-    left = [p for p in run.parent.rglob(".*") if p.name != ".manifest.lock" and "wandb" not in p.parts]
-    assert not left
     gen = json.loads((run / "generate" / "manifest.json").read_text())
     assert sorted(p.name for p in (run / "generate").glob("shard-*")) == sorted(gen["shards"])
     train = json.loads((run / "train" / "manifest.json").read_text())
