@@ -16,6 +16,7 @@ import torch
 from eval import draft_dir
 
 from .config import drop_later_defaults, flat_train, stable_hash
+from .faults import kill_point
 
 STATE_FILE = "trainer_state.pt"
 
@@ -64,7 +65,9 @@ def write_checkpoint(train_dir: Path, step: int, save_draft, state=None) -> Path
     final = train_dir / f"checkpoint-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=train_dir, prefix=f".checkpoint-{step:06d}-"))
     save_draft(tmp)
+    kill_point("train.draft_saved")
     torch.save(state() if state is not None else {"step": step}, tmp / STATE_FILE)
+    kill_point("train.before_rename")
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

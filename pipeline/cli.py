@@ -24,6 +24,7 @@ rerunning the same command resumes an interrupted run.
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
 import os
@@ -33,8 +34,22 @@ import time
 from pathlib import Path
 
 from .config import Recipe, RecipeError, help_table, load_recipe
+from .faults import kill_point
 
 EXIT_USER_ERROR = 2
+
+
+def _os_error_line(e: OSError) -> str | None:
+    """One line for a write the machine refused (disk full, no permission, a file where a directory should be);
+    None for other OS errors (a traceback is the most useful report of those)."""
+    path = e.filename or "a file"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full while writing {path}: free space and rerun (the finished parts are kept)"
+    # EEXIST/ENOTDIR: a file stands where a directory goes
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+        return (f"cannot write {path} ({e.strerror}): make it writable or choose another location (runs_dir=..., "
+                f"--out), then rerun (the finished parts are kept)")
+    return None
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -50,7 +65,16 @@ def _status_path(run_dir: Path) -> Path:
 
 def _read_status(run_dir: Path) -> dict:
     p = _status_path(run_dir)
-    return json.loads(p.read_text()) if p.exists() else {}
+    if not p.exists():
+        return {}
+    try:
+        st = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        st = None
+    if not isinstance(st, dict):
+        raise RecipeError(f"{p} is corrupted (not a JSON object); delete it and rerun: the run's finished stages "
+                          f"are kept and read back")
+    return st
 
 
 def _write_status(run_dir: Path, **kw) -> None:
@@ -59,12 +83,27 @@ def _write_status(run_dir: Path, **kw) -> None:
     write_json_atomic(_status_path(run_dir), {**_read_status(run_dir), **kw})
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        pass
+    return True
+
+
 def _point_latest(run_dir: Path) -> None:
     link = run_dir.parent / "latest"
+    for old in run_dir.parent.glob(".latest-*"):  # left by a run killed while it moved the pointer
+        pid = old.name.split("-")[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            old.unlink()
     tmp = run_dir.parent / f".latest-{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     tmp.symlink_to(run_dir.name)
+    kill_point("cli.latest_pointer")
     os.replace(tmp, link)
 
 
@@ -168,6 +207,7 @@ def stage_evaluate(recipe, run_dir, target=None, tok=None):
         metrics = run_evaluate(recipe, run_dir, target, tok, tracker=tracker)
     finally:
         tracker.finish()
+    kill_point("evaluate.before_report")
     report = write_report(run_dir)
     print(f"draftsmith: {metrics['draft_method']} {metrics['checkpoint']}: alpha {metrics['alpha']:.3f}, "
           f"tau {metrics['tau']:.2f}, speedup {metrics['speedup']:.2f}x, greedy_exact {metrics['greedy_exact']}"
@@ -239,6 +279,7 @@ def distill(recipe: Recipe, new: bool = False, command: str | None = None) -> Pa
 
     admit_distill(recipe, run_dir, target, tok)  # best/ enters the registry; champion only through the gate
     stage_report(recipe, run_dir, target, tok, command)
+    kill_point("cli.before_complete")
     _write_status(run_dir, complete=True, wall_s=time.time() - t0)
     print(f"draftsmith: done in {time.time() - t0:.0f}s; outputs in {run_dir} (and {run_dir.parent / 'latest'})")
     return run_dir
@@ -419,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
                          prompts=args.prompts)
             return 0
         recipe = _recipe_from(args)
+        from .models import resolve_target
+
+        resolve_target(recipe.target)  # a missing target: refused before any run directory is touched
         _lock_domain(recipe, args.cmd)  # released when main returns
         if args.cmd == "distill":
             distill(recipe, new=args.new, command=shlex.join(["draftsmith", *argv]))
@@ -443,9 +487,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001
-        if not _is_user_error(e) or os.environ.get("DRAFTSMITH_DEBUG"):
+        line = _os_error_line(e) if isinstance(e, OSError) else str(e) if _is_user_error(e) else None
+        if line is None or os.environ.get("DRAFTSMITH_DEBUG"):
             raise
-        print(f"draftsmith: error: {e}", file=sys.stderr)
+        print(f"draftsmith: error: {line}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

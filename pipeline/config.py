@@ -529,6 +529,9 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path} is a YAML {type(data).__name__}, not a mapping of sections; write "
+                          f"`section: {{key: value}}` (see recipes/code.yaml)")
     return recipe_from_dict(data, overrides)
 
 

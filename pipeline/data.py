@@ -27,6 +27,8 @@ import sysconfig
 import tokenize
 from pathlib import Path
 
+from .faults import kill_point
+
 CHAT_INSTRUCTION = "Complete this Python function:\n"
 
 # stdlib directories that are tests, test data, GUI demos or vendored copies, not library code
@@ -505,8 +507,9 @@ def build_prompt_sets(data_cfg, out_dir, tokenizer, seed: int, rows: list[dict] 
             "val": [r for i, r in enumerate(kept) if i in val_idx],
             "heldout": heldout}
     prompts_dir = Path(out_dir) / "prompts"
-    for name, rs in sets.items():
-        _write_jsonl(prompts_dir / f"{name}.jsonl", rs)
+    for name in ("val", "heldout", "train"):  # train.jsonl last: generate takes it as "the sets are written"
+        _write_jsonl(prompts_dir / f"{name}.jsonl", sets[name])
+        kill_point("generate.prompt_file")
     return sets
 
 

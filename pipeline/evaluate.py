@@ -42,6 +42,7 @@ from eval.replay import fit_budget
 
 from .data import encode_prompt, read_jsonl
 from .export import MANIFEST, SERVE_FORMATS, engine_format, export_draft, kind_problem
+from .faults import kill_point
 from .measure import (MeasurementCache, decode_pairs, decode_together, evaluate_settings, proposer_for,
                       vllm_acceptance)
 from .models import check_tokenizers
@@ -123,6 +124,7 @@ class HeldOut:
                 result = self.judge(c, plain_seqs, plain, seqs, stats) if sampling is None else \
                     self.judge_sampled(c, plain, stats, sampling)
                 done[c.name] = self.cache.store(file[c.name], result, c.files, key[c.name])
+                kill_point("evaluate.measured")
         return done
 
     @staticmethod
@@ -368,7 +370,9 @@ def copy_best(best: dict, run_dir: Path) -> dict:
     if served and best.get("max_nodes") is not None:
         meta["serve"] = {"max_nodes": best["max_nodes"]}  # eval.proposers applies it when it loads best/
     draft_dir.write_meta(tmp, meta)
+    kill_point("evaluate.best_copied")
     shutil.rmtree(run_dir / "best", ignore_errors=True)
+    kill_point("evaluate.best_removed")
     tmp.rename(run_dir / "best")
     return meta
 
@@ -404,6 +408,7 @@ def promote(held: HeldOut, results: list[dict], every: list[dict], run_dir: Path
     best = pick_best(results, serve, sampled)
     exact32, n32 = check_fp32(held, best)
     mark_exactness(every, best, dtype, exact32)
+    kill_point("evaluate.before_best")
     meta = copy_best(best, run_dir)
     return Promotion(best, meta, served_as(best["source"])[0], exact32, n32,
                      (run_dir / "best" / DATASTORE_FILE).exists())
@@ -456,6 +461,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     metrics = metrics_for(recipe, held, results, baseline, fit, promoted) | {
         "serve": cfg.serve, "exports": exports, "best_exportable": best_exportable(results),
         "promoted_by": "sampled" if sampled else "greedy", "sampled": sampled_metrics(held, sampled, promoted)}
+    kill_point("evaluate.before_metrics")
     write_json_atomic(run_dir / "metrics.json", metrics)
     tracker.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
                     | sampled_summary(metrics["sampled"]))

@@ -18,6 +18,7 @@ import torch
 from eval.family import aux_hidden_states, final_features
 
 from .config import stable_hash
+from .faults import kill_point
 from .train_data import right_padded
 
 FEATURES_FILE = "features.safetensors"
@@ -88,6 +89,7 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".features-", suffix=".safetensors")
     os.close(fd)
     save_file({"features": torch.cat(feats).contiguous(), "offsets": offs}, tmp, metadata={"key": key})
+    kill_point("features.before_rename")
     os.replace(tmp, path)
     return feats
 

@@ -42,6 +42,7 @@ from eval.loading import target_eos_ids
 from . import shards
 from .config import drop_later_defaults, stable_hash
 from .data import build_prompt_sets, encode_prompt, read_jsonl
+from .faults import kill_point
 
 log = logging.getLogger("draftsmith.generate")
 
@@ -208,6 +209,7 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
             build_self_prompt_sets(recipe, run_dir, model, tokenizer)
         elif is_main:
             build_prompt_sets(recipe.data, run_dir, tokenizer, recipe.seed)
+        kill_point("generate.prompts_written")
         accelerator.wait_for_everyone()
     rows = read_jsonl(train_path)
     g = recipe.generate
@@ -240,6 +242,7 @@ def _keep_finished_shards(stage: Path, header: dict, n_shards: int, accelerator)
     accelerator.wait_for_everyone()  # everyone has read the old state before the main process rewrites it
     if accelerator.is_main_process:
         with _manifest_lock(stage):
+            shards.remove_temps(stage, ".shard-", ".tmp-")  # a killed run's half-written shards and manifests
             m = shards.read_manifest(stage)
             for name in sorted(set(m.get("shards", {})) - set(done)):
                 log.warning("shard %s is missing or corrupted; regenerating it", stage / name)
@@ -273,6 +276,7 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
                                          max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                          top_k=g.top_k_logprobs, seed=batch_seed(recipe.seed, b), decoder=decoder)
             bar.update(1)
+            kill_point("generate.mid_shard")
         _save(stage, i, shard_rows, header)
     bar.close()
 
@@ -281,8 +285,10 @@ def _save(stage: Path, i: int, rows: list[dict], header: dict) -> None:
     from datasets import Dataset
 
     entry = shards.save_shard(stage, i, Dataset.from_list(rows, features=_features()))
+    kill_point("generate.shard_saved")
     with _manifest_lock(stage):
         shards.record_shard(stage, i, entry, header)
+    kill_point("generate.shard_recorded")
 
 
 def vllm_rows(recipe, batches: list[tuple[int, list]], eos_ids: set[int], workdir: Path) -> list[dict]:
@@ -348,6 +354,7 @@ def _mark_complete(stage: Path, header: dict, n_shards: int) -> None:
         m = shards.read_manifest(stage)
         m.update(header)
         m["complete"] = True
+        kill_point("generate.before_complete")
         shards.write_json_atomic(stage / shards.MANIFEST, m)
 
 

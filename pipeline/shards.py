@@ -62,6 +62,14 @@ def save_shard(stage_dir: Path, index: int, dataset) -> dict:
     return entry
 
 
+def remove_temps(directory: Path, *prefixes: str) -> None:
+    """Delete what an interrupted run left half-written under `directory` (temporary names with these prefixes;
+    never read as complete, but a killed run's copies of checkpoints or shards would otherwise pile up)."""
+    for p in Path(directory).glob(".*"):
+        if p.name.startswith(prefixes):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
 def record_shard(stage_dir: Path, index: int, entry: dict, header: dict | None = None) -> dict:
     """Add a finished shard to the manifest (read-modify-write; one writer per stage directory)."""
     m = read_manifest(stage_dir)

@@ -58,10 +58,11 @@ from .features import (FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, aux_f
                        features_key, raw_teacher_key, score_raw_windows)
 from .config import stable_hash
 from .data import read_jsonl
+from .faults import kill_point
 from .gkd import run_gkd, uses_gkd
 from .methods import DraftMethod, check_applies, get_method
 from .onpolicy import is_onpolicy_step, onpolicy_batch, step_seed
-from .shards import read_manifest, write_json_atomic
+from .shards import read_manifest, remove_temps, write_json_atomic
 from .tracking import NoOpTracker
 from .train_data import EpochSampler, Sequences, TrainError, check_vocab, collate, load_rows, raw_rows, raw_windows
 
@@ -93,6 +94,8 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
     if _finished(train_dir, recipe):
         return train_dir  # nothing to load or recompute
     accelerator = accelerator or make_accelerator(recipe)  # before the target loads: each GPU process picks its own
+    # a killed run's half-written checkpoints and caches (never resumed: they have temporary names)
+    _on_main(accelerator, lambda: remove_temps(train_dir, ".checkpoint-", ".features-", ".raw-teacher-", ".tmp-"))
     if not method.trains:
         _on_main(accelerator, lambda: _untrained_checkpoint(train_dir, recipe, method, extra))
         return train_dir
@@ -174,7 +177,13 @@ def _on_main(accelerator, fn):
 def read_log(train_dir: Path) -> list[dict]:
     """train/log.jsonl: one record per step, {"step", "loss", "lr", metrics...} (the mean over processes)."""
     p = Path(train_dir) / LOG_FILE
-    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+    lines = p.read_text().splitlines() if p.exists() else []
+    if lines:  # a run killed mid-append leaves a torn last line (a resume rewrites the log without it)
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    return [json.loads(line) for line in lines]
 
 
 def _finished(train_dir: Path, recipe) -> bool:
@@ -345,16 +354,23 @@ class _Loop:
     def cut_log(self, step: int) -> None:
         """A resumed run's log keeps the steps up to its checkpoint (a fresh run's starts empty)."""
         kept = [r for r in read_log(self.train_dir) if r["step"] <= step]
-        (self.train_dir / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = self.train_dir / f".tmp-{LOG_FILE}"  # aside and renamed: a kill mid-write loses no line
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.train_dir / LOG_FILE)
+        if kept:  # a run killed before its manifest: the final loss is the last checkpoint's
+            self.last_loss = kept[-1]["loss"]
 
     def checkpoint(self, step: int) -> None:
         if self.accelerator.is_main_process:
+            # the log first: a run killed before the checkpoint's rename resumes earlier and cuts these lines
+            # (after it, they would be lost: a resume keeps the lines up to its checkpoint)
+            with open(self.train_dir / LOG_FILE, "a") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in self.records)
+            self.records = []
             p = write_checkpoint(self.train_dir, step, lambda d: self.save(d, step),
                                  lambda: trainer_state(self.optimizer, self.scheduler, step))
             self.names = sorted(set(self.names) | {p.name})
-            with open(self.train_dir / LOG_FILE, "a") as fh:  # written with the checkpoint: a resume repeats the rest
-                fh.writelines(json.dumps(r) + "\n" for r in self.records)
-            self.records = []
+            kill_point("train.after_rename")
         self.accelerator.wait_for_everyone()
 
     def finish(self, step: int, n_sequences: int, draft_vocab_size: int) -> None:
@@ -372,6 +388,7 @@ def _write_manifest(train_dir: Path, recipe, step: int, names: list[str], tps: f
     """The train manifest (what evaluate and compare read) and the run's training throughput (a run that
     trained nothing now keeps its earlier figure)."""
     tc = recipe.train
+    kill_point("train.before_manifest")
     if tps is None:
         tps = read_manifest(train_dir).get("tokens_per_s")
     write_json_atomic(train_dir / "manifest.json", {

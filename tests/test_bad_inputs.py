@@ -1,0 +1,230 @@
+"""Bad input through `draftsmith`: each case exits 2 with exactly one `draftsmith: error:` line naming the
+problem and the fix, and changes nothing already written (every file under the case's directory is
+hashed before and after). The cases that need a finished run work on a copy of one tiny distill.
+
+Cases for the registry, the lock and retrain (a registry pointing at a deleted draft, a held lock, traffic
+logs that are empty/truncated/not UTF-8/mistyped, a challenger for another target, a retrain with no
+new data) live beside those commands: tests/test_registry.py, tests/test_lock.py, tests/test_retrain.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from pipeline.cli import EXIT_USER_ERROR, main
+
+from helpers import TINY_BUDGET
+
+RUN_ID = "r"
+
+
+def _overrides(target, runs) -> list[str]:
+    return ["--recipe", "recipes/code.yaml", f"target={target}", "dtype=float32", f"runs_dir={runs}",
+            "wandb.mode=disabled", *TINY_BUDGET, "evaluate.hybrid=false"]
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_target, tmp_path_factory, one_thread):
+    """One finished tiny distill: its runs dir."""
+    runs = tmp_path_factory.mktemp("finished") / "runs"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("WANDB_API_KEY", raising=False)
+        mp.setenv("WANDB_MODE", "disabled")
+        assert main(["distill", *_overrides(tiny_target, runs), "--run-id", RUN_ID]) == 0
+    return runs
+
+
+@dataclass
+class Ctx:
+    tmp: Path  # everything the case may touch lives under it (hashed before and after)
+    target: Path
+    runs: Path  # runs dir: empty, or a copy of the finished run (Case.run)
+
+    @property
+    def run(self) -> Path:
+        return self.runs / "code" / RUN_ID
+
+    def stage(self, cmd: str, *more: str) -> list[str]:
+        return [cmd, *_overrides(self.target, self.runs), "--run-id", RUN_ID, *more]
+
+
+@dataclass
+class Case:
+    id: str
+    argv: Callable[[Ctx], list[str]]
+    expect: tuple[str, ...]  # in the error line: the problem and the fix
+    setup: Callable[[Ctx], None] | None = None
+    run: bool = False  # work on a copy of the finished run
+    patch: Callable[[pytest.MonkeyPatch, Ctx], None] | None = None
+    adds: bool = False  # may add files (a new run's first ones), never change or remove one
+
+
+def _write(rel: str, text: str):
+    def setup(c: Ctx):
+        p = c.tmp / rel if not rel.startswith("run/") else c.run / rel[4:]
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return setup
+
+
+def _corrupt_shard(c: Ctx):
+    (c.run / "train" / "manifest.json").unlink()  # train reads the shards again
+    arrow = sorted((c.run / "generate" / "shard-00001").glob("*.arrow"))[0]
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+
+
+def _disk_full_at(name: str):
+    """Every atomic JSON writer refuses `name` with ENOSPC, as a full disk would."""
+    def patch(mp: pytest.MonkeyPatch, c: Ctx):
+        import pipeline.shards
+
+        real = pipeline.shards.write_json_atomic
+
+        def write(path, obj):
+            if Path(path).name == name:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real(path, obj)
+        for mod in ("pipeline.shards", "pipeline.evaluate", "pipeline.atomic"):
+            try:
+                mp.setattr(importlib.import_module(mod), "write_json_atomic", write, raising=False)
+            except ImportError:  # pipeline.atomic: not on every branch
+                pass
+    return patch
+
+
+def _read_only(c: Ctx):
+    c.runs.mkdir(parents=True)
+    c.runs.chmod(0o555)
+    if os.access(c.runs, os.W_OK):  # root ignores permissions
+        pytest.skip("permissions are not enforced for this user (root)")
+
+
+BAD = "draftsmith: error:"
+CASES = [
+    # the recipe and the command line
+    Case("no-recipe", lambda c: ["distill"], ("--recipe",)),
+    Case("recipe-file-missing", lambda c: ["distill", "--recipe", str(c.tmp / "nope.yaml")], ("nope.yaml",)),
+    Case("unknown-domain", lambda c: ["distill", "--domain", "nosuchdomain"], ("nosuchdomain", "known domains")),
+    Case("unknown-key", lambda c: ["distill", *_overrides(c.target, c.runs), "trian.steps=3"], ("trian",)),
+    Case("override-wrong-type", lambda c: ["distill", *_overrides(c.target, c.runs), "train.steps=many"],
+         ("train.steps", "many")),
+    Case("recipe-wrong-types", lambda c: ["distill", "--recipe", str(c.tmp / "r.yaml")], ("train.steps",),
+         setup=_write("r.yaml", "domain: code\ntrain:\n  steps: lots\n")),
+    Case("recipe-not-a-mapping", lambda c: ["distill", "--recipe", str(c.tmp / "r.yaml")], ("r.yaml",),
+         setup=_write("r.yaml", "- generate\n- train\n")),
+    Case("recipe-not-yaml", lambda c: ["distill", "--recipe", str(c.tmp / "r.yaml")], ("not valid YAML",),
+         setup=_write("r.yaml", "train: [steps: 3\n")),
+    Case("bad-dtype", lambda c: ["distill", *_overrides(c.target, c.runs), "dtype=float8"], ("dtype",)),
+    Case("top-p-when-greedy", lambda c: ["distill", *_overrides(c.target, c.runs), "evaluate.top_p=0.5"],
+         ("evaluate.top_p", "evaluate.temperature")),
+    Case("target-missing", lambda c: ["distill", *_overrides(c.tmp / "nosuch", c.runs)],
+         ("does not exist", "HF checkpoint directory")),
+    Case("target-without-config", lambda c: ["distill", *_overrides(c.tmp / "empty", c.runs)],
+         ("config.json",), setup=lambda c: (c.tmp / "empty").mkdir()),
+    Case("stage-before-any-run", lambda c: ["evaluate", *_overrides(c.target, c.runs)],
+         ("no run under", "draftsmith distill")),
+    # a run directory damaged on disk
+    Case("corrupt-status", lambda c: c.stage("evaluate"), ("status.json", "delete it"),
+         setup=_write("run/status.json", "{\"complete\": tr"), run=True),
+    Case("status-not-an-object", lambda c: c.stage("evaluate"), ("status.json", "delete it"),
+         setup=_write("run/status.json", "[1, 2]"), run=True),
+    Case("corrupt-generate-manifest", lambda c: c.stage("generate"), ("manifest.json", "rerun"),
+         setup=_write("run/generate/manifest.json", "{\"shards\": {"), run=True),
+    Case("corrupt-train-manifest", lambda c: c.stage("evaluate"), ("manifest.json", "rerun"),
+         setup=_write("run/train/manifest.json", "not json"), run=True),
+    Case("truncated-shard", lambda c: c.stage("train"), ("shard-00001", "generate stage"),
+         setup=_corrupt_shard, run=True),
+    # the machine refuses a write
+    Case("disk-full-metrics", lambda c: c.stage("evaluate"), ("disk full", "metrics.json", "free space"),
+         run=True, patch=_disk_full_at("metrics.json")),
+    Case("disk-full-new-run", lambda c: ["distill", *_overrides(c.target, c.runs), "--run-id", "new"],
+         ("disk full", "status.json", "rerun"), patch=_disk_full_at("status.json"), adds=True),
+    Case("runs-dir-under-a-file", lambda c: ["distill", *_overrides(c.target, c.tmp / "file" / "runs")],
+         ("cannot write", "runs_dir"), setup=_write("file", "not a directory")),
+    Case("runs-dir-read-only", lambda c: ["distill", *_overrides(c.target, c.runs)], ("cannot write",),
+         setup=_read_only),
+    Case("prompts-out-under-a-file", lambda c: ["prompts", "--out", str(c.tmp / "file" / "p" / "h.jsonl")],
+         ("cannot write", "--out"), setup=_write("file", "x")),
+    Case("prompts-of-a-run-without-prompts", lambda c: ["prompts", "--out", str(c.tmp / "h.jsonl"), "--run-dir",
+                                                         str(c.tmp / "emptyrun")], ("heldout.jsonl",),
+         setup=lambda c: (c.tmp / "emptyrun").mkdir()),
+    # export
+    Case("export-missing-draft", lambda c: ["export", "--draft", str(c.tmp / "nodraft"), "--format", "hf",
+                                            "--out", str(c.tmp / "out")], ("nodraft",)),
+    Case("export-unknown-format", lambda c: ["export", "--draft", str(c.run / "best"), "--format", "onnx",
+                                             "--out", str(c.tmp / "out")], ("onnx",), run=True),
+    Case("export-format-the-draft-lacks", lambda c: ["export", "--draft", str(c.run / "best"), "--format",
+                                                     "eagle3", "--out", str(c.tmp / "out")],
+         ("recurrent Medusa", "train.medusa.recurrent=false"), run=True),
+]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+        elif p.is_dir():
+            out[rel] = "dir"
+    return out
+
+
+def _copy_run(src_runs: Path, dst_runs: Path, target: Path) -> None:
+    """The finished run under another runs dir, its recipe.yaml as a run opened there would write it."""
+    import yaml
+
+    from pipeline.config import load_recipe
+
+    shutil.copytree(src_runs, dst_runs, symlinks=True)
+    args = _overrides(target, dst_runs)
+    recipe = load_recipe(args[1], args[2:] + [f"run_id={RUN_ID}"])
+    (dst_runs / "code" / RUN_ID / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bad_input_one_line_exit_2_nothing_changed(case, request, tiny_target, tmp_path, capsys, monkeypatch,
+                                                   one_thread):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
+    ctx = Ctx(tmp_path, tiny_target, tmp_path / "runs")
+    if case.run:
+        _copy_run(request.getfixturevalue("finished"), ctx.runs, tiny_target)
+    if case.setup:
+        case.setup(ctx)
+    argv = case.argv(ctx)
+    if case.patch:
+        case.patch(monkeypatch, ctx)
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    finally:
+        if ctx.runs.exists():
+            ctx.runs.chmod(0o755)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(BAD)]
+    assert rc == EXIT_USER_ERROR, err
+    assert len(lines) == 1, err
+    for word in case.expect:
+        assert word in lines[0], (word, lines[0])
+    after = _snapshot(tmp_path)
+    if case.adds:
+        assert {k: after.get(k) for k in before} == before
+    else:
+        assert after == before
+
+
+def test_there_are_at_least_20_cases():
+    assert len({c.id for c in CASES}) == len(CASES) >= 20
