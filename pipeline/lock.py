@@ -163,6 +163,8 @@ class DomainLock:
             self._nested = True  # this process holds it already (the CLI for the whole command): nothing to do
             return self
         try:
+            # the directories this lock had to create go again on release when nothing else was written there
+            self._made = [d for d in (self.domain_dir, *self.domain_dir.parents) if not d.exists()][::-1]
             self.domain_dir.mkdir(parents=True, exist_ok=True)
             for _ in range(20):
                 if self._create():
@@ -223,6 +225,11 @@ class DomainLock:
         if self._read() == self.info:  # never remove a lock someone took over from us
             self.path.unlink(missing_ok=True)
             fsync_dir(self.domain_dir)
+        for d in reversed(getattr(self, "_made", [])):
+            try:
+                d.rmdir()  # only when empty: a failed command leaves no trace
+            except OSError:
+                break
 
     def __enter__(self) -> "DomainLock":
         return self.acquire()
