@@ -119,6 +119,7 @@ def registry_outputs(ddir: Path, weights: bool = True) -> dict:
     return {"entries": entries, "champion": champ and champ["id"],
             "history": [(h["id"], h["replaced"]) for h in reg.history()],
             "decisions": [(d["kind"], d["challenger"], d["champion"], d["promote"]) for d in reg.decisions()],
+            "logged": [(d["kind"], d["challenger"], d["promote"]) for d in reg._read_decisions()],  # the file itself
             "ledger": [(x["key"], batches.index(x["batch"]), x["split"]) for x in lines],
             "batches": [(Ledger(ddir).manifest(b)["status"], Ledger(ddir).manifest(b).get("new_rows"))
                         for b in batches]}
