@@ -314,7 +314,6 @@ def _open_retrain_run(recipe, ddir: Path, ledger: Ledger, batch: dict) -> Path:
 
 
 def _run_batch(recipe, ddir: Path, ledger: Ledger, batch: dict) -> int:
-
     from .data import encode_prompt
     from .generate import reuse_key, run_generate_incremental
     from .models import load_target
