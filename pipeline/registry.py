@@ -282,10 +282,11 @@ class Registry:
             if cur != id:
                 why = d.get("reason")
                 self._move(e, f"promoted: {why}" if why else "promoted", cur, cur, d)
-            else:  # promoted already: finish that promotion's log line if a crash cut it off
+            else:  # promoted already: finish that promotion's log line if a crash cut it off, else log nothing
                 last = (p.get("history") or [{}])[-1].get("decision")
-                if last and last.get("decision_id") not in {x.get("decision_id") for x in self._read_decisions()}:
-                    d = last
+                if last and last.get("decision_id") in {x.get("decision_id") for x in self._read_decisions()}:
+                    return self.champion()
+                d = last or d
             self._append_decision(d)
         return self.champion()
 
