@@ -254,9 +254,13 @@ def source_row(obj, default_id: str) -> dict:
             if len(row["messages"]) == 1:
                 raise ValueError("the only message is the assistant's: no prompt precedes it")
             row["completion"] = row["messages"].pop()["content"]
+    elif isinstance(obj.get("body"), dict) and ("messages" in obj["body"] or isinstance(obj["body"].get("prompt"), str)):
+        body = obj["body"]  # a Batch API input line alone: the request, logged before it was served
+        row = {"id": rid, **({"messages": _messages(body["messages"])} if "messages" in body else
+                             {"prompt": body["prompt"]})}
     else:
-        raise ValueError("needs 'prompt' (a string), 'messages' (a list of {'role', 'content'} objects) "
-                         "or 'request' + 'response' (an OpenAI log)")
+        raise ValueError("needs 'prompt' (a string), 'messages' (a list of {'role', 'content'} objects), "
+                         "'request' + 'response' (an OpenAI log) or a Batch API input line ('body')")
     if obj.get("completion") is not None:
         if not isinstance(obj["completion"], str):
             raise ValueError("'completion' must be a string")

@@ -67,6 +67,8 @@ def test_each_jsonl_shape_is_parsed(tmp_path):
          "response": {"status_code": 200, "request_id": "r", "body": {"choices": [
              {"index": 0, "message": {"role": "assistant", "content": "Again."}}]}}},
         {"request": {"prompt": "Once upon"}, "response": {"choices": [{"text": " a time"}]}},  # /v1/completions
+        {"custom_id": "b-2", "method": "POST", "url": "/v1/chat/completions",     # a Batch API input line alone
+         "body": {"model": "m", "messages": msgs}},
     ]
     got = load_source(str(_write_jsonl(tmp_path / "log.jsonl", rows)))
     assert got == [
@@ -77,6 +79,7 @@ def test_each_jsonl_shape_is_parsed(tmp_path):
         {"id": "log:5", "messages": msgs, "completion": "Yo."},
         {"id": "req-7", "messages": [{"role": "user", "content": "Hi again"}], "completion": "Again."},
         {"id": "log:7", "prompt": "Once upon", "completion": " a time"},
+        {"id": "b-2", "messages": msgs},
     ]
 
 
