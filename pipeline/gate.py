@@ -83,6 +83,18 @@ def paired_bootstrap(challenger_pp: list[dict], champion_pp: list[dict], *, conf
             "confidence": confidence, "seed": seed}
 
 
+def acceptance_at_pos(stats: dict) -> list[float]:
+    """vLLM's acceptance_at_pos_i: tokens accepted at draft position i over drafts, from the accepted-length
+    histogram. Not P(accepted | reached): a draft that reaches a deep position only in easy contexts reads high
+    there on few rounds, and a better draft that reaches it often reads lower (seen on chat traffic:
+    docs/retraining-demo.md). Falls back to accept_per_pos where no histogram was kept."""
+    hist = stats.get("accept_len_hist")
+    if not hist or not sum(hist):
+        return list(stats.get("accept_per_pos") or [])
+    n = sum(hist)
+    return [sum(hist[i + 1:]) / n for i in range(len(hist) - 1)]
+
+
 def _pos_check(challenger: list[float], champion: list[float], tol: float) -> Check:
     worst = None  # (position, challenger, champion) with the largest shortfall
     for i, (a, b) in enumerate(zip(challenger, champion)):
@@ -93,7 +105,7 @@ def _pos_check(challenger: list[float], champion: list[float], tol: float) -> Ch
     ok = all(a >= b - tol for a, b in zip(challenger, champion))
     pos, a, b = worst
     return Check("acceptance_per_position", ok, a, b - tol,
-                 f"acceptance at position {pos} {a:.3f} {'>=' if ok else '<'} champion's {b:.3f} - {tol:g}")
+                 f"acceptance_at_pos_{pos - 1} {a:.3f} {'>=' if ok else '<'} champion's {b:.3f} - {tol:g}")
 
 
 def decide(challenger: dict, champion: dict | None, baseline: dict | None, *, min_gain: float = 0.02,
@@ -124,7 +136,7 @@ def decide(challenger: dict, champion: dict | None, baseline: dict | None, *, mi
                             f"gain over the champion {boot['ratio'] - 1:+.3f} ({confidence:.0%} lower bound "
                             f"{gain_lb:+.3f}, {boot['n_prompts']} prompts) {'>=' if ok else '<'} "
                             f"min_gain {min_gain:g}"))
-        checks.append(_pos_check(challenger["stats"]["accept_per_pos"], champion["stats"]["accept_per_pos"],
+        checks.append(_pos_check(acceptance_at_pos(challenger["stats"]), acceptance_at_pos(champion["stats"]),
                                  position_tolerance))
     return Decision(all(c.passed for c in checks), checks, figures)
 
@@ -132,7 +144,8 @@ def decide(challenger: dict, champion: dict | None, baseline: dict | None, *, mi
 def _figures(r: dict) -> dict:
     s = r["stats"]
     return {"name": r.get("name"), "speedup": r["speedup"], "tau": s.get("tau"), "alpha": s.get("alpha"),
-            "accept_per_pos": s.get("accept_per_pos"), "tokens_per_s": s.get("tokens_per_s"),
+            "accept_per_pos": s.get("accept_per_pos"), "acceptance_at_pos": acceptance_at_pos(s),
+            "tokens_per_s": s.get("tokens_per_s"),
             "greedy_exact": r.get("greedy_exact")}
 
 

@@ -99,3 +99,20 @@ def test_first_draft_is_held_to_the_absolute_checks_only():
     d = decide(first, None, _result("ngram", 1.2, CHAMP))
     assert d.promote and {c.name for c in d.reasons} == {"speedup_over_plain", "speedup_over_ngram", "greedy_exact"}
     assert not decide(_result("first", 0.99, CHAMP), None, None).promote
+
+
+def test_positions_compare_vllms_acceptance_not_the_conditional_one():
+    """The chat retrain of docs/retraining-demo.md: the champion reached position 3 in 112 of 1,251 rounds and
+    accepted there 68% of the time; the challenger reached it in 186 of 1,062 and accepted 40%. Conditional
+    acceptance reads the challenger worse there; per draft (vLLM's acceptance_at_pos_i) it is better at every
+    position, which is what serving sees. A challenger that accepts less per draft is still kept."""
+    champ = _result("champion", 1.1, CHAMP)
+    champ["stats"] |= {"accept_len_hist": [926, 213, 36, 14, 62], "accept_per_pos": [0.26, 0.345, 0.679, 0.816]}
+    chal = _result("challenger", 1.3, [(t, w / 1.2) for t, w in CHAMP])
+    chal["stats"] |= {"accept_len_hist": [616, 260, 111, 13, 62], "accept_per_pos": [0.42, 0.417, 0.403, 0.827]}
+    d = decide(chal, champ, None, min_gain=0.02)
+    assert d.promote, d.summary()
+    worse = _result("challenger", 1.3, [(t, w / 1.2) for t, w in CHAMP])
+    worse["stats"] |= {"accept_len_hist": [1000, 150, 50, 20, 31], "accept_per_pos": [0.2, 0.4, 0.5, 0.6]}
+    d = decide(worse, champ, None, min_gain=0.02)
+    assert not d.promote and [c.name for c in d.failed] == ["acceptance_per_position"], d.summary()
