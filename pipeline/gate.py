@@ -98,6 +98,8 @@ def acceptance_at_pos(stats: dict) -> list[float]:
 def _pos_check(challenger: list[float], champion: list[float], tol: float) -> Check:
     worst = None  # (position, challenger, champion) with the largest shortfall
     for i, (a, b) in enumerate(zip(challenger, champion)):
+        if a == b == 0:
+            continue  # a position neither draft reaches says nothing
         if worst is None or b - a > worst[2] - worst[1]:
             worst = (i + 1, a, b)
     if worst is None:
