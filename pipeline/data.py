@@ -381,13 +381,11 @@ def encode_prompt(row: dict, tokenizer, chat: bool) -> list[int]:
 # prompt sets
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for r in rows:
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    from .atomic import write_text_atomic
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(Path(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def read_jsonl(path) -> list[dict]:
@@ -512,7 +510,7 @@ def build_prompt_sets(data_cfg, out_dir, tokenizer, seed: int, rows: list[dict] 
             "heldout": heldout}
     prompts_dir = Path(out_dir) / "prompts"
     for name in ("val", "heldout", "train"):  # train.jsonl last: generate takes it as "the sets are written"
-        _write_jsonl(prompts_dir / f"{name}.jsonl", sets[name])
+        write_jsonl(prompts_dir / f"{name}.jsonl", sets[name])
         kill_point("generate.prompt_file")
     return sets
 
@@ -574,5 +572,5 @@ def export_heldout_jsonl(path, heldout: str = "humaneval", run_dir=None) -> Path
     """Write held-out prompts as JSONL, for `make bench`: a spec's (HumanEval by default), or with
     `run_dir` the prompts that run was judged on (its data.heldout split included)."""
     path = Path(path)
-    _write_jsonl(path, run_heldout(run_dir) if run_dir is not None else load_source(heldout, "data.heldout"))
+    write_jsonl(path, run_heldout(run_dir) if run_dir is not None else load_source(heldout, "data.heldout"))
     return path

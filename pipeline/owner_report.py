@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import write_text_atomic
 from .sweeps import Sweeps, prompt_text
 
 SECTIONS = (("summary", "Summary"), ("per-position", "Per-position acceptance"),
@@ -677,20 +678,6 @@ def render(run_dir: Path, m: dict, recipe, prov: Provenance, v: View, curves: di
             f'<nav>{toc}</nav></header><main>{"".join(body)}</main></body></html>\n')
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    try:
-        from .atomic import write_text_atomic
-    except ImportError:
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        return
-    write_text_atomic(path, text)
-
-
 def default_command(run_dir: Path) -> str:
     argv = sys.argv[1:]
     if Path(sys.argv[0]).name == "draftsmith" or (argv and argv[0] in ("distill", "report", "retrain")):
@@ -775,5 +762,5 @@ def write_html_report(run_dir, *, out=None, command: str | None = None, recipe=N
     page = render(run_dir, m, recipe, prov, v, curves, sw, reg, extra)
     out = Path(out) if out else run_dir / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_text_atomic(out, page)
+    write_text_atomic(out, page)
     return out

@@ -29,6 +29,7 @@ from eval import draft_dir
 
 from . import gate
 from .atomic import write_json_atomic, write_text_atomic
+from .data import read_jsonl, write_jsonl
 from .faults import kill_point
 from .registry import Registry
 from .traffic import Ledger, ingest, prompt_key, read_traffic
@@ -64,12 +65,7 @@ def set_data_state(ddir: Path, run_dir: Path, reuse_key: str) -> None:
 
 
 def _read_jsonl(p: Path) -> list[dict]:
-    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
-
-
-def _write_jsonl(p: Path, rows: list[dict]) -> None:
-    p.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return read_jsonl(p) if p.exists() else []
 
 
 def all_train_rows(run_dir: Path) -> list[dict]:
@@ -337,9 +333,9 @@ def _run_batch(recipe, ddir: Path, ledger: Ledger, batch: dict) -> int:
         base_rows = all_train_rows(Path(state["run_dir"])) if state else []
         new = [r for r in ledger.rows(batch["id"], "train")
                if len(encode_prompt(r, tok, recipe.data.chat)) <= recipe.data.max_prompt_tokens]
-        _write_jsonl(prompts / "heldout.jsonl", ledger.rows(batch["id"], "fresh"))
-        _write_jsonl(prompts / "train.jsonl", new)
-        _write_jsonl(prompts / "all_train.jsonl", base_rows + new)
+        write_jsonl(prompts / "heldout.jsonl", ledger.rows(batch["id"], "fresh"))
+        write_jsonl(prompts / "train.jsonl", new)
+        write_jsonl(prompts / "all_train.jsonl", base_rows + new)
     base = {"generate": state["generate"], "reuse_key": state["reuse_key"]} if state else None
     _, info = run_generate_incremental(recipe, run_dir, base, target, tok)
     kill_point("retrain.after_generate")

@@ -172,7 +172,7 @@ def build_self_prompt_sets(recipe, run_dir, model, tokenizer) -> dict[str, list[
     """data.source=self: synthesise the training and held-out requests, write them beside the prompt sets
     (prompts/self-{train,heldout}.jsonl) and build the sets from them (pipeline.data.build_prompt_sets); record
     what was made and dropped in run_dir/data.json. A run that already has them reuses them."""
-    from .data import DataError, _write_jsonl, build_prompt_sets, read_jsonl
+    from .data import DataError, build_prompt_sets, read_jsonl, write_jsonl
 
     run_dir = Path(run_dir)
     opts = recipe.data.synth
@@ -188,8 +188,8 @@ def build_self_prompt_sets(recipe, run_dir, model, tokenizer) -> dict[str, list[
             raise DataError(f"data.source=self kept {len(train)} training and {len(held)} held-out requests of "
                             f"{c_train['sampled'] + c_held['sampled']} sampled (dropped: {c_train} / {c_held}); "
                             f"raise data.synth.max_new_tokens or lower data.synth.min_chars")
-        _write_jsonl(train_p, _rows(train, "train", opts.system))
-        _write_jsonl(held_p, _rows(held, "heldout", opts.system))
+        write_jsonl(train_p, _rows(train, "train", opts.system))
+        write_jsonl(held_p, _rows(held, "heldout", opts.system))
         write_data_report(run_dir, {"source": "self", "method": "magpie", "system": opts.system,
                                     "seeds": opts.seeds, "train": c_train, "heldout": c_held,
                                     "n_train_requests": len(train), "n_heldout_requests": len(held)})
