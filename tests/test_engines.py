@@ -487,3 +487,27 @@ def test_verify_export_medusa_end_to_end(engine, tiny, tmp_path):
     assert s["vllm"]["counters"]["num_drafts"] > 0 and len(s["vllm"]["acceptance_per_pos"]) == 3
     assert s["vllm"]["mean_acceptance_length"] == pytest.approx(s["ours"]["mean_acceptance_length"], rel=0.1)
     assert json.loads((tmp_path / "v.json").read_text())["ok"]
+
+
+@engines
+def test_vllm_profile_times_the_engine_steps_parts(engine, tiny, plain, tmp_path):
+    """`profile`: timers on vLLM's step functions in this process. Every part fires, they nest (the target
+    forward inside execute_model inside the step; the draft's forwards inside drafting), and timing changes
+    no output."""
+    from pipeline.engines.vllm_bench import step_profile
+
+    d, _ = tiny
+    exp = write_speculators_eagle3(tmp_path / "export", d, k=2)
+    res = _decode(engine, tiny, tmp_path, "eagle3-profiled", speculative_config=plan_export(
+        exp, target=str(d), k=2).speculative_config(), profile=True)
+    _assert_same_as_plain(res, plain, 2)
+    for run in res["runs"]:
+        prof = run["profile"]
+        for part in ("engine_step", "execute_model", "target_forward", "sample_tokens", "sample", "draft",
+                     "draft_forward"):
+            assert prof[part]["calls"] > 0 and prof[part]["s"] > 0, part
+        p = step_profile(run)
+        assert 0 < p["target_forward_ms"] < p["target_forward_ms"] + p["prepare_ms"] <= p["step_ms"]
+        assert 0 < p["draft_forward_ms"] <= p["draft_ms"] and p["scheduler_ms"] >= 0 and p["bookkeeping_ms"] >= 0
+        assert p["draft_forward_calls_per_step"] >= 1  # one draft forward per round at least (K=2: up to 2)
+        assert p["tokens_per_step"] >= 1  # every step emits a token per running request

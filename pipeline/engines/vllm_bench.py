@@ -7,7 +7,8 @@ per method (started one after another, never two at once).
 Methods: `plain`; `ngram:K` (prompt lookup, n-grams of --ngram-min..--ngram-max tokens); `suffix` (Arctic
 Inference's suffix decoding: needs `pip install arctic-inference` in the engine venv); `eagle3:K:DIR`,
 `medusa:K:DIR`, `draft_model:K:DIR` (a draft directory in that engine format). Each speculative method's
-output is compared with plain's, prompt by prompt.
+output is compared with plain's, prompt by prompt. `--profile` runs each engine in this process with timers on
+vLLM's step functions (vllm_worker.PROFILED) and adds a table of where an engine step's time goes.
 """
 
 from __future__ import annotations
@@ -38,14 +39,35 @@ def speculative_config(method: str, ngram_min: int, ngram_max: int) -> dict | No
                       f"draft_model:K:DIR")
 
 
+def step_profile(run: dict) -> dict | None:
+    """A profiled run's timers -> per engine step: tokens and milliseconds in each part. The parts nest:
+    engine step = execute_model (input preparation + target forward + logits) + sample_tokens (sample or
+    verify, bookkeeping, draft) + the scheduler and output handling; `outside` is the wall time outside
+    engine steps (request handling in LLM.generate)."""
+    prof = run.get("profile")
+    if not prof or not prof.get("engine_step", {}).get("calls"):
+        return None
+    n = prof["engine_step"]["calls"]
+    ms = {p: 1000 * v["s"] / n for p, v in prof.items()}
+    get = lambda p: ms.get(p, 0.0)  # noqa: E731 (a part this vLLM lacks counts as none)
+    return {"steps": n, "tokens_per_step": run["new_tokens"] / n, "step_ms": get("engine_step"),
+            "target_forward_ms": get("target_forward"),
+            "prepare_ms": get("execute_model") - get("target_forward"),
+            "sample_ms": get("sample"), "draft_ms": get("draft"), "draft_forward_ms": get("draft_forward"),
+            "bookkeeping_ms": get("sample_tokens") - get("sample") - get("draft"),
+            "scheduler_ms": get("engine_step") - get("execute_model") - get("sample_tokens"),
+            "outside_ms": 1000 * run["wall_s"] / n - get("engine_step"),
+            "draft_forward_calls_per_step": prof.get("draft_forward", {}).get("calls", 0) / n}
+
+
 def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], max_new_tokens: int, dtype: str,
-          eos, ngram_min: int = 2, ngram_max: int = 4, workdir=None) -> list[dict]:
+          eos, ngram_min: int = 2, ngram_max: int = 4, workdir=None, profile: bool = False) -> list[dict]:
     """One row per (method, batch size); speculative rows compare their outputs with plain's."""
     rows, plain = [], {}
     for method in ["plain"] + [m for m in methods if m != "plain"]:
         spec = speculative_config(method, ngram_min, ngram_max)
         job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=spec, batch_sizes=batch_sizes,
-                       dtype=dtype, eos_token_ids=eos)
+                       dtype=dtype, eos_token_ids=eos, profile=profile)
         try:
             res = run_vllm(job, method.replace(":", "-").replace("/", "_"), workdir=workdir)
         except EngineError as e:
@@ -60,7 +82,8 @@ def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], 
             rows.append({"method": method, "speculative_config": spec, "batch_size": b,
                          "tokens_per_s": run["tokens_per_s"], "new_tokens": run["new_tokens"], "wall_s": run["wall_s"],
                          "startup_s": res["startup_s"], "identical_to_plain": same, "n_prompts": len(prompts),
-                         "vllm_version": res["vllm_version"], "counters": run["spec"], **acceptance(run["spec"])})
+                         "vllm_version": res["vllm_version"], "counters": run["spec"], **acceptance(run["spec"]),
+                         **({"profile": step_profile(run)} if profile else {})})
     return rows
 
 
@@ -77,6 +100,21 @@ def markdown(rows: list[dict]) -> str:
         acc = f"{r['mean_acceptance_length']:.2f}" if r["method"] != "plain" else "-"
         lines.append(f"| {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {rel:.2f}x | {acc} | {pos} | "
                      f"{r['identical_to_plain']}/{r['n_prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def profile_markdown(rows: list[dict]) -> str:
+    """Where an engine step's time goes, per method and batch size (ms per engine step)."""
+    lines = ["| method | batch | steps | tokens/step | ms/step | target forward | draft (its forward) | sample/verify | "
+             "input prep | bookkeeping | scheduler+output | outside steps |", "| --- |" + " ---: |" * 11]
+    for r in rows:
+        p = r.get("profile")
+        if not p:
+            continue
+        lines.append(f"| {r['method']} | {r['batch_size']} | {p['steps']} | {p['tokens_per_step']:.2f} | "
+                     f"{p['step_ms']:.1f} | {p['target_forward_ms']:.1f} | {p['draft_ms']:.1f} "
+                     f"({p['draft_forward_ms']:.1f}) | {p['sample_ms']:.1f} | {p['prepare_ms']:.1f} | "
+                     f"{p['bookkeeping_ms']:.1f} | {p['scheduler_ms']:.1f} | {p['outside_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -98,13 +136,17 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--workdir", help="keep the engines' jobs, results and logs here")
+    ap.add_argument("--profile", action="store_true", help="time vLLM's step functions (engine in this process) "
+                                                            "and print where an engine step's time goes")
     args = ap.parse_args(argv)
     model, tok = load_target(args.target, "float32", "cpu")
     prompts = encode_prompts(load_prompts(args.prompts, args.n), tok)
     rows = bench(resolve_target(args.target), prompts, args.method, [int(b) for b in args.batch_sizes.split(",")],
                  args.max_new_tokens, args.dtype, target_eos_ids(model, tok), args.ngram_min, args.ngram_max,
-                 args.workdir)
+                 args.workdir, args.profile)
     print(markdown(rows))
+    if args.profile:
+        print(profile_markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -9,9 +9,10 @@ Job keys: model (HF dir, or a speculators dir), dtype, speculative_config (dict 
 lists), max_tokens, batch_sizes (each one decodes every prompt in groups of that size), seed, logprobs (k > 0:
 the top-k log-probs of each generated token), temperature (0: greedy), seeds (one per prompt, or null: seed),
 ignore_eos, eos_token_ids (stop tokens besides the model's), max_model_len, max_num_seqs, kv_cache_gib,
-warmup. Result keys: vllm_version, startup_s and one entry of `runs` per batch size: outputs (generated ids
-per prompt), wall_s, new_tokens, tokens_per_s, spec (vLLM's own spec-decode counters over that run, or null
-without speculation) and, with logprobs, topk_ids/topk_logprobs per prompt ([len][k]).
+warmup, profile (true: time vLLM's own step functions, see PROFILED). Result keys: vllm_version, startup_s and
+one entry of `runs` per batch size: outputs (generated ids per prompt), wall_s, new_tokens, tokens_per_s, spec
+(vLLM's own spec-decode counters over that run, or null without speculation), with logprobs
+topk_ids/topk_logprobs per prompt ([len][k]) and, with profile, `profile`: {part: {"s": seconds, "calls": n}}.
 """
 
 import json
@@ -25,6 +26,49 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+# Where an engine step's time goes: (part, module, class, method). The engine runs in this process for a
+# profile (VLLM_ENABLE_V1_MULTIPROCESSING=0), so wrapping the classes' methods times every call.
+PROFILED = (
+    ("engine_step", "vllm.v1.engine.core", "EngineCore", "step"),
+    ("engine_step", "vllm.v1.engine.core", "EngineCore", "step_with_batch_queue"),
+    ("execute_model", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    ("target_forward", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
+    ("sample_tokens", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    ("sample", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample"),
+    ("draft", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids"),
+    ("draft_forward", "vllm.model_executor.models.llama_eagle3", "Eagle3LlamaForCausalLM", "forward"),
+    ("draft_forward", "vllm.model_executor.models.medusa", "Medusa", "forward"),
+)
+TIMES: dict = {}
+
+
+def install_timers():
+    """Wrap each PROFILED method that this vLLM has with a timer adding to TIMES[part]; the parts it lacks
+    are left out of the profile (so a renamed method shows as a missing part, never as zero time)."""
+    import functools
+    import importlib
+
+    for part, mod, cls, meth in PROFILED:
+        try:
+            klass = getattr(importlib.import_module(mod), cls)
+        except (ImportError, AttributeError):
+            continue
+        fn = klass.__dict__.get(meth)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, _part=part, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                slot = TIMES.setdefault(_part, {"s": 0.0, "calls": 0})
+                slot["s"] += time.perf_counter() - t
+                slot["calls"] += 1
+
+        setattr(klass, meth, functools.wraps(fn)(timed))
+        TIMES.setdefault(part, {"s": 0.0, "calls": 0})
 
 
 def spec_counters(llm):
@@ -109,6 +153,9 @@ def decode(llm, job, batch_size, k):
 
 
 def run(job):
+    if job.get("profile"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, where the timers are
+        install_timers()
     import vllm
 
     t0 = time.perf_counter()
@@ -120,12 +167,15 @@ def run(job):
         llm.generate([{"prompt_token_ids": job["prompts"][0]}], warm, use_tqdm=False)
     runs = []
     for b in job["batch_sizes"]:
-        before = spec_counters(llm)
+        before, timed = spec_counters(llm), {p: dict(v) for p, v in TIMES.items()}
         outs, ids, lps, wall = decode(llm, job, b, k)
         new = sum(len(o) for o in outs)
         run = {"batch_size": b, "outputs": outs, "wall_s": wall, "new_tokens": new,
                "tokens_per_s": new / wall if wall > 0 else 0.0,
                "spec": counter_delta(spec_counters(llm), before)}
+        if job.get("profile"):
+            run["profile"] = {p: {"s": v["s"] - timed.get(p, {}).get("s", 0.0),
+                                  "calls": v["calls"] - timed.get(p, {}).get("calls", 0)} for p, v in TIMES.items()}
         if k:
             run["topk_ids"], run["topk_logprobs"] = ids, lps
         runs.append(run)
