@@ -291,3 +291,30 @@ def test_interrupted_distill_resumes_the_same_run(tiny_target, tmp_path, monkeyp
     assert {p.name: p.stat().st_mtime_ns for p in sorted((run / "generate").glob("shard-*"))} == stamps
     assert json.loads((run / "status.json").read_text())["complete"] is True
     assert (run / "metrics.json").exists()
+
+
+def test_distill_eagle3_trains_evaluates_and_exports(tiny_target, tmp_path):
+    """`draftsmith distill train.method=eagle3 export.formats=[speculators,eagle3]` in one command: the
+    EAGLE-3 head is trained, judged and promoted in our decoder, and best/ is written in both engine
+    layouts, each with its manifest naming the source checkpoint and the serve commands."""
+    from safetensors import safe_open
+
+    args = ["distill", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "train.method=eagle3",
+            "export.formats=[speculators,eagle3]"]
+    assert main(args) == 0
+    run = (tmp_path / "code" / "latest").resolve()
+    m = _metrics(run)
+    assert m["draft_method"].startswith("eagle3") and set(m["exports"]) == {"speculators", "eagle3"}
+    spec = json.loads((run / "best" / "export-speculators" / "config.json").read_text())
+    assert spec["speculators_model_type"] == "eagle3"
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target)
+    e3 = json.loads((run / "best" / "export-eagle3" / "config.json").read_text())
+    assert e3["architectures"] == ["LlamaForCausalLMEagle3"]
+    for fmt, layer in (("speculators", "layers.0."), ("eagle3", "midlayer.")):
+        d = run / "best" / f"export-{fmt}"
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            assert any(k.startswith(layer) for k in f.keys()) and "fc.weight" in f.keys()
+        man = json.loads((d / "draftsmith_export.json").read_text())
+        assert man["format"] == fmt and man["kind"] == "eagle3" and man["step"] == 4 and man["serve"]
+        assert Path(man["source"]) == (run / "best").resolve()
