@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .engines.vllm import acceptance, counters_from_hist
+
 BOOTSTRAP_SEED = 0
 
 
@@ -91,8 +93,7 @@ def acceptance_at_pos(stats: dict) -> list[float]:
     hist = stats.get("accept_len_hist")
     if not hist or not sum(hist):
         return list(stats.get("accept_per_pos") or [])
-    n = sum(hist)
-    return [sum(hist[i + 1:]) / n for i in range(len(hist) - 1)]
+    return acceptance(counters_from_hist(hist, len(hist) - 1))["acceptance_per_pos"]
 
 
 def _pos_check(challenger: list[float], champion: list[float], tol: float) -> Check:

@@ -58,17 +58,15 @@ def install_timers():
         if fn is None:
             continue
 
-        def timed(*a, _fn=fn, _part=part, **kw):
+        def timed(*a, _fn=fn, _slot=TIMES.setdefault(part, {"s": 0.0, "calls": 0}), **kw):
             t = time.perf_counter()
             try:
                 return _fn(*a, **kw)
             finally:
-                slot = TIMES.setdefault(_part, {"s": 0.0, "calls": 0})
-                slot["s"] += time.perf_counter() - t
-                slot["calls"] += 1
+                _slot["s"] += time.perf_counter() - t
+                _slot["calls"] += 1
 
         setattr(klass, meth, functools.wraps(fn)(timed))
-        TIMES.setdefault(part, {"s": 0.0, "calls": 0})
 
 
 def spec_counters(llm):
