@@ -40,7 +40,8 @@ import torch
 from .proposers import Proposer, Sampling, load_proposer
 from .kernels import MAX_ROWS
 from .speedup import best_k, expected_speedup
-from .target import cpu_gemv, greedy_argmax, make_runner
+from .cpu import cpu_gemv, greedy_argmax
+from .target import make_runner
 from .tree import Tree
 
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).

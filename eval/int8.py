@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kernels import small_gemm
+from .cpu import small_gemm
 
 I8_MAX_ROWS = 4  # linear_i8's row limit: a draft proposes at 1-2 rows a call at batch 1
 _MIN_SCALE = 1e-30  # an all-zero row: q = 0 whatever its scale

@@ -36,7 +36,7 @@ import torch
 
 from .decoder import SpeculativeDecoder
 from .proposers import NoDraft, Proposer, Sampling, serve_with
-from .target import greedy_argmax
+from .cpu import greedy_argmax
 from .tree import Tree, build_trie
 
 

@@ -32,17 +32,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from transformers.cache_utils import CacheLayerMixin
 
+from .cpu import cpu_gemv, module_linear, packed_linear, small_gemm
+from .kernels import MAX_ROWS
 from .layers import KVCache
-from .kernels import MAX_ROWS, small_gemm
 
 
 @functools.cache
@@ -147,92 +146,6 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[..., half:], x[..., :half]], dim=-1)
 
 
-# Matmuls on CPU, where a decode step is weight-bandwidth bound and so this is most of a token's time.
-# PyTorch's default bf16 matmul (oneDNN) re-lays the weights out on every call. Two faster routes give
-# the same numbers: the native GEMV (fp32 accumulation) at one or two rows, which slows down sharply
-# with more, and oneDNN with the weights packed once (`_reorder_linear_weight`) for verify and prefill
-# forwards. This project's kernel (eval/kernels.py) beats both at 1-16 rows, so where it builds it
-# takes every forward of <= 16 rows. Bandwidths and timings: docs/reference/kernels.md.
-GEMV_MAX_ROWS = 2
-PACK_HINT_ROWS = 16  # the row count oneDNN picks its packed layout for (docs/reference/kernels.md)
-
-
-@contextmanager
-def cpu_gemv(rows: int, device: torch.device):
-    """For this block, send unpacked matmuls of at most GEMV_MAX_ROWS rows on CPU to the native GEMV
-    (oneDNN off), and larger ones to oneDNN (on); the previous setting is restored on exit, so blocks
-    nest (a draft LM's multi-token resync inside a one-row propose). torch.backends.mkldnn.flags()
-    does the same but re-sets unrelated flags at many times the cost, so the raw switch is used."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        yield
-        return
-    before = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(rows > GEMV_MAX_ROWS)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(before)
-
-
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] -> [...] the index of the first maximum, like argmax(-1). CPU bf16 logits go to
-    this project's kernel (eval/kernels.py `argmax_rows`, the same indices), where ATen's argmax and
-    max over a large vocabulary are slow (docs/reference/kernels.md); max(-1) elsewhere. Both return
-    the first maximal index on ties."""
-    if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.numel():
-        ext = small_gemm()
-        if ext is not None and hasattr(ext, "argmax_rows"):
-            return ext.argmax_rows(logits.contiguous())
-    return logits.max(-1).indices
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether packed_linear packs `weight` for oneDNN (CPU bf16, where this PyTorch build can)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x [..., in] -> [..., out]: F.linear, with copies of the weight packed on CPU bf16 (see the note
-    above): up to kernels.MAX_ROWS rows go to this project's kernel (eval/kernels.py) where it builds,
-    else one or two rows to the native GEMV on the plain weight; more rows to oneDNN's packed copy.
-    Like the fused copies, packed weights are taken now; rebuild the runner if the weights change."""
-    if not can_pack(weight):
-        return partial(F.linear, weight=weight, bias=bias)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
-    ext = small_gemm() if weight.shape[1] % 2 == 0 else None
-    if ext is not None:
-        n_out, kpacked, kbias = weight.shape[0], ext.pack(weight), _NONE
-        if bias is not None:
-            kbias = torch.zeros(kpacked.shape[0] * 16)  # fp32, padded like the packed rows
-            kbias[:n_out] = bias.float()
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]  # host ints only, here and below
-        if ext is not None and rows <= MAX_ROWS:
-            y = ext.linear(x.reshape(rows, -1).contiguous(), kpacked, kbias, n_out)
-            return y.view(*x.shape[:-1], n_out)
-        # The native GEMV where cpu_gemv turned oneDNN off for a forward of few rows; else (more rows,
-        # or a prefill's one-row LM head inside a many-row forward) the packed weight.
-        if rows <= GEMV_MAX_ROWS and not torch._C._get_mkldnn_enabled():
-            return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
-    f.row_invariant = ext is not None  # up to MAX_ROWS rows: a row's sums do not depend on the others
-    f.kernel = (kpacked, kbias, n_out) if ext is not None else None  # for ext.layer (LeanLlama._forward_fused)
-    return f
-
-
-_NONE = torch.empty(0)
-
-
-def _module_linear(mod):
-    """A projection module as a callable: packed when it is a plain nn.Linear, else the module itself
-    (e.g. eval.drafts' int8 or truncated-vocabulary layers)."""
-    if type(mod) is torch.nn.Linear:
-        return packed_linear(mod.weight, mod.bias)
-    return mod
-
-
 class LeanLlama:
     """Llama-family forward over the HF module's own weights, writing K/V at absolute positions.
 
@@ -282,9 +195,9 @@ class LeanLlama:
         with torch.no_grad():
             for i, layer in enumerate(model.model.layers if fuse else []):
                 att, mlp = layer.self_attn, layer.mlp
-                self.out[i] = (_module_linear(att.o_proj), _module_linear(mlp.down_proj))
+                self.out[i] = (module_linear(att.o_proj), module_linear(mlp.down_proj))
                 if hasattr(att, "qkv_proj") and hasattr(mlp, "gate_up_proj"):
-                    self.fused[i] = (_module_linear(att.qkv_proj), _module_linear(mlp.gate_up_proj))
+                    self.fused[i] = (module_linear(att.qkv_proj), module_linear(mlp.gate_up_proj))
                     continue
                 qkv = [att.q_proj, att.k_proj, att.v_proj]
                 w_qkv = torch.cat([l.weight for l in qkv])
@@ -293,7 +206,7 @@ class LeanLlama:
                 b_gu = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
                 self.fused[i] = (packed_linear(w_qkv, b_qkv), packed_linear(w_gu, b_gu))
             if fuse:
-                self.lm_head = _module_linear(model.lm_head)
+                self.lm_head = module_linear(model.lm_head)
             elif family.fused:  # no q/k/v modules to fall back on: the model's own fused ones, uncopied
                 self.fused = [(l.self_attn.qkv_proj, l.mlp.gate_up_proj) for l in model.model.layers]
             # Partial rotary (Phi-3's partial_rotary_factor): RoPE on the first `rot_dim` dims of each head.

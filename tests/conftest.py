@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded target's tokenizer (converted once, cached) and the gpu marker."""
+"""Shared fixtures: the embedded target's tokenizer (converted once, cached), the gpu marker, and each CPU
+kernel path this machine runs (`kernel_path`)."""
 
 import os
 
@@ -77,3 +78,31 @@ def trained_rec(target):
     from helpers import train_medusa_heads
 
     return train_medusa_heads(target, recurrent=True)
+
+
+KERNEL_PATHS = ("avx512-bf16", "avx2")  # eval/cpu.py's paths with kernels; generic is PyTorch's own ops
+EXERCISED: set[str] = set()  # the CPU paths this session ran tests on, printed at the end
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def kernel_path(request, monkeypatch):
+    """Each kernel path this CPU runs, in turn, as this process's path (eval.cpu.cpu_path), so one machine
+    tests both: AVX2 code runs on AVX-512 CPUs too. Skipped only where this CPU cannot execute the path."""
+    from eval import cpu
+
+    name = request.param
+    if not cpu.runs(name):
+        pytest.skip(f"this CPU cannot run the {name} path: it lacks "
+                    f"{' '.join(f for f in cpu.NEEDS[name] if f not in cpu.cpu_info()[1])}")
+    path = cpu.decide({cpu.ENV_PATH: name})
+    monkeypatch.setattr(cpu, "cpu_path", lambda: path)
+    EXERCISED.add(name)
+    return path
+
+
+def pytest_terminal_summary(terminalreporter):
+    from eval import cpu
+
+    p = cpu.cpu_path()
+    EXERCISED.add(p.name)
+    terminalreporter.write_line(f"{p.line()}; paths exercised: {', '.join(sorted(EXERCISED))}")

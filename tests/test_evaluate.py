@@ -59,7 +59,7 @@ def test_decode_pairs_reports_whether_verifies_were_row_invariant(dtype):
     exact bf16 output; fp32 weights take PyTorch's kernels (and fp32 is held exact anyway)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eval.kernels import small_gemm
+    from eval.cpu import small_gemm
     from eval.proposers import NgramProposer
     from pipeline.measure import decode_pairs
 

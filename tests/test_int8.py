@@ -6,12 +6,15 @@ matmul (the int8 draft)."""
 import pytest
 import torch
 
-import eval.kernels as kernels
 from eval.int8 import I8_MAX_ROWS, Int8Linear, quantize
-from eval.target import packed_linear
+from eval.cpu import packed_linear
 
-ext = kernels.small_gemm()
-needs_kernel = pytest.mark.skipif(ext is None, reason="no avx512_bf16 or no compiler here: oneDNN is used")
+
+
+@pytest.fixture
+def ext(kernel_path):
+    return kernel_path.kernels
+
 SHAPES = [(8192, 576, False), (1728, 1152, True), (37, 64, True)]  # 37: a partial block of 16
 
 
@@ -38,9 +41,8 @@ def test_quantize_is_per_row_symmetric_within_half_a_step(n_out, k, bias):
     assert not quantize(torch.zeros(3, 8))[0].any()  # an all-zero row: zeros, no division by zero
 
 
-@needs_kernel
 @pytest.mark.parametrize("n_out,k,bias", SHAPES)
-def test_quantize_is_the_kernels_own(n_out, k, bias):
+def test_quantize_is_the_kernels_own(n_out, k, bias, ext):
     """The Medusa proposer's int8 copies were the kernel's `pack_i8`: the same int8 weights and scales."""
     w, b, _ = _case(n_out, k, bias)
     q_k, s_k = ext.pack_i8(w)
@@ -49,9 +51,8 @@ def test_quantize_is_the_kernels_own(n_out, k, bias):
     assert n == n_out and torch.equal(q_p, q_k) and torch.equal(s_p[:n_out], s_k[:n_out])
 
 
-@needs_kernel
 @pytest.mark.parametrize("n_out,k,bias", SHAPES)
-def test_kernel_is_the_dequantized_matmul_and_falls_back_to_the_exact_weight(n_out, k, bias):
+def test_kernel_is_the_dequantized_matmul_and_falls_back_to_the_exact_weight(n_out, k, bias, ext):
     w, b, g = _case(n_out, k, bias)
     exact = packed_linear(w, b)
     f = Int8Linear.quantize(w, b, exact=exact)

@@ -1,30 +1,37 @@
-"""eval/kernels.py: the small-M bf16 CPU matmul. Its sums must equal an fp32 reference rounded once
-to bf16 up to summation order, a row's result must not depend on the other rows in the call (so a
-verify forward's matmuls round like one-token steps), and a machine where it cannot build must fall
-back to oneDNN with a warning instead of failing."""
+"""eval/kernels.py and eval/cpu.py: the CPU kernels on every path this machine runs (the `kernel_path`
+fixture: avx512-bf16 and avx2 on an AVX-512 CPU, avx2 alone on an AVX2 one). Matmul sums must equal an
+fp32 reference rounded once to bf16 up to summation order, a row's result must not depend on the other
+rows in the call (so a verify forward's matmuls round like one-token steps), and the path is picked by
+what the CPU runs: never an op it cannot execute, a warning and PyTorch's ops where the kernels do not
+build, one clear error for a forced path this CPU lacks."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import eval.cpu as cpu
 import eval.kernels as kernels
-from eval.target import packed_linear
-
-ext = kernels.small_gemm()
-needs_kernel = pytest.mark.skipif(ext is None, reason="no avx512_bf16 or no compiler here: oneDNN is used")
+from eval.cpu import packed_linear
 
 
-def test_builds_where_the_cpu_can_run_it():
-    # On a CPU with avx512_bf16, a C++ compiler and ninja (this project's machines) a silent fallback
-    # would hide a broken build.
+@pytest.fixture
+def ext(kernel_path):
+    return kernel_path.kernels
+
+
+@pytest.mark.parametrize("name", ["avx512-bf16", "avx2"])
+def test_builds_where_the_cpu_can_run_it(name):
+    # With a C++ compiler and ninja (this project's machines), a silent fallback would hide a broken build.
     import shutil
 
     from torch.utils.cpp_extension import is_ninja_available
 
-    can = kernels.cpu_has_avx512_bf16() and is_ninja_available() and shutil.which("c++") is not None
-    if not can or kernels.os.environ.get("DRAFTSMITH_KERNELS", "1") == "0":
-        pytest.skip("no avx512_bf16, compiler or ninja here: the fallback is the expected path")
-    assert ext is not None
+    if not (is_ninja_available() and shutil.which("c++")):
+        pytest.skip("no compiler or ninja here: the generic path is the expected one")
+    mod = kernels.build(name)  # builds on any x86-64 CPU; running it needs the CPU's flags
+    assert hasattr(mod, "linear") and hasattr(mod, "argmax_rows")
+    if cpu.runs(name):
+        assert cpu.decide({cpu.ENV_PATH: name}).kernels is mod
 
 
 def _case(rows, n_out, k, bias, seed):
@@ -35,10 +42,9 @@ def _case(rows, n_out, k, bias, seed):
     return w, b, x
 
 
-@needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 13, 16])
 @pytest.mark.parametrize("n_out,bias", [(96, False), (37, True), (200, False)])  # 37, 200: a partial block of 16
-def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias):
+def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias, ext):
     w, b, x = _case(rows, n_out, 64, bias, rows * 1000 + n_out)
     got = packed_linear(w, b)(x)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # exact products, fp32 sums
@@ -48,8 +54,7 @@ def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias):
     assert (got == ref.to(torch.bfloat16)).float().mean() > 0.97
 
 
-@needs_kernel
-def test_a_row_rounds_the_same_whatever_the_other_rows():
+def test_a_row_rounds_the_same_whatever_the_other_rows(ext):
     w, _, x = _case(9, 3072 // 16, 576, False, 0)
     lin = packed_linear(w)
     whole = lin(x)  # [1, 9, N]: a verify forward's rows
@@ -58,25 +63,79 @@ def test_a_row_rounds_the_same_whatever_the_other_rows():
     assert not torch.equal(lin(x[:, :1]), lin(x[:, 1:2]))  # and it does compute something per row
 
 
-@needs_kernel
-def test_more_rows_than_the_kernel_takes_go_to_onednn():
+def test_more_rows_than_max_rows_go_to_onednn_where_it_has_bf16_else_to_the_kernel(ext, kernel_path):
     w, _, x = _case(kernels.MAX_ROWS + 4, 96, 64, False, 1)
-    got = packed_linear(w)(x)
-    assert torch.equal(got, F.linear(x, w))  # oneDNN's packed weight is bit-identical to F.linear
+    lin = packed_linear(w)
+    got = lin(x)
+    if kernel_path.onednn_bf16:
+        assert torch.equal(got, F.linear(x, w))  # oneDNN's packed weight is bit-identical to F.linear
+    else:  # AVX2: no oneDNN bf16 matmul on such a CPU; the kernel takes any row count, still row-invariant
+        assert torch.equal(got, torch.cat([lin(x[:, i:i + 1]) for i in range(x.shape[1])], 1))
+        assert torch.allclose(got.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-4)
+
+
+AVX2_ONLY = frozenset({"avx", "avx2", "fma", "f16c", "sse4_2"})  # an AMD EPYC before Zen 4, a laptop
+
+
+def test_an_avx2_only_cpu_takes_the_avx2_path_and_never_onednn_bf16():
+    """The crash of issue 31: oneDNN's bf16 reorder aborts on AVX2 ("bf16 path needs the cpu support
+    avx_ne_convert or avx512bw, avx512vl and avx512dq"); the path must know that from the flags."""
+    p = cpu.decide({}, flags=AVX2_ONLY)
+    assert p.name == "avx2" and not p.onednn_bf16 and "avx512" in p.reason
+    assert not cpu.decide({cpu.ENV_KERNELS: "0"}, flags=AVX2_ONLY).onednn_bf16
+    assert cpu.decide({}, flags=frozenset({"sse4_2"})).name == "generic"
+
+
+def test_forcing_a_path_hides_the_instructions_above_it():
+    if not cpu.runs("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    assert not cpu.decide({cpu.ENV_PATH: "avx2"}).onednn_bf16
+    g = cpu.decide({cpu.ENV_PATH: "generic"})
+    assert g.name == "generic" and g.kernels is None and not g.onednn_bf16
+
+
+@pytest.mark.parametrize("env,flags,match", [
+    ({cpu.ENV_PATH: "avx512-bf16"}, AVX2_ONLY, "lacks avx512f avx512bw avx512vl avx512_bf16; use one of avx2, generic"),
+    ({cpu.ENV_PATH: "avx3"}, AVX2_ONLY, "is not a CPU path: use one of avx512-bf16, avx2, generic"),
+    ({cpu.ENV_PATH: "avx2", cpu.ENV_KERNELS: "0"}, AVX2_ONLY, "turns the kernels off"),
+])
+def test_a_forced_path_this_cpu_cannot_run_is_one_clear_error(env, flags, match):
+    with pytest.raises(cpu.CpuPathError, match=match):
+        cpu.decide(env, flags=flags)
 
 
 def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setenv("DRAFTSMITH_KERNELS", "0")
-    assert kernels.small_gemm.__wrapped__() is None
-    if not kernels.cpu_has_avx512_bf16():
+    assert cpu.decide({cpu.ENV_KERNELS: "0"}).name == "generic"
+    if not cpu.runs("avx2"):
         return
-    monkeypatch.setenv("DRAFTSMITH_KERNELS", "1")
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))  # never touch the real build cache
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
     monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setattr(kernels, "build", kernels.build.__wrapped__)  # no cached module
     with pytest.warns(UserWarning, match="did not build"):
-        assert kernels.small_gemm.__wrapped__() is None
+        p = cpu.decide({})
+    assert p.name == "generic" and p.kernels is None and "did not build" in p.reason
+    with pytest.raises(cpu.CpuPathError, match="avx2 kernels did not build"):
+        cpu.decide({cpu.ENV_PATH: "avx2"})
+
+
+@pytest.mark.parametrize("env,want", [({"DRAFTSMITH_CPU_PATH": "avx2"}, "cpu path: avx2 (forced by DRAFTSMITH_CPU_PATH)"),
+                                      ({"DRAFTSMITH_KERNELS": "0"}, "cpu path: generic (DRAFTSMITH_KERNELS=0)")])
+def test_the_documented_overrides_pick_the_path_a_process_prints(env, want):
+    """README's overrides end to end: a fresh process reads them at start-up and prints its path."""
+    import os
+    import subprocess
+    import sys
+
+    if "avx2" in want and not cpu.runs("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    env = {k: v for k, v in os.environ.items() if k not in ("DRAFTSMITH_CPU_PATH", "DRAFTSMITH_KERNELS")} | env
+    out = subprocess.run([sys.executable, "-m", "eval.cpu"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith(want), out.stdout + out.stderr
+    bad = subprocess.run([sys.executable, "-m", "eval.cpu"], env=env | {"DRAFTSMITH_CPU_PATH": "avx3"},
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "is not a CPU path" in bad.stderr
 
 
 def _attn_case(B, nh, nkv, T, S, seed, hd=16):
@@ -86,11 +145,10 @@ def _attn_case(B, nh, nkv, T, S, seed, hd=16):
     return q, kc.contiguous(), vc.contiguous()
 
 
-@needs_kernel
 @pytest.mark.parametrize("nh,nkv", [(4, 4), (6, 2), (8, 2), (10, 2)])  # groups of 1, 3, 4 and 5 heads
 @pytest.mark.parametrize("T", [1, 5, 9])
 @pytest.mark.parametrize("hd", [16, 64, 128])  # the generic loop, and the two compile-time widths
-def test_attention_matches_sdpa_under_causal_and_tree_masks(nh, nkv, T, hd):
+def test_attention_matches_sdpa_under_causal_and_tree_masks(nh, nkv, T, hd, ext):
     B, S = 2, 40
     q, kc, vc = _attn_case(B, nh, nkv, T, S, nh * 100 + T, hd)
     pos = torch.tensor([[S - T + i for i in range(T)], [S - T - 3 + i for i in range(T)]])  # ragged rows
@@ -104,9 +162,8 @@ def test_attention_matches_sdpa_under_causal_and_tree_masks(nh, nkv, T, hd):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-@needs_kernel
 @pytest.mark.parametrize("hd", [16, 64])
-def test_attention_row_sees_the_same_numbers_as_a_one_token_step(hd):
+def test_attention_row_sees_the_same_numbers_as_a_one_token_step(hd, ext):
     """A tree node over [committed slots + its ancestors' slots] gets bit for bit what a one-token step
     gets over consecutive slots holding the same keys and values."""
     q, kc, vc = _attn_case(1, 6, 2, 3, 30, 7, hd)
@@ -135,8 +192,7 @@ def _bf16_target():
     return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
-@needs_kernel
-def test_bf16_verify_forward_rounds_like_one_token_steps():
+def test_bf16_verify_forward_rounds_like_one_token_steps(ext):
     """The lean runner's logits and features for T tokens in one forward equal, bit for bit, T
     one-token forwards (oneDNN and SDPA did not: their sums are blocked by row and kv counts)."""
     from eval.target import LeanLlama
@@ -153,8 +209,7 @@ def test_bf16_verify_forward_rounds_like_one_token_steps():
     assert torch.equal(feats, torch.cat([s[1] for s in steps], 1))
 
 
-@needs_kernel
-def test_bf16_speculative_decoding_equals_plain_bit_for_bit():
+def test_bf16_speculative_decoding_equals_plain_bit_for_bit(ext):
     """With the row-invariant kernels, bf16 greedy speculative output (chains and trees, batch 1 and
     ragged) is exactly plain decoding's: no near-tie exceptions."""
     from eval.datastore import Datastore
@@ -176,8 +231,7 @@ def test_bf16_speculative_decoding_equals_plain_bit_for_bit():
     assert max(taus) > 2.0, taus  # drafts were accepted: multi-token verifies did happen
 
 
-@needs_kernel
-def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels():
+def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels(ext):
     """stats["row_invariant"] comes from the verify forwards the decoder ran: a verify of more than
     MAX_ROWS tokens takes oneDNN/SDPA, and the exact-match rule must not be claimed for it."""
     from eval.decoder import SpeculativeDecoder
@@ -195,9 +249,8 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
-@needs_kernel
 @pytest.mark.parametrize("rows", [1, 9, 16])
-def test_fused_elementwise_ops_round_like_the_torch_code_they_replace(rows):
+def test_fused_elementwise_ops_round_like_the_torch_code_they_replace(rows, ext):
     """add_rmsnorm, silu_mul and rope (eval/target.py's fused layer steps) against the PyTorch ops: the
     residual add and RoPE bit for bit; RMSNorm and SiLU within one bf16 ulp (RMSNorm's mean is summed
     in another order, SiLU's exp is our own), and almost always exactly."""
@@ -228,8 +281,7 @@ def test_fused_elementwise_ops_round_like_the_torch_code_they_replace(rows):
     assert torch.equal(ext.rope(qkv, 12, cos, sin).view(rows, 12, 64), want)
 
 
-@needs_kernel
-def test_fused_layer_steps_agree_with_the_unfused_forward():
+def test_fused_layer_steps_agree_with_the_unfused_forward(ext):
     """The lean runner's bf16 forward with the fused elementwise kernels and without them (runner.ew =
     None): the same model, so logits and features agree to bf16 rounding."""
     from eval.target import LeanLlama
@@ -247,9 +299,8 @@ def test_fused_layer_steps_agree_with_the_unfused_forward():
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
 
 
-@needs_kernel
 @pytest.mark.parametrize("shape", [(1, 49152), (11, 49152), (2, 3, 1000), (4, 37), (1, 7)])  # 37, 7: a tail past 16
-def test_argmax_rows_gives_torchs_first_maximal_index(shape):
+def test_argmax_rows_gives_torchs_first_maximal_index(shape, ext):
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g).to(torch.bfloat16)
     rows = x.view(-1, shape[-1])
@@ -268,17 +319,16 @@ def test_argmax_rows_gives_torchs_first_maximal_index(shape):
 
 
 def test_greedy_argmax_on_the_decoders_logits_is_torchs_argmax():
-    from eval.target import greedy_argmax
+    from eval.cpu import greedy_argmax
 
     x = torch.randn(1, 11, 49152, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     assert torch.equal(greedy_argmax(x), x.argmax(-1))
     assert torch.equal(greedy_argmax(x[:, 3]), x[:, 3].argmax(-1))  # a non-contiguous slice
 
 
-@needs_kernel
 @pytest.mark.parametrize("nh,nkv,hd", [(9, 3, 64), (4, 4, 16), (8, 2, 128), (10, 2, 32)])
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 11), (2, 5), (1, 16)])
-def test_attend_qkv_equals_cache_write_then_attend_bit_for_bit(nh, nkv, hd, B, T):
+def test_attend_qkv_equals_cache_write_then_attend_bit_for_bit(nh, nkv, hd, B, T, ext):
     """attend_qkv (k/v written at slots, attention from the bf16 projections, bf16 out) against the ops
     it replaces in the fused forward: cache writes, q widened, ext.attend, the output rounded and laid out."""
     g = torch.Generator().manual_seed(nh * 31 + T)
@@ -306,8 +356,7 @@ def test_attend_qkv_equals_cache_write_then_attend_bit_for_bit(nh, nkv, hd, B, T
     assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
 
 
-@needs_kernel
-def test_fused_forward_gives_the_same_numbers_with_and_without_attend_qkv():
+def test_fused_forward_gives_the_same_numbers_with_and_without_attend_qkv(ext):
     """The fused forward's decode steps and tree verifies through attend_qkv and through the ops it
     replaces: logits, features and the cache bit for bit."""
     from eval.target import LeanLlama
@@ -346,9 +395,8 @@ def test_fused_forward_gives_the_same_numbers_with_and_without_attend_qkv():
     assert torch.equal(out["direct"][1], out["composed"][1]) and torch.equal(out["direct"][2], out["composed"][2])
 
 
-@needs_kernel
 @pytest.mark.parametrize("hd", [32, 64, 128, 48, 8])  # 48, 8: halves that are not whole 16-lane vectors (scalar loop)
-def test_rope_vector_and_scalar_paths_round_like_torch(hd):
+def test_rope_vector_and_scalar_paths_round_like_torch(hd, ext):
     g = torch.Generator().manual_seed(hd)
     rows, n = 11, 5
     qkv = (torch.randn(rows, (n + 2) * hd, generator=g) * 3).bfloat16()
@@ -359,8 +407,7 @@ def test_rope_vector_and_scalar_paths_round_like_torch(hd):
     assert torch.equal(ext.rope(qkv, n, cos, sin).view(rows, n, hd), want)
 
 
-@needs_kernel
-def test_fused_forward_gives_the_same_numbers_with_and_without_the_layer_call():
+def test_fused_forward_gives_the_same_numbers_with_and_without_the_layer_call(ext):
     """ext.layer (a whole layer in one call) against the per-kernel loop, on decode steps, a tree verify
     and a ragged batch of two: logits, features and the cache bit for bit. A prefill (more rows than the
     matmul kernel takes) keeps the loop."""

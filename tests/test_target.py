@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval.target import GEMV_MAX_ROWS, LeanLlama, can_pack, cpu_gemv, greedy_argmax, packed_linear
+from eval.cpu import GEMV_MAX_ROWS, can_pack, cpu_gemv, greedy_argmax, packed_linear
+from eval.target import LeanLlama
 
 CPU = torch.device("cpu")
 

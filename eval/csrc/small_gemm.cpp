@@ -1,9 +1,10 @@
-// y[M, N] = x[M, K] @ W[N, K]^T (+ b) in bf16 with fp32 accumulation, for M <= 16 rows on CPUs with
-// AVX512-BF16. Why by hand: see eval/kernels.py. W is packed once (`pack`) so that one 64-byte load
-// holds 16 output rows x 2 consecutive k, and `vdpbf16ps` against a broadcast pair of x accumulates
-// 16 outputs at once: no horizontal sums, and W is streamed exactly once whatever M is. The sum for
-// each output runs over k in the same order for every M, so a row's result does not depend on how
-// many other rows share the call (a verify forward rounds like a one-token step).
+// This project's CPU kernels (why by hand: eval/kernels.py), one source for two instruction sets (below).
+// The matmul: y[M, N] = x[M, K] @ W[N, K]^T (+ b) in bf16 with fp32 accumulation. W is packed once
+// (`pack`) so that one 64-byte load holds 16 output rows x 2 consecutive k; on AVX512-BF16 `vdpbf16ps`
+// against a broadcast pair of x accumulates 16 outputs at once, on AVX2 the pair is widened to fp32 and
+// two FMAs do it. No horizontal sums, and W is streamed once whatever M is. The sum for each output runs
+// over k in the same order for every M, so a row's result does not depend on how many other rows share
+// the call (a verify forward rounds like a one-token step).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -12,6 +13,183 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+// One source, two instruction sets: eval/kernels.py builds it once per CPU path, with -mavx512bf16 for
+// "avx512-bf16" and with -mavx2 -mfma for "avx2" (which also runs on AVX-512 machines, so both paths
+// are built and tested on either kind of CPU). `vf` is 16 floats: one __m512, or two __m256 on AVX2.
+// Everything below the matmuls is written against `vf`; on AVX-512 each helper is the one intrinsic the
+// kernels used before, so that path's numbers are unchanged. Each path is row-invariant on its own; the
+// two differ in their last bits (dot-product instruction against two FMAs, the reduction trees).
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DS_AVX512 0
+#else
+#error "small_gemm.cpp needs -mavx512f -mavx512bw -mavx512vl -mavx512bf16, or -mavx2 -mfma (eval/kernels.py)"
+#endif
+
+static inline float bf2f(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16 (NaN kept a NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+#if DS_AVX512
+using vf = __m512;
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vset(float a) { return _mm512_set1_ps(a); }
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
+static inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+static inline vf vload_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }  // lanes >= n: 0
+static inline void vstore_n(float* p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
+static inline vf vkeep_n(vf v, int64_t n) { return _mm512_maskz_mov_ps(first(n), v); }  // lanes >= n: 0
+static inline vf vmul_where_neg(vf g, vf e) {  // g * e where g < 0, else g
+  return _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
+}
+static inline vf bf16x16_load(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline void bf16x16_store(uint16_t* p, vf v) {  // vcvtneps2bf16: round to nearest even
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+static inline vf bf16_round(vf v) {  // v rounded to bf16 (nearest even) and widened back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+// [sum(a), sum(b), sum(c), sum(d)] over 16 lanes each, by one fixed tree whatever the inputs.
+static inline __m128 sum4(vf a, vf b, vf c, vf d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 x = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));  // [a b c d] per 128-bit lane
+  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+#else
+struct vf { __m256 lo, hi; };  // lanes 0-7, 8-15
+static inline vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vf vset(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+static inline vf vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+#define DS_V2(name, op) \
+  static inline vf name(vf a, vf b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+DS_V2(vadd, _mm256_add_ps)
+DS_V2(vsub, _mm256_sub_ps)
+DS_V2(vmul, _mm256_mul_ps)
+DS_V2(vdiv, _mm256_div_ps)
+DS_V2(vmax, _mm256_max_ps)
+#undef DS_V2
+static inline vf vabs(vf a) {
+  const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  return {_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m)};
+}
+static inline vf vfma(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline vf vfnma(vf a, vf b, vf c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline float hsum8(__m256 v) {  // one fixed tree: halves, then pairs, then the last two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline float vsum(vf a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+static inline vf vround(vf a) {
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, R), _mm256_round_ps(a.hi, R)};
+}
+static inline __m256 pow2i(__m256 n) {  // 2^n for integral n in [-126, 127], built in the exponent field
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vf vscale2(vf p, vf n) { return {_mm256_mul_ps(p.lo, pow2i(n.lo)), _mm256_mul_ps(p.hi, pow2i(n.hi))}; }
+static inline vf vload_n(const float* p, int64_t n) {  // lanes >= n: 0
+  if (n >= 16) return vload(p);
+  alignas(32) float t[16] = {0};
+  std::memcpy(t, p, n * sizeof(float));
+  return vload(t);
+}
+static inline void vstore_n(float* p, vf v, int64_t n) {
+  if (n >= 16) return vstore(p, v);
+  alignas(32) float t[16];
+  vstore(t, v);
+  std::memcpy(p, t, n * sizeof(float));
+}
+static inline vf vkeep_n(vf v, int64_t n) {  // lanes >= n: 0
+  if (n >= 16) return v;
+  const __m256i i = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), nn = _mm256_set1_epi32((int)n);
+  const __m256 mlo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nn, i));
+  const __m256 mhi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nn, _mm256_add_epi32(i, _mm256_set1_epi32(8))));
+  return {_mm256_and_ps(v.lo, mlo), _mm256_and_ps(v.hi, mhi)};
+}
+static inline vf vmul_where_neg(vf g, vf e) {  // g * e where g < 0, else g
+  const __m256 z = _mm256_setzero_ps();
+  return {_mm256_blendv_ps(g.lo, _mm256_mul_ps(g.lo, e.lo), _mm256_cmp_ps(g.lo, z, _CMP_LT_OQ)),
+          _mm256_blendv_ps(g.hi, _mm256_mul_ps(g.hi, e.hi), _mm256_cmp_ps(g.hi, z, _CMP_LT_OQ))};
+}
+static inline __m256 bf16x8_load(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+// 8 floats -> 8 bf16, round to nearest even with NaN kept a NaN: f2bf's integer rule on 8 lanes.
+static inline __m128i bf16x8_pack(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i q = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(q, q), 0x08));  // lanes 0-3, 4-7
+}
+static inline vf bf16x16_load(const uint16_t* p) { return {bf16x8_load(p), bf16x8_load(p + 8)}; }
+static inline void bf16x16_store(uint16_t* p, vf v) {
+  _mm_storeu_si128((__m128i*)p, bf16x8_pack(v.lo));
+  _mm_storeu_si128((__m128i*)(p + 8), bf16x8_pack(v.hi));
+}
+static inline __m256 bf16x8_round(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16x8_pack(v)), 16));
+}
+static inline vf bf16_round(vf v) { return {bf16x8_round(v.lo), bf16x8_round(v.hi)}; }
+static inline __m128 sum4(vf a, vf b, vf c, vf d) {  // [sum(a), sum(b), sum(c), sum(d)], one fixed tree
+  const __m256 ab = _mm256_hadd_ps(_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi));
+  const __m256 cd = _mm256_hadd_ps(_mm256_add_ps(c.lo, c.hi), _mm256_add_ps(d.lo, d.hi));
+  const __m256 x = _mm256_hadd_ps(ab, cd);  // [a b c d] per 128-bit lane
+  return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+#endif
+
+// exp(x) for x <= 0 on 16 lanes: 2^n * p(r) with r = x - n ln2 (ln2 in two parts) and Cephes' expf
+// polynomial, within ~2 ulp of expf. Hand-written because libm has no vector exp callable here.
+static inline vf exp16(vf x) {
+  x = vmax(x, vset(-87.0f));
+  const vf n = vround(vmul(x, vset(1.44269504088896341f)));
+  vf r = vfnma(n, vset(0.693359375f), x);
+  r = vfnma(n, vset(-2.12194440e-4f), r);
+  vf p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
+  return vscale2(p, n);
+}
+
 
 // [16 Nb, K] -> [Nb, K/2, 16, 2]: 32 consecutive weights hold 16 outputs x 2 k (one 64-byte line in bf16).
 static torch::Tensor to_blocks(const torch::Tensor& w) {
@@ -47,6 +225,7 @@ torch::Tensor pack(torch::Tensor w) {
 #define SPLIT_ABOVE 12
 #endif
 
+#if DS_AVX512
 // 32 int8 weights (16 outputs x 2 k) -> 32 bf16 in the same order, exactly (|q| <= 127): `linear_i8`'s weights.
 static inline __m512bh i8x32_to_bf16(const int8_t* p) {
   const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
@@ -128,23 +307,162 @@ static void run_rows(const int32_t* x, int64_t Kp, const W* p, const float* bias
   });
   if (groups * NB < Nb) run_blocks<M, 1, W>(x, Kp, p, bias, groups * NB, Nb, y, N, scale);
 }
+#else
+// AVX2 + FMA has no bf16 dot product, so each packed 32-bit lane (one output's bf16 weights at k, k+1)
+// is widened in registers to two fp32 vectors (bf16 -> fp32 is a 16-bit shift, exact) and two FMAs
+// accumulate them against x[m, k] and x[m, k+1]: the same packed layout and the same single stream of
+// the weights, at twice the FMAs of `vdpbf16ps`. Each output is summed over k in one order (k, k+1,
+// k+2, ...) whatever M is, so the path is row-invariant like the AVX-512 one.
 
-// x [M, K] bf16 contiguous, packed from `pack`, bias fp32 [Nb*16] or empty -> y [M, N] bf16.
+// One 64-byte line (bf16) or 32-byte line (int8) of a block: 16 outputs x (k, k+1) -> even/odd k, as two
+// 8-output halves. int8 values are exact in fp32.
+static inline void widen(const uint16_t* p, __m256* e, __m256* o) {
+  const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+  for (int h = 0; h < 2; h++) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 16 * h));
+    e[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    o[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+  }
+}
+static inline void widen(const int8_t* p, __m256* e, __m256* o) {
+  for (int h = 0; h < 2; h++) {
+    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16 * h)));  // 32-bit lane: (k, k+1)
+    e[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+    o[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+  }
+}
+
+// Blocks [b0, b1) of 16 outputs, NB at a time, for the R rows of xf (fp32 [R, K], row stride K): 2*R*NB
+// accumulators, the weights widened once per line for all R rows. W and `scale` as in the AVX-512 path.
+template <int R, int NB, class W>
+static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bias, int64_t b0, int64_t b1,
+                        uint16_t* y, int64_t N, const float* scale) {
+  constexpr bool I8 = std::is_same_v<W, int8_t>;
+  constexpr int64_t LINE = 32;  // weights per line: 16 outputs x 2 k
+  const int64_t Kp = K / 2;
+  for (int64_t b = b0; b < b1; b += NB) {
+    __m256 acc[R][NB][2];
+    for (int j = 0; j < NB; j++)
+      for (int h = 0; h < 2; h++) {
+        const __m256 init = bias && !I8 ? _mm256_loadu_ps(bias + (b + j) * 16 + 8 * h) : _mm256_setzero_ps();
+        for (int m = 0; m < R; m++) acc[m][j][h] = init;
+      }
+    for (int64_t kp = 0; kp < Kp; kp++) {
+      __m256 xe[R], xo[R];
+      for (int m = 0; m < R; m++) {
+        xe[m] = _mm256_broadcast_ss(xf + m * K + 2 * kp);
+        xo[m] = _mm256_broadcast_ss(xf + m * K + 2 * kp + 1);
+      }
+      for (int j = 0; j < NB; j++) {
+        const W* line = p + ((b + j) * Kp + kp) * LINE;
+        if constexpr (!I8) _mm_prefetch((const char*)(line + PREFETCH_LINES * LINE), _MM_HINT_T0);
+        __m256 we[2], wo[2];
+        widen(line, we, wo);
+        for (int m = 0; m < R; m++)
+          for (int h = 0; h < 2; h++) acc[m][j][h] = _mm256_fmadd_ps(wo[h], xo[m], _mm256_fmadd_ps(we[h], xe[m], acc[m][j][h]));
+      }
+    }
+    for (int j = 0; j < NB; j++) {
+      const int64_t n0 = (b + j) * 16, left = N - n0 < 16 ? N - n0 : 16;
+      for (int m = 0; m < R; m++) {
+        alignas(16) uint16_t out[16];
+        for (int h = 0; h < 2; h++) {
+          __m256 v = acc[m][j][h];
+          if constexpr (I8)
+            v = _mm256_fmadd_ps(v, _mm256_loadu_ps(scale + n0 + 8 * h), bias ? _mm256_loadu_ps(bias + n0 + 8 * h) : _mm256_setzero_ps());
+          _mm_store_si128((__m128i*)(out + 8 * h), bf16x8_pack(v));
+        }
+        std::memcpy(y + m * N + n0, out, left * sizeof(uint16_t));
+      }
+    }
+  }
+}
+
+// Rows at most 4 at a time over a span of SPAN blocks: the first pass streams the span's weights from
+// memory, later passes (more rows) find them in cache, so any row count streams W once. 16 ymm registers
+// hold 2*R*NB accumulators plus the widened line and the broadcasts: NB = 4 at one row, 2 at two, else 1.
+template <class W>
+static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const float* bias, int64_t Nb,
+                      uint16_t* y, int64_t N, const float* scale) {
+  constexpr int64_t SPAN = 4;
+  at::parallel_for(0, (Nb + SPAN - 1) / SPAN, 4, [&](int64_t s0, int64_t s1) {
+    const int64_t b0 = s0 * SPAN, b1 = s1 * SPAN < Nb ? s1 * SPAN : Nb;
+    for (int64_t b = b0; b < b1; b += SPAN) {
+      const int64_t e = b + SPAN < b1 ? b + SPAN : b1, full = b + (e - b) / 4 * 4;
+      for (int64_t m = 0; m < M; m += 4) {
+        const float* xm = xf + m * K;
+        uint16_t* ym = y + m * N;
+        switch (M - m < 4 ? M - m : 4) {
+          case 1:
+            run_blocks2<1, 4, W>(xm, K, p, bias, b, full, ym, N, scale);
+            run_blocks2<1, 1, W>(xm, K, p, bias, full, e, ym, N, scale);
+            break;
+          case 2: run_blocks2<2, 1, W>(xm, K, p, bias, b, e, ym, N, scale); break;
+          case 3: run_blocks2<3, 1, W>(xm, K, p, bias, b, e, ym, N, scale); break;
+          default: run_blocks2<4, 1, W>(xm, K, p, bias, b, e, ym, N, scale); break;
+        }
+      }
+    }
+  });
+}
+
+// bf16 x [M, K] -> fp32 [M, K] (exact): the broadcasts read it.
+static std::vector<float> widen_rows(const uint16_t* x, int64_t n) {
+  std::vector<float> xf(n);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(xf.data() + i, bf16x8_load(x + i));
+  for (; i < n; i++) xf[i] = bf2f(x[i]);
+  return xf;
+}
+#endif
+
+// The matmul kernel on this path: y [M, N] = x [M, K] @ W^T (+ bias), W packed by `pack` (uint16_t) or
+// `pack_i8` (int8_t, with per-output `scale`). Any M: AVX-512 runs 16 rows at a time (each row's sums are
+// the same whatever the chunk), AVX2 four at a time over cached spans of the weights.
+template <class W>
+static void gemm(const uint16_t* x, int64_t M, int64_t K, const W* p, const float* bias, int64_t Nb, uint16_t* y,
+                 int64_t N, const float* scale) {
+#if DS_AVX512
+  constexpr bool I8 = std::is_same_v<W, int8_t>;
+  constexpr int64_t CH = I8 ? 4 : 16;  // the int8 kernel keeps at most 4 rows' accumulators
+  const int64_t Kp = K / 2;
+  for (int64_t r0 = 0; r0 < M; r0 += CH) {
+    const int32_t* xp = reinterpret_cast<const int32_t*>(x + r0 * K);
+    uint16_t* yp = y + r0 * N;
+    const int64_t m = M - r0 < CH ? M - r0 : CH;
+    if constexpr (I8) {
+      switch (m) {
+        case 1: run_rows<1>(xp, Kp, p, bias, Nb, yp, N, scale); break;
+        case 2: run_rows<2>(xp, Kp, p, bias, Nb, yp, N, scale); break;
+        case 3: run_rows<3>(xp, Kp, p, bias, Nb, yp, N, scale); break;
+        default: run_rows<4>(xp, Kp, p, bias, Nb, yp, N, scale); break;
+      }
+    } else {
+      switch (m) {
+#define CASE(c) case c: run_rows<c>(xp, Kp, p, bias, Nb, yp, N); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+      }
+    }
+  }
+#else
+  const auto xf = widen_rows(x, M * K);
+  gemm_rows<W>(xf.data(), M, K, p, bias, Nb, y, N, scale);
+#endif
+}
+
+// x [M, K] bf16 contiguous, packed from `pack`, bias fp32 [Nb*16] or empty -> y [M, N] bf16. Any M >= 1;
+// eval/target.py sends it up to MAX_ROWS rows, and every row count on CPUs without oneDNN's bf16 path.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear: x [M, K] bf16");
   const int64_t M = x.size(0), K = x.size(1), Nb = packed.size(0), Kp = packed.size(1);
-  TORCH_CHECK(K == 2 * Kp && M >= 1 && M <= 16, "linear: K must match the packed weight and 1 <= M <= 16");
+  TORCH_CHECK(K == 2 * Kp && M >= 1 && N <= Nb * 16, "linear: K must match the packed weight and M >= 1");
   auto y = torch::empty({M, N}, x.options());
-  const int32_t* xp = reinterpret_cast<const int32_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* pp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  switch (M) {
-#define CASE(m) case m: run_rows<m>(xp, Kp, pp, bp, Nb, yp, N); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
-#undef CASE
-  }
+  gemm<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                 bias.numel() ? bias.data_ptr<float>() : nullptr, Nb,
+                 reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N, nullptr);
   return y;
 }
 
@@ -167,55 +485,19 @@ std::vector<torch::Tensor> pack_i8(torch::Tensor w) {
   return {to_blocks(q), scale.contiguous()};
 }
 
-// x [M, K] bf16 contiguous (1 <= M <= 4), (q, scale) from `pack_i8`, bias fp32 [Nb*16] or empty -> y [M, N] bf16.
+// x [M, K] bf16 contiguous, (q, scale) from `pack_i8`, bias fp32 [Nb*16] or empty -> y [M, N] bf16.
 torch::Tensor linear_i8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear_i8: x [M, K] bf16");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && scale.scalar_type() == at::kFloat, "linear_i8: pack_i8's tensors");
   const int64_t M = x.size(0), K = x.size(1), Nb = q.size(0), Kp = q.size(1);
-  TORCH_CHECK(K == 2 * Kp && M >= 1 && M <= 4 && N <= Nb * 16, "linear_i8: K must match the packed weight, 1 <= M <= 4");
+  TORCH_CHECK(K == 2 * Kp && M >= 1 && N <= Nb * 16, "linear_i8: K must match the packed weight and M >= 1");
   auto y = torch::empty({M, N}, x.options());
-  const int32_t* xp = reinterpret_cast<const int32_t*>(x.data_ptr<at::BFloat16>());
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  switch (M) {
-    case 1: run_rows<1>(xp, Kp, qp, bp, Nb, yp, N, sp); break;
-    case 2: run_rows<2>(xp, Kp, qp, bp, Nb, yp, N, sp); break;
-    case 3: run_rows<3>(xp, Kp, qp, bp, Nb, yp, N, sp); break;
-    default: run_rows<4>(xp, Kp, qp, bp, Nb, yp, N, sp); break;
-  }
+  gemm<int8_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, q.data_ptr<int8_t>(),
+               bias.numel() ? bias.data_ptr<float>() : nullptr, Nb,
+               reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N, scale.data_ptr<float>());
   return y;
 }
 
-// exp(x) for x <= 0 on 16 lanes: 2^n * p(r) with r = x - n ln2 (ln2 in two parts) and Cephes' expf
-// polynomial, within ~2 ulp of expf. Hand-written because libm has no vector exp callable here.
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// [sum(a), sum(b), sum(c), sum(d)] over 16 lanes each, by one fixed tree whatever the inputs.
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-  const __m512 x = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));  // [a b c d] per 128-bit lane
-  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
-}
 
 // The query heads r0 .. r0 + NR - 1 of one kv head at one query row (see `attend`). NC = hd / 16 as a
 // compile-time constant keeps q and the p.v accumulators in registers, and NR the real head count (no
@@ -227,17 +509,17 @@ template <int NC, int NR>
 static void attend_heads(const float* const* qrow, float* const* orow, const float* kh, const float* vh,
                          const int32_t* ix, int64_t n, int64_t nc_rt, int64_t hd, __m128 scv, float* const* sb) {
   const int64_t nc = NC ? NC : nc_rt;
-  __m512 qv[4][NC ? NC : 16];
+  vf qv[4][NC ? NC : 16];
   for (int r = 0; r < 4; r++)
-    for (int64_t c = 0; c < nc; c++) qv[r][c] = r < NR ? _mm512_loadu_ps(qrow[r] + c * 16) : _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) qv[r][c] = r < NR ? vload(qrow[r] + c * 16) : vzero();
   __m128 mx = _mm_set1_ps(-INFINITY);
   for (int64_t j = 0; j < n; j++) {  // scores: a dot product over hd per visible slot and head
     const float* kr = kh + (int64_t)ix[j] * hd;
-    __m512 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+    vf acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = vzero();
     for (int64_t c = 0; c < nc; c++) {
-      const __m512 kv = _mm512_loadu_ps(kr + c * 16);
-      for (int r = 0; r < NR; r++) acc[r] = _mm512_fmadd_ps(qv[r][c], kv, acc[r]);
+      const vf kv = vload(kr + c * 16);
+      for (int r = 0; r < NR; r++) acc[r] = vfma(qv[r][c], kv, acc[r]);
     }
     const __m128 s4 = _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), scv);
     mx = _mm_max_ps(mx, s4);
@@ -249,28 +531,27 @@ static void attend_heads(const float* const* qrow, float* const* orow, const flo
   _mm_store_ps(mxs, mx);
   float inv[4];
   for (int r = 0; r < NR; r++) {  // softmax numerators, lane j % 16 of the compact list
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 mxv = _mm512_set1_ps(mxs[r]);
+    vf sum = vzero();
+    const vf mxv = vset(mxs[r]);
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sb[r] + j), mxv)));
-      _mm512_mask_storeu_ps(sb[r] + j, m, e);
-      sum = _mm512_add_ps(sum, e);
+      const vf e = vkeep_n(exp16(vsub(vload_n(sb[r] + j, n - j), mxv)), n - j);
+      vstore_n(sb[r] + j, e, n - j);
+      sum = vadd(sum, e);
     }
-    inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv[r] = 1.0f / vsum(sum);
   }
-  __m512 acc[4][NC ? NC : 16];
-  for (int r = 0; r < NR; r++) for (int64_t c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
+  vf acc[4][NC ? NC : 16];
+  for (int r = 0; r < NR; r++) for (int64_t c = 0; c < nc; c++) acc[r][c] = vzero();
   for (int64_t j = 0; j < n; j++) {  // p . v, slot by slot in compact order
     const float* vr = vh + (int64_t)ix[j] * hd;
     for (int64_t c = 0; c < nc; c++) {
-      const __m512 vv = _mm512_loadu_ps(vr + c * 16);
-      for (int r = 0; r < NR; r++) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(sb[r][j]), vv, acc[r][c]);
+      const vf vv = vload(vr + c * 16);
+      for (int r = 0; r < NR; r++) acc[r][c] = vfma(vset(sb[r][j]), vv, acc[r][c]);
     }
   }
   for (int r = 0; r < NR; r++)
     for (int64_t c = 0; c < nc; c++)
-      _mm512_storeu_ps(orow[r] + c * 16, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
+      vstore(orow[r] + c * 16, vmul(acc[r][c], vset(inv[r])));
 }
 
 template <int NC>
@@ -377,29 +658,6 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
 // the order of RMSNorm's mean and by exp's last bits in SiLU; every row is computed alone, so a verify
 // forward still rounds like a one-token step.
 
-static inline float bf2f(uint16_t v) {
-  uint32_t u = (uint32_t)v << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16 (NaN kept a NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-static inline __m512 bf16x16_load(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-static inline void bf16x16_store(uint16_t* p, __m512 v) {  // vcvtneps2bf16: round to nearest even
-  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
-}
-static inline __m512 bf16_round(__m512 v) {  // v rounded to bf16 (nearest even) and widened back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
 // One layer's attention straight from the projections, for the fused forward (eval/target.py):
 //   qk [B, T, >= (nh + nkv) * hd] bf16 (q and k heads after RoPE), qkv [B, T, C] bf16 (v at columns
 //   v_off .. v_off + nkv * hd), the layer's fp32 caches kc/vc [B, nkv, S_max, hd], slots [B, T] int64,
@@ -436,8 +694,8 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
         const uint16_t* ks = qkp + (b * T + t) * Cq + (nh + g) * hd;
         const uint16_t* vs = qkvp + (b * T + t) * C + v_off + g * hd;
         for (int64_t c = 0; c < hd; c += 16) {
-          _mm512_storeu_ps(kd + c, bf16x16_load(ks + c));
-          _mm512_storeu_ps(vd + c, bf16x16_load(vs + c));
+          vstore(kd + c, bf16x16_load(ks + c));
+          vstore(vd + c, bf16x16_load(vs + c));
         }
       }
     }
@@ -450,7 +708,7 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
     for (int64_t r = 0; r < 4; r++) {  // q widened from bf16 into qbuf; the output into obuf
       const int64_t rr = r < nr ? r : 0;
       const uint16_t* qs = qkp + bt * Cq + (head0 + rr) * hd;
-      for (int64_t c = 0; c < hd; c += 16) _mm512_storeu_ps(qbuf + r * hd + c, bf16x16_load(qs + c));
+      for (int64_t c = 0; c < hd; c += 16) vstore(qbuf + r * hd + c, bf16x16_load(qs + c));
       qrow[r] = qbuf + r * hd;
       orow[r] = obuf + rr * hd;
     }
@@ -459,7 +717,7 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
     uint16_t* o = op + bt * nh * hd + head0 * hd;  // [B, T, nh * hd]: o_proj's layout
     for (int64_t r = 0; r < nr; r++)
       for (int64_t c = 0; c < hd; c += 16)
-        bf16x16_store(o + r * hd + c, n == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(orow[r] + c));
+        bf16x16_store(o + r * hd + c, n == 0 ? vzero() : vload(orow[r] + c));
   };
   attend_tasks(B, T, nh, nkv, hd, S, Smax, kp, vcp, idx, cnt, scale, rows, finish);
   return out;
@@ -481,22 +739,22 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch
   uint16_t* hp = (uint16_t*)h.data_ptr<at::BFloat16>();
   for (int64_t r = 0; r < R; r++) {
     uint16_t* xr = xp + r * H;
-    __m512 ss = _mm512_setzero_ps();
+    vf ss = vzero();
     for (int64_t i = 0; i < H; i += 16) {
-      __m512 v = bf16x16_load(xr + i);
+      vf v = bf16x16_load(xr + i);
       if (add) {
-        bf16x16_store(xr + i, _mm512_add_ps(v, bf16x16_load(yp + r * H + i)));
+        bf16x16_store(xr + i, vadd(v, bf16x16_load(yp + r * H + i)));
         v = bf16x16_load(xr + i);  // the rounded sum: the residual stream is bf16
       }
-      ss = _mm512_fmadd_ps(v, v, ss);
+      ss = vfma(v, v, ss);
     }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)H + (float)eps);
-    const __m512 iv = _mm512_set1_ps(inv);
+    const float inv = 1.0f / std::sqrt(vsum(ss) / (float)H + (float)eps);
+    const vf iv = vset(inv);
     for (int64_t i = 0; i < H; i += 16) {
-      const __m512 n = _mm512_mul_ps(bf16x16_load(xr + i), iv);
+      const vf n = vmul(bf16x16_load(xr + i), iv);
       uint16_t tmp[16];
       bf16x16_store(tmp, n);  // .to(bf16) before the weight, as HF does
-      bf16x16_store(hp + r * H + i, _mm512_mul_ps(bf16x16_load(wp + i), bf16x16_load(tmp)));
+      bf16x16_store(hp + r * H + i, vmul(bf16x16_load(wp + i), bf16x16_load(tmp)));
     }
   }
   return h;
@@ -512,18 +770,17 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   auto out = torch::empty(sizes, gu.options());
   const uint16_t* gp = (const uint16_t*)gu.data_ptr<at::BFloat16>();
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const vf one = vset(1.0f);
   for (int64_t r = 0; r < R; r++) {
     for (int64_t i = 0; i < I; i += 16) {
-      const __m512 g = bf16x16_load(gp + r * I2 + i);
-      // silu(g) = g / (1 + exp(-g)); exp512 takes x <= 0, so: g >= 0: g / (1 + e), g < 0: g e / (1 + e),
+      const vf g = bf16x16_load(gp + r * I2 + i);
+      // silu(g) = g / (1 + exp(-g)); exp16 takes x <= 0, so: g >= 0: g / (1 + e), g < 0: g e / (1 + e),
       // with e = exp(-|g|)
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-      const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-      const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
+      const vf e = exp16(vsub(vzero(), vabs(g)));
+      const vf num = vmul_where_neg(g, e);
       uint16_t tmp[16];
-      bf16x16_store(tmp, _mm512_div_ps(num, _mm512_add_ps(one, e)));
-      bf16x16_store(op + r * I + i, _mm512_mul_ps(bf16x16_load(tmp), bf16x16_load(gp + r * I2 + I + i)));
+      bf16x16_store(tmp, vdiv(num, vadd(one, e)));
+      bf16x16_store(op + r * I + i, vmul(bf16x16_load(tmp), bf16x16_load(gp + r * I2 + I + i)));
     }
   }
   return out;
@@ -550,10 +807,9 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
         const uint16_t* xr = xp + r * C + h * hd;
         uint16_t* o = op + (r * n + h) * hd;
         for (int64_t d = 0; d < hd; d += 16) {
-          const __m512 a = bf16_round(_mm512_mul_ps(bf16x16_load(xr + d), bf16x16_load(cp + r * hd + d)));
-          const __m512 b = bf16_round(_mm512_mul_ps(bf16x16_load(xr + (d < half ? d + half : d - half)),
-                                                    bf16x16_load(sp + r * hd + d)));
-          bf16x16_store(o + d, _mm512_add_ps(a, b));
+          const vf a = bf16_round(vmul(bf16x16_load(xr + d), bf16x16_load(cp + r * hd + d)));
+          const vf b = bf16_round(vmul(bf16x16_load(xr + (d < half ? d + half : d - half)), bf16x16_load(sp + r * hd + d)));
+          bf16x16_store(o + d, vadd(a, b));
         }
       }
     return out;
@@ -571,12 +827,56 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
   return out;
 }
 
+// Columns [0, Vv) of one bf16 row (Vv a multiple of ARGMAX_LANES, > 0): each lane's maximum and the column
+// where it first appeared (strictly greater replaces) into vals/ids; true when the row holds a NaN.
+#if DS_AVX512
+constexpr int ARGMAX_LANES = 16;
+static bool lanes_max(const uint16_t* xr, int64_t Vv, float* vals, int32_t* ids) {
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 best = bf16x16_load(xr);
+  __m512i bidx = idx;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  for (int64_t i = 16; i < Vv; i += 16) {
+    const __m512 v = bf16x16_load(xr + i);
+    idx = _mm512_add_epi32(idx, step);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
+  }
+  _mm512_store_ps(vals, best);
+  _mm512_store_si512((__m512i*)ids, bidx);
+  return nan != 0;
+}
+#else
+constexpr int ARGMAX_LANES = 8;
+static bool lanes_max(const uint16_t* xr, int64_t Vv, float* vals, int32_t* ids) {
+  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 best = bf16x8_load(xr);
+  __m256i bidx = idx;
+  const __m256i step = _mm256_set1_epi32(8);
+  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+  for (int64_t i = 8; i < Vv; i += 8) {
+    const __m256 v = bf16x8_load(xr + i);
+    idx = _mm256_add_epi32(idx, step);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, gt);
+    bidx = _mm256_blendv_epi8(bidx, idx, _mm256_castps_si256(gt));
+  }
+  _mm256_store_ps(vals, best);
+  _mm256_store_si256((__m256i*)ids, bidx);
+  return _mm256_movemask_ps(nan) != 0;
+}
+#endif
+
 // x [R, V] bf16 (contiguous rows) -> [R] int64, each row's index of its first maximum: the answer of
 // torch's max(-1).indices, NaN included (a row holding a NaN answers its first NaN, as torch's max
 // propagates it). Why by hand: the verify reads the argmax of every node's 49,152 logits, and ATen's
 // bf16 max(-1) is several times slower than a read of a row's 98 KB (docs/reference/kernels.md).
-// Each of the 16 lanes keeps its own maximum and the index where it first appeared (strictly greater
-// replaces), then the lanes reduce to the largest value at the smallest index.
+// Each lane (16 on AVX-512, 8 on AVX2) keeps its own maximum and the index where it first appeared
+// (strictly greater replaces), then the lanes reduce to the largest value at the smallest index.
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
               "argmax_rows: bf16 contiguous, non-empty last dim");
@@ -589,33 +889,15 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) {
       const uint16_t* xr = xp + r * V;
-      const int64_t Vv = V / 16 * 16;
-      __mmask16 nan = 0;
+      const int64_t Vv = V / ARGMAX_LANES * ARGMAX_LANES;
+      alignas(64) float vals[ARGMAX_LANES];
+      alignas(64) int32_t ids[ARGMAX_LANES];
+      const bool nan = Vv > 0 && lanes_max(xr, Vv, vals, ids);
       float bv = -INFINITY;
       int64_t bi = -1;
-      if (Vv > 0) {  // each lane starts at its first column
-        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512 best = bf16x16_load(xr);
-        __m512i bidx = idx;
-        const __m512i step = _mm512_set1_epi32(16);
-        nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
-        for (int64_t i = 16; i < Vv; i += 16) {
-          const __m512 v = bf16x16_load(xr + i);
-          idx = _mm512_add_epi32(idx, step);
-          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-          const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-          best = _mm512_mask_mov_ps(best, gt, v);
-          bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
-        }
-        if (!nan) {
-          alignas(64) float vals[16];
-          alignas(64) int32_t ids[16];
-          _mm512_store_ps(vals, best);
-          _mm512_store_si512((__m512i*)ids, bidx);
-          for (int l = 0; l < 16; l++)
-            if (bi < 0 || vals[l] > bv || (vals[l] == bv && ids[l] < bi)) { bv = vals[l]; bi = ids[l]; }
-        }
-      }
+      if (Vv > 0 && !nan)
+        for (int l = 0; l < ARGMAX_LANES; l++)
+          if (bi < 0 || vals[l] > bv || (vals[l] == bv && ids[l] < bi)) { bv = vals[l]; bi = ids[l]; }
       for (int64_t i = nan ? 0 : Vv; i < V; i++) {  // the tail, or every column of a row with a NaN
         const float v = bf2f(xr[i]);
         if (std::isnan(v)) { bi = i; break; }
@@ -650,13 +932,13 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear");
-  m.def("linear", &linear, "y = x @ W^T (+ b), M <= 16 rows");
+  m.def("linear", &linear, "y = x @ W^T (+ b), any M (row-invariant)");
   m.def("attend", &attend, "fp32 attention of each row over its visible cache slots, row-invariant");
   m.def("add_rmsnorm", &add_rmsnorm, "x += y (bf16, in place) then HF's RMSNorm of x", py::arg("x"), py::arg("y"),
         py::arg("w"), py::arg("eps"));
   m.def("silu_mul", &silu_mul, "bf16(silu(gate)) * up from the fused [gate | up]");
   m.def("pack_i8", &pack_i8, "W [N, K] -> (int8 weights packed for linear_i8, per-output scales)");
-  m.def("linear_i8", &linear_i8, "y = x @ (s * q)^T (+ b) for 1 <= M <= 4 rows, int8 weights");
+  m.def("linear_i8", &linear_i8, "y = x @ (s * q)^T (+ b), int8 weights");
   m.def("layer", &layer, "one Llama layer of the fused bf16 forward, <= 16 rows (packed weights)");
   m.def("attend_qkv", &attend_qkv, "write k, v at slots, then attend from the bf16 projections -> bf16 [B, T, nh * hd]");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 rows), as torch's max(-1).indices");

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..heads import MedusaHeads
 from ..int8 import Int8Linear
-from ..target import packed_linear
+from ..cpu import packed_linear
 from .base import Proposer, Sampling, to_target_vocab
 
 

@@ -1,0 +1,271 @@
+"""What this CPU runs, decided once at start-up, and the matmul routes of the lean forward built on it.
+
+Three named paths (docs/reference/kernels.md has each one's figures):
+  avx512-bf16  this project's kernels built for AVX512-BF16 (`vdpbf16ps`), oneDNN's bf16 matmul beside
+               them for forwards of more than MAX_ROWS rows (prefill);
+  avx2         the same kernels built for AVX2 + FMA (bf16 weights widened to fp32 in registers), for every
+               row count, since oneDNN has no bf16 matmul on such a CPU;
+  generic      PyTorch's own ops: oneDNN where its bf16 path runs here, else ATen's.
+`cpu_path()` picks the first path this CPU runs whose kernels build. DRAFTSMITH_CPU_PATH=<name> forces one
+(an error when this CPU cannot run it) and hides the instructions above it, so a forced `avx2` on an
+AVX-512 machine takes the routes an AVX2-only machine takes; DRAFTSMITH_KERNELS=0 is `generic`.
+Never call an ISA-specific op without asking this module: oneDNN's bf16 ops, for one, abort on AVX2.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import sys
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+from .kernels import MAX_ROWS, KernelBuildError
+
+ENV_PATH = "DRAFTSMITH_CPU_PATH"
+ENV_KERNELS = "DRAFTSMITH_KERNELS"
+PATHS = ("avx512-bf16", "avx2", "generic")  # best first
+NEEDS = {  # /proc/cpuinfo flags each path's kernels execute
+    "avx512-bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    "avx2": ("avx2", "fma"),
+    "generic": (),
+}
+# oneDNN's bf16 matmul and weight reorder run with these (PyTorch's mkldnn_bf16_device_check)
+ONEDNN_BF16_NEEDS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
+SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+               "avx_ne_convert", "amx_bf16")
+
+
+class CpuPathError(RuntimeError):
+    """A forced path this CPU cannot run, or an unknown name; the message says what to set instead."""
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_info() -> tuple[str, frozenset]:
+    """(model name, flags) from /proc/cpuinfo; elsewhere the model from `platform` and the flags PyTorch's
+    own capability implies (it cannot tell AVX512-BF16 apart, so that path is not picked there)."""
+    model, flags = platform.processor() or platform.machine(), None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() == "model name" and model in (platform.processor(), platform.machine()):
+                    model = val.strip()
+                elif key.strip() == "flags" and flags is None:
+                    flags = frozenset(val.split())
+    except OSError:
+        pass
+    if flags is None:
+        cap = torch.backends.cpu.get_cpu_capability()
+        flags = frozenset({"AVX2": ("avx2", "fma"), "AVX512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                              "avx512dq")}.get(cap, ()))
+    return model, flags
+
+
+def runs(path: str, flags: frozenset | None = None) -> bool:
+    """Whether this CPU executes `path`'s instructions."""
+    return all(f in (cpu_info()[1] if flags is None else flags) for f in NEEDS[path])
+
+
+@dataclass(frozen=True)
+class CpuPath:
+    """The path in use (`name`), why (`reason`), its kernels module (None: generic) and whether oneDNN's bf16
+    matmul may run (this CPU has it and no forced path hides it)."""
+
+    name: str
+    reason: str
+    kernels: object | None
+    onednn_bf16: bool
+    cpu: str
+    flags: tuple[str, ...]  # the SHOWN_FLAGS this CPU has
+
+    def summary(self) -> dict:
+        """What bench, evaluate's metrics.json and the report record."""
+        return {"cpu_path": self.name, "cpu_path_reason": self.reason, "cpu": self.cpu, "cpu_flags": list(self.flags),
+                "onednn_bf16": self.onednn_bf16, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+    def line(self) -> str:
+        return f"cpu path: {self.name} ({self.reason}); {self.cpu}; flags: {' '.join(self.flags) or 'none of note'}"
+
+
+def _onednn_bf16(flags: frozenset) -> bool:
+    return torch.backends.mkldnn.is_available() and any(all(f in flags for f in need) for need in ONEDNN_BF16_NEEDS)
+
+
+def _capped(flags: frozenset, path: str) -> frozenset:
+    """The flags with every instruction above `path` hidden (a forced path behaves as on a CPU without them)."""
+    if path == "avx512-bf16":
+        return flags
+    return frozenset(f for f in flags if not f.startswith(("avx512", "amx", "avx_ne", "avx_vnni")))
+
+
+def decide(env: dict | None = None, flags: frozenset | None = None) -> CpuPath:
+    """The path for this process, from the environment and the CPU's flags (cpu_path() caches it)."""
+    env = os.environ if env is None else env
+    model, real = cpu_info()
+    flags = real if flags is None else flags
+    shown = tuple(f for f in SHOWN_FLAGS if f in flags)
+    forced = env.get(ENV_PATH, "").strip()
+    if forced and forced not in PATHS:
+        raise CpuPathError(f"{ENV_PATH}={forced!r} is not a CPU path: use one of {', '.join(PATHS)}, or unset it")
+    if forced and not runs(forced, flags):
+        missing = [f for f in NEEDS[forced] if f not in flags]
+        ok = [p for p in PATHS if runs(p, flags)]
+        raise CpuPathError(f"{ENV_PATH}={forced}: this CPU ({model}) lacks {' '.join(missing)}; use one of "
+                           f"{', '.join(ok)}, or unset it to pick the best")
+    if env.get(ENV_KERNELS, "1") == "0" and forced not in ("", "generic"):
+        raise CpuPathError(f"{ENV_KERNELS}=0 turns the kernels off, {ENV_PATH}={forced} asks for them: unset one")
+    mk = lambda name, why, mod, fl: CpuPath(name, why, mod, _onednn_bf16(fl), model, shown)  # noqa: E731
+    if forced:
+        capped = _capped(flags, forced)
+        if forced == "generic":
+            return mk("generic", f"forced by {ENV_PATH}", None, capped)
+        try:
+            return mk(forced, f"forced by {ENV_PATH}", kernels.build(forced), capped)
+        except KernelBuildError as e:
+            raise CpuPathError(f"{ENV_PATH}={forced}: {e}") from e
+    if env.get(ENV_KERNELS, "1") == "0":
+        return mk("generic", f"{ENV_KERNELS}=0", None, flags)
+    skipped = []
+    for name in PATHS[:-1]:
+        if not runs(name, flags):
+            skipped.append(f"no {' '.join(f for f in NEEDS[name] if f not in flags)}")
+            continue
+        try:
+            why = "the best this CPU runs" + (f" ({'; '.join(skipped)})" if skipped else "")
+            return mk(name, why, kernels.build(name), flags)
+        except KernelBuildError as e:
+            warnings.warn(f"draftsmith: {e}; using PyTorch's ops (slower verifies, bf16 not bit-exact). "
+                          f"Set {ENV_KERNELS}=0 to silence this.")
+            skipped.append("kernels did not build")
+    return mk("generic", "; ".join(skipped) or "no kernel path for this CPU", None, flags)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_path() -> CpuPath:
+    """The path of this process, decided at first use and kept (docs/reference/kernels.md)."""
+    return decide()
+
+
+def small_gemm():
+    """The kernels module of this process's path, or None on the generic path."""
+    return cpu_path().kernels
+
+
+# Matmuls on CPU, where a decode step is weight-bandwidth bound and so this is most of a token's time.
+# PyTorch's default bf16 matmul (oneDNN) re-lays the weights out on every call. Without the kernels, two
+# faster routes give the same numbers: the native GEMV (fp32 accumulation) at one or two rows, which slows
+# down sharply with more, and oneDNN with the weights packed once (`_reorder_linear_weight`) for verify and
+# prefill forwards. The kernels beat both at 1-16 rows, so where they build they take every forward of
+# <= 16 rows, and every forward where oneDNN has no bf16 path. Figures: docs/reference/kernels.md.
+GEMV_MAX_ROWS = 2
+PACK_HINT_ROWS = 16  # the row count oneDNN picks its packed layout for (docs/reference/kernels.md)
+
+
+@contextmanager
+def cpu_gemv(rows: int, device: torch.device):
+    """For this block, send unpacked matmuls of at most GEMV_MAX_ROWS rows on CPU to the native GEMV
+    (oneDNN off), and larger ones to oneDNN (on); the previous setting is restored on exit, so blocks
+    nest (a draft LM's multi-token resync inside a one-row propose). torch.backends.mkldnn.flags()
+    does the same but re-sets unrelated flags at many times the cost, so the raw switch is used."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        yield
+        return
+    before = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(rows > GEMV_MAX_ROWS)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(before)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> [...] the index of the first maximum, like argmax(-1). CPU bf16 logits go to
+    the kernel `argmax_rows` (the same indices) where this path has one, since ATen's argmax and max over
+    a large vocabulary are slow (docs/reference/kernels.md); max(-1) elsewhere. Both return the first
+    maximal index on ties."""
+    if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.numel():
+        ext = small_gemm()
+        if ext is not None:
+            return ext.argmax_rows(logits.contiguous())
+    return logits.max(-1).indices
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether packed_linear packs `weight` (CPU bf16, where this path has kernels or oneDNN's bf16)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    p = cpu_path()
+    return p.kernels is not None or (p.onednn_bf16 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+_NONE = torch.empty(0)
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [..., in] -> [..., out]: F.linear, with copies of the weight packed on CPU bf16 (see the note
+    above): up to MAX_ROWS rows go to the kernels where this path has them, and so do more rows where
+    oneDNN has no bf16 path; else one or two rows to the native GEMV on the plain weight and more rows to
+    oneDNN's packed copy. Like the fused copies, packed weights are taken now; rebuild the runner if the
+    weights change. `.row_invariant`: a row's sums never depend on the other rows of the call."""
+    if not can_pack(weight):
+        f = partial(F.linear, weight=weight, bias=bias)
+        return f
+    path = cpu_path()
+    ext = path.kernels if weight.shape[1] % 2 == 0 else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS) if path.onednn_bf16 else None
+    if ext is not None:
+        n_out, kpacked, kbias = weight.shape[0], ext.pack(weight), _NONE
+        if bias is not None:
+            kbias = torch.zeros(kpacked.shape[0] * 16)  # fp32, padded like the packed rows
+            kbias[:n_out] = bias.float()
+    kernel_rows = MAX_ROWS if packed is not None else None  # None: every row count
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]  # host ints only, here and below
+        if ext is not None and (kernel_rows is None or rows <= kernel_rows):
+            y = ext.linear(x.reshape(rows, -1).contiguous(), kpacked, kbias, n_out)
+            return y.view(*x.shape[:-1], n_out)
+        # The native GEMV where cpu_gemv turned oneDNN off for a forward of few rows, or where oneDNN has no
+        # bf16 path; else (more rows, or a prefill's one-row LM head inside a many-row forward) the packed weight.
+        if packed is None or (rows <= GEMV_MAX_ROWS and not torch._C._get_mkldnn_enabled()):
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+    f.row_invariant = ext is not None  # up to MAX_ROWS rows at least: a row's sums do not depend on the others
+    f.kernel = (kpacked, kbias, n_out) if ext is not None else None  # for ext.layer (LeanLlama._forward_fused)
+    return f
+
+
+def module_linear(mod):
+    """A projection module as a callable: packed when it is a plain nn.Linear, else the module itself
+    (e.g. eval.drafts' int8 or truncated-vocabulary layers)."""
+    if type(mod) is torch.nn.Linear:
+        return packed_linear(mod.weight, mod.bias)
+    return mod
+
+
+def main() -> int:
+    """`python -m eval.cpu` (and `draftsmith doctor`): the path this process takes and which paths run here."""
+    try:
+        p = cpu_path()
+    except CpuPathError as e:
+        print(f"draftsmith: {e}", file=sys.stderr)
+        return 2
+    print(p.line())
+    print(f"oneDNN bf16 matmul: {'yes' if p.onednn_bf16 else 'no'}; torch {torch.__version__}, "
+          f"capability {torch.backends.cpu.get_cpu_capability()}")
+    for name in PATHS:
+        print(f"  {name:12s} {'runs here' if runs(name) else 'not on this CPU: needs ' + ' '.join(NEEDS[name])}")
+    print(f"force one with {ENV_PATH}=<{'|'.join(PATHS)}>; {ENV_KERNELS}=0 is generic")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
