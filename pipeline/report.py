@@ -202,7 +202,11 @@ def write_report(run_dir: Path) -> Path:
         f"| **measured speedup** | **{f(m['speedup'])}×** |",
         f"| predicted speedup (from α and c={f(m.get('c'), 3)}{bound}) | {f(m.get('predicted_speedup'))}× |",
         f"| greedy output identical to plain decoding | {m['greedy_exact']} |",
+        f"| lossless (identical, or differing only after near-ties where verifies are not row-invariant) | "
+        f"{m.get('lossless', m['greedy_exact'])} |",
     ]
+    if m.get("cpu_path"):
+        lines.append(f"| CPU path (eval/cpu.py) | {m['cpu_path']}: {m.get('cpu_path_reason')}; {m.get('cpu')} |")
     if m.get("bf16_match_rate") is not None:
         rule = ("exact match required: row-invariant CPU kernels" if m.get("exactness_rule") == "exact"
                 else f"divergences all near-ties < {m['near_tie_tol']}")

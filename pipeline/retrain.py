@@ -36,7 +36,7 @@ from .traffic import Ledger, ingest, prompt_key, read_traffic
 
 EXIT_DRIFT = 1
 METRIC_KEYS = ("speedup", "tau", "alpha", "accept_per_pos", "mean_acceptance_length", "draft_acceptance_rate",
-               "greedy_exact", "k", "target", "draft_method")
+               "greedy_exact", "lossless", "k", "target", "draft_method")
 
 
 class RetrainError(ValueError):
@@ -141,7 +141,7 @@ def _metrics_of(r: dict, recipe) -> dict:
     s = r["stats"]
     return {"speedup": r["speedup"], "tau": s["tau"], "alpha": s["alpha"], "accept_per_pos": s["accept_per_pos"],
             **{k: vllm_acceptance(s)[k] for k in ("mean_acceptance_length", "draft_acceptance_rate")},
-            "greedy_exact": r["greedy_exact"], "k": recipe.evaluate.k, "target": recipe.target}
+            "greedy_exact": r["greedy_exact"], "lossless": r["lossless"], "k": recipe.evaluate.k, "target": recipe.target}
 
 
 def decide(recipe, judged: dict) -> gate.Decision:
@@ -234,6 +234,7 @@ def admit_distill(recipe, run_dir: Path, target, tokenizer) -> dict:
     metrics = {k: m.get(k) for k in METRIC_KEYS}
     if champion is None:  # the first draft: its own evaluate measured it against plain and the n-gram baseline
         first = {"name": m["checkpoint"], "speedup": m["speedup"], "greedy_exact": m["greedy_exact"],
+                 "lossless": m.get("lossless", m["greedy_exact"]),
                  "stats": {"accept_per_pos": m["accept_per_pos"], "tau": m["tau"], "alpha": m["alpha"]}}
         base = m.get("ngram_baseline")
         ngram = {"name": "ngram", "speedup": base["speedup"], "stats": base} if base else None

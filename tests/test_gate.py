@@ -51,7 +51,7 @@ def test_faster_challenger_is_promoted_with_its_figures():
     d = decide(chal, champ, _result("ngram", 1.2, CHAMP), min_gain=0.02)
     assert d.promote, d.summary()
     by = {c.name: c for c in d.reasons}
-    assert set(by) == {"speedup_over_plain", "speedup_over_ngram", "greedy_exact", "gain_over_champion",
+    assert set(by) == {"speedup_over_plain", "speedup_over_ngram", "lossless", "gain_over_champion",
                        "acceptance_per_position"}
     assert by["gain_over_champion"].value == pytest.approx(0.2)
     assert d.to_dict()["figures"]["bootstrap"]["ratio"] == pytest.approx(1.2)
@@ -63,7 +63,7 @@ def test_faster_challenger_is_promoted_with_its_figures():
     ("small_gain", "gain_over_champion"),  # 1% faster: below min_gain 2%
     ("noisy_gain", "gain_over_champion"),  # faster on average, but one prompt much slower
     ("position", "acceptance_per_position"),
-    ("inexact", "greedy_exact"),
+    ("inexact", "lossless"),
     ("below_plain", "speedup_over_plain"),
     ("below_ngram", "speedup_over_ngram"),
 ])
@@ -97,7 +97,7 @@ def test_a_slower_challenger_is_never_promoted():
 def test_first_draft_is_held_to_the_absolute_checks_only():
     first = _result("first", 1.4, CHAMP)
     d = decide(first, None, _result("ngram", 1.2, CHAMP))
-    assert d.promote and {c.name for c in d.reasons} == {"speedup_over_plain", "speedup_over_ngram", "greedy_exact"}
+    assert d.promote and {c.name for c in d.reasons} == {"speedup_over_plain", "speedup_over_ngram", "lossless"}
     assert not decide(_result("first", 0.99, CHAMP), None, None).promote
 
 
