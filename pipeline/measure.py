@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from eval.cpu import cpu_path
 from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.proposers import load_proposer, serve_with
 from eval.speedup import expected_speedup
@@ -152,14 +153,15 @@ def evaluate_settings(recipe) -> dict:
 
 class MeasurementCache:
     """Measurements kept as `<directory>/<name>.json`, each with the key it was measured under: the
-    caller's settings, the decoder's serving revision (a decoder change measures again), the files of
+    caller's settings, the decoder's serving revision (a decoder change measures again), the CPU path, the files of
     its source when it has one (source_fingerprint) and any extra settings. A measurement is read
     back only when its key matches, so a finished stage resumes without measuring again."""
 
     def __init__(self, directory: Path, settings: dict):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.settings = settings | {"serving": SERVING_REV}
+        # the CPU path too: each path rounds bf16 its own way and runs at its own speed (eval/cpu.py)
+        self.settings = settings | {"serving": SERVING_REV, "cpu_path": cpu_path().name}
 
     def key(self, source=None, extra: dict | None = None) -> dict:
         files = {"files": source_fingerprint(source)} if source is not None else {}

@@ -53,6 +53,27 @@ def test_exactness_rule_is_exact_in_fp32_and_with_row_invariant_kernels():
     assert exactness_rule("bfloat16", False) == "near-ties"
 
 
+def _result(exact_match, near_ties, row_invariant):
+    return {"exact_match": exact_match, "all_near_ties": near_ties, "stats": {"row_invariant": row_invariant}}
+
+
+def test_greedy_exact_is_identical_output_and_lossless_is_what_the_gate_admits():
+    """Issue 31: off the row-invariant paths bf16 output parted from plain at a near-tie and matched on
+    18.8% of tokens, while greedy_exact read True. greedy_exact now means identical output."""
+    from pipeline.evaluate import mark_exactness
+
+    diverged, same, bad = _result(False, True, False), _result(True, True, False), _result(False, False, False)
+    kernel = _result(False, True, True)  # row-invariant verifies: a near-tie is no excuse there
+    rs = [diverged, same, bad, kernel]
+    mark_exactness(rs, best=same, dtype="bfloat16", exact32=True)
+    assert (diverged["greedy_exact"], diverged["lossless"]) == (False, True)
+    assert (same["greedy_exact"], same["lossless"]) == (True, True)
+    assert (bad["greedy_exact"], bad["lossless"]) == (False, False)
+    assert (kernel["greedy_exact"], kernel["lossless"]) == (False, False)
+    mark_exactness(rs, best=same, dtype="bfloat16", exact32=False)  # the promoted one fails the fp32 proof
+    assert (same["greedy_exact"], same["lossless"]) == (False, False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_pairs_reports_whether_verifies_were_row_invariant(dtype):
     """bf16 on a CPU where eval/kernels.py builds: every verify row-invariant, so evaluate will demand

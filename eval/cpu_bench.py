@@ -1,0 +1,87 @@
+"""`python -m eval.cpu_bench`: the lean runner's forward on each CPU path this CPU runs, in one process and
+interleaved turns, so the paths' ratios hold while the machine's speed drifts (docs/reference/kernels.md).
+
+    python -m eval.cpu_bench [--paths avx512-bf16,avx2,generic] [--turns 7] [--json OUT]
+
+Each path gets its own runner over the same bf16 target (the embedded one, or --target DIR); the table is
+ms per forward, the median over the turns, at position --pos with batch x tokens as given by --shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from . import cpu
+
+
+def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, turns: int, reps: int = 3) -> dict:
+    """{path: {"BxT": [ms per forward, one per turn]}} with the paths taking turns shape by shape."""
+    from .target import LeanLlama
+
+    chosen = {name: cpu.decide({cpu.ENV_PATH: name}) for name in paths}
+    real = cpu.cpu_path
+    runners = {}
+    try:
+        for name, p in chosen.items():
+            cpu.cpu_path = lambda p=p: p  # the runner packs its weights for this path when it is built
+            runners[name] = LeanLlama(model)
+        vocab = model.config.vocab_size
+        toks = torch.randint(100, min(vocab, 5000), (1, pos + 16), generator=torch.Generator().manual_seed(0))
+        out = {name: {} for name in paths}
+        with torch.no_grad():
+            for _ in range(turns):
+                for name, r in runners.items():
+                    cpu.cpu_path = lambda p=chosen[name]: p
+                    for B, T in shapes:
+                        tk = toks[:, pos:pos + T].expand(B, -1).contiguous()  # [B, T]
+                        ps = torch.arange(pos, pos + T)[None].expand(B, -1).contiguous()  # [B, T]
+                        r.reset(B, pos + 32)
+                        t = time.perf_counter()
+                        for _ in range(reps):
+                            r(tk, ps, pos + T)
+                        out[name].setdefault(f"{B}x{T}", []).append((time.perf_counter() - t) / reps * 1e3)
+    finally:
+        cpu.cpu_path = real
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.cpu_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--paths", default=",".join(p for p in cpu.PATHS if cpu.runs(p)),
+                    help="comma-separated CPU paths (default: every path this CPU runs)")
+    ap.add_argument("--target", default=None, help="an HF checkpoint dir (default: the embedded target)")
+    ap.add_argument("--shapes", default="1x1,1x3,1x9,1x16,16x1,32x1,1x128", help="batch x tokens per forward")
+    ap.add_argument("--pos", type=int, default=200, help="cached positions before each forward")
+    ap.add_argument("--turns", type=int, default=7)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    from .loading import convert_embedded
+
+    model = AutoModelForCausalLM.from_pretrained(args.target or convert_embedded(), dtype=torch.bfloat16).eval()
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    res = measure(model, paths, shapes, args.pos, args.turns)
+    p = cpu.cpu_path()
+    med = {name: {k: statistics.median(v) for k, v in rows.items()} for name, rows in res.items()}
+    print(f"{p.cpu}; flags: {' '.join(p.flags)}; torch capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"{'batch x tokens':>14s} " + " ".join(f"{n:>12s}" for n in paths))
+    for k in med[paths[0]]:
+        print(f"{k:>14s} " + " ".join(f"{med[n][k]:12.2f}" for n in paths))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": p.cpu, "cpu_flags": list(p.flags), "pos": args.pos,
+                                               "turns": args.turns, "torch": torch.__version__,
+                                               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                                               "median_ms": med, "ms": res}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
