@@ -154,6 +154,13 @@ def cpu_path() -> CpuPath:
     return decide()
 
 
+def bf16_matmul_fast(device) -> bool:
+    """Whether PyTorch's own bf16 matmuls (autograd, HF forwards) are fast on `device`: CUDA, or a CPU where
+    oneDNN's bf16 path runs. Elsewhere ATen's bf16 GEMM is ~20x slower than fp32 forward and backward
+    (docs/reference/kernels.md), so training and feature extraction compute in fp32 there."""
+    return torch.device(device).type != "cpu" or cpu_path().onednn_bf16
+
+
 def small_gemm():
     """The kernels module of this process's path, or None on the generic path."""
     return cpu_path().kernels

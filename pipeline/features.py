@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eval.cpu import bf16_matmul_fast
 from eval.family import aux_hidden_states, final_features
 
 from .config import stable_hash
@@ -43,6 +44,18 @@ def aux_features_key(recipe, gen_manifest: dict, layers) -> str:
     (the aux cache covers every training row)."""
     raw = raw_teacher_key(recipe) if recipe.train.raw_windows else None
     return stable_hash({"features": features_key(recipe, gen_manifest), "layers": list(layers), "raw": raw})
+
+
+def compute_copy(target):
+    """The model a teacher-forced pass runs: `target` itself, or an fp32 copy where its dtype is bf16 and
+    PyTorch's bf16 matmuls are slow here (a CPU without oneDNN's bf16 path: ~2.5x slower than fp32 forward,
+    eval.cpu.bf16_matmul_fast). Outputs are cast back to the target's dtype, so caches hold what they held."""
+    p = next(target.parameters())
+    if p.dtype != torch.bfloat16 or bf16_matmul_fast(p.device):
+        return target
+    import copy
+
+    return copy.deepcopy(target).float()
 
 
 def padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
@@ -74,15 +87,16 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
                 flat, offs = f.get_tensor("features"), f.get_tensor("offsets").tolist()
                 return [flat[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
     device = device or next(target.parameters()).device
+    dtype, model = next(target.parameters()).dtype, compute_copy(target)
     feats: list = [None] * len(rows)
     for idx, ids, am in padded_batches([r["ids"] for r in rows], batch_size, "target features"):
         ids, am = ids.to(device), am.to(device)
         if layers is None:
-            h = final_features(target, ids, am)  # [b, L, H]
+            h = final_features(model, ids, am)  # [b, L, H]
         else:
-            h = aux_hidden_states(target, ids, am, layers)  # [b, L, len(layers) * H]
+            h = aux_hidden_states(model, ids, am, layers)  # [b, L, len(layers) * H]
         for b, i in enumerate(idx):
-            feats[i] = h[b, :len(rows[i]["ids"])].cpu()
+            feats[i] = h[b, :len(rows[i]["ids"])].to(dtype).cpu()
     lens = [len(f) for f in feats]
     offs = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.long)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,12 +141,13 @@ def score_raw_windows(target, windows, k: int, path: Path, key: str, batch_size:
     if t is None:
         windows = windows() if callable(windows) else windows  # tokenizing the raw text: only when not cached
         device = next(target.parameters()).device
+        dtype, model = next(target.parameters()).dtype, compute_copy(target)
         feats, tk_ids, tk_lp = [None] * len(windows), [None] * len(windows), [None] * len(windows)
         for idx, ids, am in padded_batches(windows, batch_size, "score raw text"):
             # the whole model, not head(last_hidden_state): some families post-process logits (Gemma 2's soft-cap)
-            out = target(input_ids=ids.to(device), attention_mask=am.to(device), output_hidden_states=True,
-                         use_cache=False)
-            h = out.hidden_states[-1]  # [B, L, H]: last_hidden_state, after the final norm
+            out = model(input_ids=ids.to(device), attention_mask=am.to(device), output_hidden_states=True,
+                        use_cache=False)
+            h = out.hidden_states[-1].to(dtype)  # [B, L, H]: last_hidden_state, after the final norm
             lp, ix = torch.log_softmax(out.logits[:, :-1].float(), -1).topk(k, -1)  # [B, L-1, k] x2
             for b, i in enumerate(idx):
                 n = len(windows[i])

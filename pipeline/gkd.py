@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from eval.cpu import bf16_matmul_fast
+
 from .checkpoints import restore, trainer_state, write_checkpoint
 from .shards import read_manifest
 from .train_data import TrainError
@@ -109,7 +111,7 @@ def _trainer(recipe, student, target, tokenizer, prompts, optimizers, start: int
     trainer = GKDTrainer(model=student, teacher_model=target, args=args, train_dataset=prompts,
                          processing_class=tokenizer if tokenizer is not None else _id_tokenizer(target, pad),
                          data_collator=_Collator(pad), optimizers=optimizers, callbacks=[_callback(progress)])
-    trainer.bf16_autocast = recipe.dtype == "bfloat16"
+    trainer.bf16_autocast = recipe.dtype == "bfloat16" and bf16_matmul_fast(trainer.accelerator.device)  # as train.py
     for cb in (PrinterCallback, ProgressCallback):  # they print every step's log; our bar and tracker report it
         trainer.remove_callback(cb)
     return trainer
