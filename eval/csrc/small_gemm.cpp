@@ -348,18 +348,15 @@ static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bia
         for (int m = 0; m < R; m++) acc[m][j][h] = init;
       }
     for (int64_t kp = 0; kp < Kp; kp++) {
-      __m256 xe[R], xo[R];
-      for (int m = 0; m < R; m++) {
-        xe[m] = _mm256_broadcast_ss(xf + m * K + 2 * kp);
-        xo[m] = _mm256_broadcast_ss(xf + m * K + 2 * kp + 1);
-      }
       for (int j = 0; j < NB; j++) {
         const W* line = p + ((b + j) * Kp + kp) * LINE;
         if constexpr (!I8) _mm_prefetch((const char*)(line + PREFETCH_LINES * LINE), _MM_HINT_T0);
         __m256 we[2], wo[2];
         widen(line, we, wo);
-        for (int m = 0; m < R; m++)
-          for (int h = 0; h < 2; h++) acc[m][j][h] = _mm256_fmadd_ps(wo[h], xo[m], _mm256_fmadd_ps(we[h], xe[m], acc[m][j][h]));
+        for (int m = 0; m < R; m++) {
+          const __m256 xe = _mm256_broadcast_ss(xf + m * K + 2 * kp), xo = _mm256_broadcast_ss(xf + m * K + 2 * kp + 1);
+          for (int h = 0; h < 2; h++) acc[m][j][h] = _mm256_fmadd_ps(wo[h], xo, _mm256_fmadd_ps(we[h], xe, acc[m][j][h]));
+        }
       }
     }
     for (int j = 0; j < NB; j++) {
@@ -378,28 +375,30 @@ static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bia
   }
 }
 
-// Rows at most 4 at a time over a span of SPAN blocks: the first pass streams the span's weights from
-// memory, later passes (more rows) find them in cache, so any row count streams W once. 16 ymm registers
-// hold 2*R*NB accumulators plus the widened line and the broadcasts: NB = 4 at one row, 2 at two, else 1.
+// Rows at most 5 at a time over a span of SPAN blocks: the first pass streams the span's weights from
+// memory, later passes (more rows) find them in cache, so any row count streams W once. 10 accumulators
+// keep both FMA pipes busy across the two dependent FMAs a line gives each; measured against 3, 4 and 6
+// rows a pass and against split even/odd accumulators (docs/reference/kernels.md). NB = 4 at one row.
 template <class W>
 static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const float* bias, int64_t Nb,
                       uint16_t* y, int64_t N, const float* scale) {
-  constexpr int64_t SPAN = 4;
+  constexpr int64_t SPAN = 4, ROWS = 5;
   at::parallel_for(0, (Nb + SPAN - 1) / SPAN, 4, [&](int64_t s0, int64_t s1) {
     const int64_t b0 = s0 * SPAN, b1 = s1 * SPAN < Nb ? s1 * SPAN : Nb;
     for (int64_t b = b0; b < b1; b += SPAN) {
       const int64_t e = b + SPAN < b1 ? b + SPAN : b1, full = b + (e - b) / 4 * 4;
-      for (int64_t m = 0; m < M; m += 4) {
+      for (int64_t m = 0; m < M; m += ROWS) {
         const float* xm = xf + m * K;
         uint16_t* ym = y + m * N;
-        switch (M - m < 4 ? M - m : 4) {
+        switch (M - m < ROWS ? M - m : ROWS) {
           case 1:
             run_blocks2<1, 4, W>(xm, K, p, bias, b, full, ym, N, scale);
             run_blocks2<1, 1, W>(xm, K, p, bias, full, e, ym, N, scale);
             break;
           case 2: run_blocks2<2, 1, W>(xm, K, p, bias, b, e, ym, N, scale); break;
           case 3: run_blocks2<3, 1, W>(xm, K, p, bias, b, e, ym, N, scale); break;
-          default: run_blocks2<4, 1, W>(xm, K, p, bias, b, e, ym, N, scale); break;
+          case 4: run_blocks2<4, 1, W>(xm, K, p, bias, b, e, ym, N, scale); break;
+          default: run_blocks2<5, 1, W>(xm, K, p, bias, b, e, ym, N, scale); break;
         }
       }
     }
