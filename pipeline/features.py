@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eval.cpu import bf16_matmul_fast
 from eval.family import aux_hidden_states, final_features
 
 from .config import stable_hash
 from .faults import kill_point
+from .models import compute_copy
 from .train_data import right_padded
 
 FEATURES_FILE = "features.safetensors"
@@ -44,18 +44,6 @@ def aux_features_key(recipe, gen_manifest: dict, layers) -> str:
     (the aux cache covers every training row)."""
     raw = raw_teacher_key(recipe) if recipe.train.raw_windows else None
     return stable_hash({"features": features_key(recipe, gen_manifest), "layers": list(layers), "raw": raw})
-
-
-def compute_copy(target):
-    """The model a teacher-forced pass runs: `target` itself, or an fp32 copy where its dtype is bf16 and
-    PyTorch's bf16 matmuls are slow here (a CPU without oneDNN's bf16 path: ~2.5x slower than fp32 forward,
-    eval.cpu.bf16_matmul_fast). Outputs are cast back to the target's dtype, so caches hold what they held."""
-    p = next(target.parameters())
-    if p.dtype != torch.bfloat16 or bf16_matmul_fast(p.device):
-        return target
-    import copy
-
-    return copy.deepcopy(target).float()
 
 
 def padded_batches(seqs: list[list[int]], batch_size: int, desc: str):

@@ -43,6 +43,7 @@ from . import shards
 from .config import drop_later_defaults, stable_hash
 from .data import build_prompt_sets, encode_prompt, read_jsonl
 from .faults import kill_point
+from .models import compute_copy
 
 log = logging.getLogger("draftsmith.generate")
 
@@ -107,9 +108,10 @@ def engine_name(engine: str) -> str:
 
 @torch.no_grad()
 def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_tokens: int,
-                   temperature: float, top_k: int, seed: int, decoder=None) -> list[dict]:
+                   temperature: float, top_k: int, seed: int, decoder=None, teacher=None) -> list[dict]:
     """Generate for one batch and return shard rows with the target's top-k log-probs. `decoder`
-    (make_decoder's) decodes when given, else HF `generate` over the left-padded batch."""
+    (make_decoder's) decodes when given, else HF `generate` over the left-padded batch. `teacher` runs the
+    teacher-forced forward (default `model`; models.compute_copy's fp32 copy where bf16 matmuls are slow)."""
     device = model.device
     P = max(len(ids) for _, ids in batch)
     input_ids = torch.full((len(batch), P), pad_id, dtype=torch.long)
@@ -132,7 +134,7 @@ def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_toke
     full = torch.cat([input_ids, gen[:, :T - 1]], dim=1) if T > 1 else input_ids
     fmask = torch.cat([attn, torch.ones_like(gen[:, :T - 1])], dim=1) if T > 1 else attn
     pos = (fmask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=full, attention_mask=fmask, position_ids=pos, logits_to_keep=T).logits
+    logits = (teacher or model)(input_ids=full, attention_mask=fmask, position_ids=pos, logits_to_keep=T).logits
     rows = []
     for j, (rid, ids) in enumerate(batch):
         n = len(completions[j])
@@ -269,12 +271,14 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
     n_todo_batches = sum(len(_shard_batch_ids(i, g, len(batches))) for i in todo)
     bar = tqdm(total=n_todo_batches, desc="generate", unit="batch", disable=not is_main)
     decoder = make_decoder(model, g.engine) if todo else None
+    teacher = compute_copy(model) if todo else None
     for i in todo:
         shard_rows = []
         for b in _shard_batch_ids(i, g, len(batches)):
             shard_rows += generate_batch(model, batches[b], pad_id=pad_id, eos_ids=eos_ids,
                                          max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                                         top_k=g.top_k_logprobs, seed=batch_seed(recipe.seed, b), decoder=decoder)
+                                         top_k=g.top_k_logprobs, seed=batch_seed(recipe.seed, b), decoder=decoder,
+                                         teacher=teacher)
             bar.update(1)
             kill_point("generate.mid_shard")
         _save(stage, i, shard_rows, header)
