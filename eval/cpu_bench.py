@@ -32,7 +32,8 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
             cpu.cpu_path = lambda p=p: p  # the runner packs its weights for this path when it is built
             runners[name] = LeanLlama(model)
         vocab = model.config.vocab_size
-        toks = torch.randint(100, min(vocab, 5000), (1, pos + 16), generator=torch.Generator().manual_seed(0))
+        longest = max(T for _, T in shapes)
+        toks = torch.randint(100, min(vocab, 5000), (1, pos + longest), generator=torch.Generator().manual_seed(0))
         out = {name: {} for name in paths}
         with torch.no_grad():
             for _ in range(turns):
@@ -41,7 +42,7 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
                     for B, T in shapes:
                         tk = toks[:, pos:pos + T].expand(B, -1).contiguous()  # [B, T]
                         ps = torch.arange(pos, pos + T)[None].expand(B, -1).contiguous()  # [B, T]
-                        r.reset(B, pos + 32)
+                        r.reset(B, pos + longest)
                         t = time.perf_counter()
                         for _ in range(reps):
                             r(tk, ps, pos + T)

@@ -436,3 +436,15 @@ def test_fused_forward_gives_the_same_numbers_with_and_without_the_layer_call(ex
     for a, b in zip(out["layer"][0], out["loop"][0]):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert torch.equal(out["layer"][1], out["loop"][1]) and torch.equal(out["layer"][2], out["loop"][2])
+
+
+def test_cpu_bench_times_every_path_on_every_shape():
+    """eval.cpu_bench (the paths' table in docs/reference/kernels.md) on a tiny bf16 model."""
+    from eval.cpu_bench import measure
+
+    paths = [p for p in cpu.PATHS if cpu.runs(p)]
+    before = cpu.cpu_path
+    res = measure(_bf16_target(), paths, [(1, 1), (2, 3), (1, 20)], pos=8, turns=2, reps=1)
+    assert set(res) == set(paths)
+    assert all(len(res[p][k]) == 2 and min(res[p][k]) > 0 for p in paths for k in ("1x1", "2x3", "1x20"))
+    assert cpu.cpu_path is before  # the process's own path is left as it was
