@@ -33,7 +33,7 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
             runners[name] = LeanLlama(model)
         vocab = model.config.vocab_size
         longest = max(T for _, T in shapes)
-        toks = torch.randint(100, min(vocab, 5000), (1, pos + longest), generator=torch.Generator().manual_seed(0))
+        toks = torch.randint(min(100, vocab - 1), min(vocab, 5000), (1, pos + longest), generator=torch.Generator().manual_seed(0))
         out = {name: {} for name in paths}
         with torch.no_grad():
             for _ in range(turns):
