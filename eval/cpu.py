@@ -51,17 +51,18 @@ class CpuPathError(RuntimeError):
 def cpu_info() -> tuple[str, frozenset]:
     """(model name, flags) from /proc/cpuinfo; elsewhere the model from `platform` and the flags PyTorch's
     own capability implies (it cannot tell AVX512-BF16 apart, so that path is not picked there)."""
-    model, flags = platform.processor() or platform.machine(), None
+    model = flags = None
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, val = line.partition(":")
-                if key.strip() == "model name" and model in (platform.processor(), platform.machine()):
+                if key.strip() == "model name" and model is None:
                     model = val.strip()
                 elif key.strip() == "flags" and flags is None:
                     flags = frozenset(val.split())
     except OSError:
         pass
+    model = model or platform.processor() or platform.machine()
     if flags is None:
         cap = torch.backends.cpu.get_cpu_capability()
         flags = frozenset({"AVX2": ("avx2", "fma"), "AVX512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
@@ -96,7 +97,9 @@ class CpuPath:
 
 
 def _onednn_bf16(flags: frozenset) -> bool:
-    return torch.backends.mkldnn.is_available() and any(all(f in flags for f in need) for need in ONEDNN_BF16_NEEDS)
+    """oneDNN's bf16 matmul and its weight reorder run here: the CPU has their instructions and this build the ops."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+        and any(all(f in flags for f in need) for need in ONEDNN_BF16_NEEDS)
 
 
 def _capped(flags: frozenset, path: str) -> frozenset:
@@ -210,7 +213,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
     p = cpu_path()
-    return p.kernels is not None or (p.onednn_bf16 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return p.kernels is not None or p.onednn_bf16
 
 
 _NONE = torch.empty(0)
@@ -223,8 +226,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     oneDNN's packed copy. Like the fused copies, packed weights are taken now; rebuild the runner if the
     weights change. `.row_invariant`: a row's sums never depend on the other rows of the call."""
     if not can_pack(weight):
-        f = partial(F.linear, weight=weight, bias=bias)
-        return f
+        return partial(F.linear, weight=weight, bias=bias)
     path = cpu_path()
     ext = path.kernels if weight.shape[1] % 2 == 0 else None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS) if path.onednn_bf16 else None
