@@ -151,6 +151,13 @@ def evaluate_settings(recipe) -> dict:
     return ev
 
 
+def cpu_key() -> dict:
+    """The CPU path's part of a measurement's key: none for avx512-bf16, the path every measurement before
+    the key existed was made on (so those still read), else {"cpu_path": name}."""
+    path = cpu_path().name
+    return {} if path == "avx512-bf16" else {"cpu_path": path}
+
+
 class MeasurementCache:
     """Measurements kept as `<directory>/<name>.json`, each with the key it was measured under: the
     caller's settings, the decoder's serving revision (a decoder change measures again), the CPU path, the files of
@@ -160,10 +167,8 @@ class MeasurementCache:
     def __init__(self, directory: Path, settings: dict):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        # The CPU path too: each rounds bf16 its own way and runs at its own speed (eval/cpu.py). Left out for
-        # avx512-bf16, the path every measurement before the key existed was made on, so those still read.
-        path = cpu_path().name
-        self.settings = settings | {"serving": SERVING_REV} | ({} if path == "avx512-bf16" else {"cpu_path": path})
+        # The CPU path too: each rounds bf16 its own way and runs at its own speed (eval/cpu.py).
+        self.settings = settings | {"serving": SERVING_REV} | cpu_key()
 
     def key(self, source=None, extra: dict | None = None) -> dict:
         files = {"files": source_fingerprint(source)} if source is not None else {}

@@ -156,13 +156,13 @@ def test_evaluate_cache_files_written_before_still_read(tmp_path):
     files for the n-gram baseline."""
     from eval.decoder import SERVING_REV
     from pipeline.evaluate import BASELINE, SERVED, Candidate
-    from pipeline.measure import MeasurementCache, source_fingerprint
+    from pipeline.measure import MeasurementCache, cpu_key, source_fingerprint
 
     ck = tmp_path / "train" / "checkpoint-000002"
     ck.mkdir(parents=True)
     (ck / "head.safetensors").write_bytes(b"x" * 10)
     settings = {"evaluate": {"k": 2}, "dtype": "float32", "n": 2}
-    old = settings | {"serving": SERVING_REV}
+    old = settings | {"serving": SERVING_REV} | cpu_key()  # cpu_key(): nothing on avx512-bf16
     served = Candidate("checkpoint-000002+ngram", f"hybrid:{ck}", 2, SERVED, 6)
     baseline = Candidate("ngram", "ngram", 8, BASELINE)
     (tmp_path / "eval").mkdir()
