@@ -33,7 +33,8 @@ EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 # every key (recipe hash, train key, measurement caches), so what was made before them still resumes.
 LATER_KEYS = {("evaluate", "compile"): False, ("generate", "engine"): "draftsmith", ("evaluate", "temperature"): 0.0,
               ("evaluate", "top_p"): 1.0, ("evaluate", "top_k"): 0,
-              ("data", "heldout_fraction"): 0.1, ("data", "heldout_max"): 200}
+              ("data", "heldout_fraction"): 0.1, ("data", "heldout_max"): 200,
+              ("retrain", "min_prompts"): 8, ("retrain", "min_tokens"): 512}
 
 
 def drop_later_defaults(d: dict) -> dict:
@@ -373,8 +374,12 @@ class RetrainConfig:
     fresh_prompts: int = _f(32, "At most this many of each batch's new prompts are held out as the fresh slice "
                                 "the challenger and champion are judged on (never trained on).")
     fresh_fraction: float = _f(0.25, "At most this fraction of a batch's new prompts is held out (at least 1).")
-    position_tolerance: float = _f(0.05, "The challenger's acceptance at each draft position may be at most this "
-                                         "much below the champion's.")
+    position_tolerance: float = _f(0.05, "The challenger's acceptance at each draft position the served K reaches "
+                                         "may be at most this much below the champion's; a veto only where "
+                                         "evaluate.serve is an engine other than draftsmith (docs/retraining.md).")
+    min_prompts: int = _f(8, "The gate decides only on at least this many paired prompts; below it the verdict is "
+                             "'not enough evidence' and the champion stays (one prompt makes every resample equal).")
+    min_tokens: int = _f(512, "...and on at least this many generated tokens of the challenger's.")
     drift_threshold: float = _f(0.20, "`draftsmith monitor` exits 1 when the champion's τ on new traffic is this "
                                       "fraction (relative) below its own recorded τ. New prompts of the same domain "
                                       "already read ~14% lower than the held-out set (docs/retraining-demo.md).")
@@ -394,6 +399,8 @@ class RetrainConfig:
         _positive("retrain.fresh_prompts", self.fresh_prompts)
         if not 0.0 < self.fresh_fraction < 1.0:
             raise RecipeError(f"retrain.fresh_fraction={self.fresh_fraction} must be in (0, 1)")
+        _positive("retrain.min_prompts", self.min_prompts)
+        _positive("retrain.min_tokens", self.min_tokens)
         if not 0.0 <= self.position_tolerance <= 1.0:
             raise RecipeError(f"retrain.position_tolerance={self.position_tolerance} must be in [0, 1]")
         if not 0.0 < self.drift_threshold < 1.0:

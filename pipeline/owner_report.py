@@ -21,7 +21,6 @@ import html
 import io
 import json
 import os
-import random
 import shlex
 import socket
 import subprocess
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import write_text_atomic
+from .bootstrap import speed_ratio
 from .sweeps import Sweeps, prompt_text
 
 SECTIONS = (("summary", "Summary"), ("per-position", "Per-position acceptance"),
@@ -181,19 +181,13 @@ def pooled_speedup(pairs: list[dict]) -> float | None:
     return (st / sw) / (pt / pw) if sw and pw and pt else None
 
 
-def bootstrap_ci(pairs: list[dict], n: int, confidence: float, seed: int = 0) -> tuple[float, float] | None:
-    """The percentile interval of pooled_speedup over prompts resampled with replacement (seeded, so a
-    rerun gives the same interval); None under two prompts."""
-    if len(pairs) < 2:
+def bootstrap_ci(result: dict, n: int, confidence: float) -> tuple[float, float] | None:
+    """The central `confidence` interval of the measured speedup over prompts (pipeline/bootstrap.py, the
+    gate's bootstrap, seeded: a rerun gives the same interval); None under two prompts."""
+    if len(per_prompt(result)) < 2:
         return None
-    rng = random.Random(seed)
-    stats = sorted(s for s in (pooled_speedup([rng.choice(pairs) for _ in pairs]) for _ in range(n))
-                   if s is not None)
-    if not stats:
-        return None
-    lo = stats[int((1 - confidence) / 2 * (len(stats) - 1))]
-    hi = stats[int((1 + confidence) / 2 * (len(stats) - 1))]
-    return lo, hi
+    b = speed_ratio(result, None, confidence=confidence, n_boot=n, sided="two")
+    return b["lower"], b["upper"]
 
 
 # ------------------------------------------------------------------------------- the report's data
@@ -658,7 +652,7 @@ def render(run_dir: Path, m: dict, recipe, prov: Provenance, v: View, curves: di
            reg: dict, extra_head: dict) -> str:
     figs = Figures(prov)
     pairs = per_prompt(v.result)
-    ci = bootstrap_ci(pairs, recipe.report.bootstrap, recipe.report.confidence) if pairs else None
+    ci = bootstrap_ci(v.result, recipe.report.bootstrap, recipe.report.confidence) if pairs else None
     off = ('<p class="off">Not measured: report.curves is false for this run (set report.curves=true and run '
            '<code>draftsmith report</code> to measure it).</p>')
     body = [summary_section(v, m, ci, recipe.report, ""), position_section(v, figs)]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import sys
 import time
@@ -144,13 +143,34 @@ def _metrics_of(r: dict, recipe) -> dict:
             "greedy_exact": r["greedy_exact"], "lossless": r["lossless"], "k": recipe.evaluate.k, "target": recipe.target}
 
 
+def serving(recipe) -> gate.Serving:
+    """The serving setting the gate protects: evaluate.serve's engine, at the K its serve command uses."""
+    engine = recipe.evaluate.serve
+    k = recipe.evaluate.k if engine == "draftsmith" else (recipe.export.k or recipe.evaluate.k)
+    return gate.Serving(engine, k)
+
+
 def decide(recipe, judged: dict) -> gate.Decision:
     rc = recipe.retrain
-    d = gate.decide(judged["challenger"], judged["champion"], judged["ngram"], min_gain=rc.min_gain,
-                    confidence=rc.confidence, n_boot=rc.bootstrap, position_tolerance=rc.position_tolerance,
-                    seed=recipe.seed)
-    forced = os.environ.get("DRAFTSMITH_TEST_GATE")  # test hook (tests/test_faults.py): a verdict free of timing
-    return dataclasses.replace(d, promote=forced == "promote") if forced in ("promote", "keep") else d
+    return gate.decide(judged["challenger"], judged["champion"], judged["ngram"], serving=serving(recipe),
+                       min_gain=rc.min_gain, confidence=rc.confidence, n_boot=rc.bootstrap,
+                       position_tolerance=rc.position_tolerance, min_prompts=rc.min_prompts,
+                       min_tokens=rc.min_tokens, seed=recipe.seed)
+
+
+def first_draft_judged(run_dir: Path, m: dict) -> dict:
+    """A first draft's judged results, from evaluate's own measurement of it (run_dir/eval/): the promoted
+    result and the n-gram baseline's, each with the plain runs it took turns with, at the temperature it was
+    promoted by; lossless from metrics.json. -> {"challenger", "champion": None, "ngram" or None}."""
+    from .evaluate import SAMPLED
+
+    suffix = SAMPLED if m.get("promoted_by") == "sampled" else ""
+    ev = Path(run_dir) / "eval"
+    challenger = json.loads((ev / f"{m['checkpoint']}{suffix}.json").read_text())
+    challenger |= {"greedy_exact": m["greedy_exact"], "lossless": m.get("lossless", m["greedy_exact"])}
+    base = ev / f"ngram{suffix}.json"
+    ngram = json.loads(base.read_text()) if m.get("ngram_baseline") and base.exists() else None
+    return {"challenger": challenger, "champion": None, "ngram": ngram}
 
 
 def register(recipe, run_dir: Path, draft: Path, decision: gate.Decision, metrics: dict, kind: str,
@@ -233,12 +253,7 @@ def admit_distill(recipe, run_dir: Path, target, tokenizer) -> dict:
     m = json.loads((run_dir / "metrics.json").read_text())
     metrics = {k: m.get(k) for k in METRIC_KEYS}
     if champion is None:  # the first draft: its own evaluate measured it against plain and the n-gram baseline
-        first = {"name": m["checkpoint"], "speedup": m["speedup"], "greedy_exact": m["greedy_exact"],
-                 "lossless": m.get("lossless", m["greedy_exact"]),
-                 "stats": {"accept_per_pos": m["accept_per_pos"], "tau": m["tau"], "alpha": m["alpha"]}}
-        base = m.get("ngram_baseline")
-        ngram = {"name": "ngram", "speedup": base["speedup"], "stats": base} if base else None
-        decision = decide(recipe, {"challenger": first, "champion": None, "ngram": ngram})
+        decision = decide(recipe, first_draft_judged(run_dir, m))
     else:
         judged = judge(recipe, run_dir, target, tokenizer, best, champion)
         decision = decide(recipe, judged)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from pipeline.owner_report import CAPTION_FIELDS, SECTIONS, bootstrap_ci, pooled_speedup, write_html_report
+from pipeline.owner_report import CAPTION_FIELDS, SECTIONS, bootstrap_ci, per_prompt, pooled_speedup, write_html_report
 
 from helpers import TINY_BUDGET
 
@@ -257,8 +257,10 @@ def test_report_shows_the_registry_champions(run, tmp_path):
 
 
 def test_bootstrap_interval_is_seeded_and_holds_the_estimate():
-    pairs = [{"spec": {"n_tokens": 10, "wall_s": w}, "plain": {"n_tokens": 10, "wall_s": 1.0}}
-             for w in (0.5, 0.6, 0.8, 0.4, 0.7)]
-    a, b = bootstrap_ci(pairs, 500, 0.95), bootstrap_ci(pairs, 500, 0.95)
-    assert a == b and a[0] <= pooled_speedup(pairs) <= a[1] and a[0] < a[1]
-    assert bootstrap_ci(pairs[:1], 500, 0.95) is None
+    walls = (0.5, 0.6, 0.8, 0.4, 0.7)
+    result = {"stats": {"per_prompt": [{"n_tokens": 10, "wall_s": w} for w in walls]},
+              "plain_stats": {"per_prompt": [{"n_tokens": 10, "wall_s": 1.0} for _ in walls]}}
+    a, b = bootstrap_ci(result, 500, 0.95), bootstrap_ci(result, 500, 0.95)
+    assert a == b and a[0] <= pooled_speedup(per_prompt(result)) <= a[1] and a[0] < a[1]
+    one = {k: {"per_prompt": v["per_prompt"][:1]} for k, v in result.items()}
+    assert bootstrap_ci(one, 500, 0.95) is None

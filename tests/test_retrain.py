@@ -6,7 +6,6 @@ Timing on a tiny model is noise, so where the gate's verdict matters the judged 
 replaced by synthetic ones (`synthetic_gate`: the real gate decides on them); the test checks the plumbing
 and the records. tests/test_gate.py tests the rules on hand-computed numbers."""
 
-import copy
 import json
 import re
 from pathlib import Path
@@ -17,6 +16,7 @@ import pipeline.retrain as retrain_mod
 from pipeline.cli import main
 from pipeline.registry import Registry
 
+from faulted import with_timing
 from helpers import TINY_BUDGET
 
 FAST = TINY_BUDGET + ["data.max_prompts=12", "train.steps=2", "evaluate.hybrid=false", "evaluate.tree_budgets=[4]"]
@@ -45,17 +45,10 @@ REAL_DECIDE = retrain_mod.decide
 
 
 def synthetic_gate(mp, gain: float):
-    """retrain's decide() on the judged results with synthetic timing: the champion 1.5x plain, the challenger
-    `gain` times that, the n-gram baseline 1.1x; 10 tokens per prompt. Acceptance and exactness stay measured."""
-    def decide(recipe, judged):
-        j = copy.deepcopy(judged)
-        for name, sp in (("champion", 1.5), ("challenger", 1.5 * gain), ("ngram", 1.1)):
-            if j.get(name) is not None:
-                j[name]["speedup"] = sp
-                j[name]["stats"]["per_prompt"] = [{"n_tokens": 10, "wall_s": 1 / sp}] * 4
-        return REAL_DECIDE(recipe, j)
-
-    mp.setattr(retrain_mod, "decide", decide)
+    """retrain's decide() on the judged results with given timing (tests/faulted.py): the champion 1.5x plain,
+    the challenger `gain` times that, the n-gram baseline 1.1x. Counts, acceptance and exactness stay measured."""
+    speedups = {"champion": 1.5, "challenger": 1.5 * gain, "ngram": 1.1}
+    mp.setattr(retrain_mod, "decide", lambda recipe, judged: REAL_DECIDE(recipe, with_timing(judged, speedups)))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,7 @@ def loop(tiny_target, tmp_path_factory):
         out["champion0"] = Registry(runs / "code").champion()
         synthetic_gate(mp, 1.3)
         code = _jsonl(traffic / "code.jsonl", [{"prompt": p} for p in CODE])
-        assert main(_args("retrain", tiny_target, runs, "retrain.position_tolerance=1.0", "--traffic", code)) == 0
+        assert main(_args("retrain", tiny_target, runs, "--traffic", code)) == 0
         out["retrain"] = Path(json.loads(next((runs / "code" / "traffic" / "batches").glob(
             "2*/manifest.json")).read_text())["run_dir"])
     return out
@@ -86,7 +79,7 @@ def test_distill_admits_its_draft_as_champion(loop):
     assert champ is not None and champ["kind"] == "distill" and champ["run_dir"] == str(loop["distill"])
     gate = json.loads((loop["distill"] / "gate.json").read_text())
     assert gate["promote"] and gate["champion"] is None
-    assert {r["name"] for r in gate["reasons"]} == {"speedup_over_plain", "speedup_over_ngram", "lossless"}
+    assert {r["name"] for r in gate["reasons"]} == {"evidence", "speedup_over_plain", "speedup_over_ngram", "lossless"}
     assert (Path(champ["draft_dir"]) / "draftsmith_draft.json").exists()
     m = json.loads((loop["distill"] / "metrics.json").read_text())
     assert champ["metrics"]["tau"] == m["tau"] and champ["metrics"]["target"] == m["target"]
