@@ -1,11 +1,16 @@
-"""Named points where the fault-injection tests (tests/test_faults.py) SIGKILL a run."""
-import os, signal
-_hits: dict[str, int] = {}
+"""Named points where a crash leaves the most half-done state: between a write made aside and its rename, or
+between two files that must agree. A program that drives draftsmith in-process can watch them (`watch`):
+tests/faulted.py SIGKILLs a run at one to prove every stage resumes. Nothing else watches them."""
+from typing import Callable
+
+_watchers: list[Callable[[str], None]] = []
+
+
+def watch(fn: Callable[[str], None]) -> None:
+    """Call fn(point name) each time a kill point is reached, in this process."""
+    _watchers.append(fn)
+
+
 def kill_point(name: str) -> None:
-    """SIGKILL this process here when DRAFTSMITH_KILL_AT is `name` or `name@N` (the N-th time it is reached)."""
-    want = os.environ.get("DRAFTSMITH_KILL_AT")
-    if not want or want.split("@")[0] != name:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] == int(want.split("@")[1]) if "@" in want else True:
-        os.kill(os.getpid(), signal.SIGKILL)
+    for fn in _watchers:
+        fn(name)

@@ -7,8 +7,9 @@ the uninterrupted reference's: the generated rows (none lost or duplicated), eve
 weights, the train log, every candidate's measured acceptance, the promoted draft; and nothing
 half-written is left or counted as complete. The reference and the chains run as parallel processes.
 After every kill the champion pointer is still the one from before the run, unless the kill came after its
-move (AFTER_MOVE). The gate's verdict is forced to promote (DRAFTSMITH_TEST_GATE, a test hook in
-pipeline/retrain.py): on a tiny model it would follow timing noise.
+move (AFTER_MOVE). Each run goes through tests/faulted.py: the CLI in-process, killed at its point, with the
+gate's judged timing given (a challenger 1.3x the champion) so that the real gate promotes on every run alike;
+on a tiny model measured timing is noise.
 
 To add a stage: append a Chain to CHAINS with its command and its kill points; with
 `before` (commands run uninterrupted first, e.g. the distill that makes a champion) when it needs a state
@@ -177,7 +178,7 @@ class Chain:
     outputs: Callable[[Path], dict] = distill_outputs
     run: Callable[[Path], Path] = field(default=lambda runs: runs / "code" / RUN_ID)  # what `outputs` reads
     before: Callable[[Path, Path], list[list[str]]] = field(default=lambda target, runs: [])
-    gate: str = "promote"  # DRAFTSMITH_TEST_GATE: the verdict the gate is forced to
+    gate: str = "promote"  # the timing the gate is given (tests/faulted.py TIMING): the verdict it leads to
 
     @property
     def reference(self) -> tuple:
@@ -238,19 +239,17 @@ CHAINS = [
 ]
 
 
-def _env(kill: str | None = None, gate: str = "promote") -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("DRAFTSMITH_KILL_AT", "WANDB_API_KEY")}
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env |= {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",  # one thread: the runs go in parallel
-            "DRAFTSMITH_TEST_GATE": gate}
-    if kill:
-        env["DRAFTSMITH_KILL_AT"] = kill
+            "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # one thread: the runs go in parallel
     return env
 
 
 def _draftsmith(args: list[str], kill: str | None = None, gate: str = "promote") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=_env(kill, gate),
-                          capture_output=True, text=True, timeout=600)
+    faulted = [sys.executable, str(ROOT / "tests" / "faulted.py"), *(["--kill-at", kill] if kill else []),
+               "--timing", gate, "--"]
+    return subprocess.run([*faulted, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
 
 
 def _champion(runs: Path) -> str | None:
@@ -338,7 +337,7 @@ def test_the_champion_moves_only_with_the_promotion(runs, chain):
     assert before == ref_before
     final = ref[-1][3]
     assert results[-1][3] == final
-    assert final != before  # the gate promoted (DRAFTSMITH_TEST_GATE), so the pointer did move
+    assert final != before  # the real gate promoted on the timing it was given, so the pointer did move
     moved = False
     for kill, _, _, champion in results[:-1]:
         moved = moved or kill.split("@")[0] in AFTER_MOVE

@@ -174,8 +174,11 @@ def test_what_a_killed_writer_leaves_is_ignored_then_cleaned(reg, tmp_path):
 KILL_SCRIPT = """
 import sys
 from pathlib import Path
-sys.path.insert(0, {root!r})
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]
+from faulted import kill_at
 from pipeline.registry import Registry
+if len(sys.argv) > 1:
+    kill_at(sys.argv[1])
 reg = Registry(Path({domain!r}))
 e = reg.add(Path({draft!r}), run_dir=Path({run!r}), metrics={{"speedup": 2.0}}, kind="retrain", hashes={{}},
             traffic={{"rows": 5}})
@@ -196,8 +199,7 @@ def test_sigkill_at_each_registry_point(reg, tmp_path, point, champion, entries)
     draft = make_draft(tmp_path, "run-b", 1)
     script = KILL_SCRIPT.format(root=str(ROOT), domain=str(reg.domain_dir), draft=str(draft),
                                 run=str(tmp_path / "run-b"))
-    env = {**os.environ, "DRAFTSMITH_KILL_AT": point}
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", script, point], capture_output=True, text=True, timeout=60)
     assert r.returncode == -9, r.stderr
     assert reg.champion()["id"] == champion and [e["id"] for e in reg.entries()] == entries
     assert [d["entry"] for d in reg.decisions()] == ["run-a"] + (["run-b"] if champion == "run-b" else [])
