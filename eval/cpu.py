@@ -109,6 +109,25 @@ def _capped(flags: frozenset, path: str) -> frozenset:
     return frozenset(f for f in flags if not f.startswith(("avx512", "amx", "avx_ne", "avx_vnni")))
 
 
+_ISA_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
+
+
+def inductor_refusal(device) -> str | None:
+    """Why torch.compile's code cannot be trusted on `device` in this process, or None. With ATen's CPU
+    capability capped below what the CPU runs (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU), torch 2.13's
+    inductor computes wrong values: compiled silu(linear(x)).sum(-1) read 1.17 where eager read 2.11, and the
+    compiled decoder step crashed (docs/reference/kernels.md#emulating-an-avx2-cpu)."""
+    if torch.device(device).type != "cpu":
+        return None
+    _, flags = cpu_info()
+    runs_here = 2 if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else 1 if {"avx2", "fma"} <= flags else 0
+    cap = torch.backends.cpu.get_cpu_capability()
+    if _ISA_RANK.get(cap, runs_here) < runs_here:
+        return (f"torch.compile on CPU computes wrong values with ATen's CPU capability capped at {cap} below what "
+                f"this CPU runs (ATEN_CPU_CAPABILITY): unset it, or leave compile off")
+    return None
+
+
 def decide(env: dict | None = None, flags: frozenset | None = None) -> CpuPath:
     """The path for this process, from the environment and the CPU's flags (cpu_path() caches it)."""
     env = os.environ if env is None else env

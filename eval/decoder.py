@@ -40,7 +40,7 @@ import torch
 from .proposers import Proposer, Sampling, load_proposer
 from .kernels import MAX_ROWS
 from .speedup import best_k, expected_speedup
-from .cpu import cpu_gemv, greedy_argmax
+from .cpu import cpu_gemv, greedy_argmax, inductor_refusal
 from .target import make_runner
 from .tree import Tree
 
@@ -117,6 +117,9 @@ class SpeculativeDecoder:
             if self.runner.path != "lean":  # compiled: the lean forward only
                 raise ValueError(f"compile=True needs the lean forward (eval/target.py LEAN_FAMILIES); "
                                  f"{type(target).__name__} runs on the HF path: leave compile off")
+            refusal = inductor_refusal(target.device)
+            if refusal:
+                raise ValueError(refusal)
             self._fwd = torch.compile(self._static_step, dynamic=False)
         # Token trees (eval/tree.py) for proposers that offer them, under greedy decoding: they need
         # the runner's slots/mask/move, and their shapes vary, so not with the compiled step.
