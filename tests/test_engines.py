@@ -10,7 +10,7 @@ from helpers import word_tokenizer
 from safetensors.torch import save_file
 
 from pipeline.engines import vllm as ev
-from pipeline.engines.verify import ExportPlan, VerifyError, infer_format, plan_export, summarize, table
+from pipeline.verify_export import ExportPlan, VerifyError, infer_format, plan_export, summarize, table
 from pipeline.engines.vllm import EngineError
 
 # ------------------------------------------------------------------------------------------ CPU-only
@@ -82,8 +82,25 @@ def test_failed_engine_gives_cause_and_log(monkeypatch, tmp_path):
         ev.run_vllm(ev.vllm_job("/m", [[1]], 2), "t", workdir=tmp_path)
 
 
+def test_the_engine_drivers_import_nothing_above_them():
+    """pipeline/engines/ is the driver alone (vLLM's and llama.cpp's workers and vllm.py): the commands that
+    use it (verify_export, vllm_bench, generate_bench, llamacpp_bench) live with the other commands, so no
+    arrow climbs from it into a command module; its one import above is the atomic-write leaf."""
+    from test_layering import _graph
+
+    graph = _graph()
+    drivers = sorted(m for m in graph if m.startswith("pipeline.engines"))
+    assert drivers == ["pipeline.engines", "pipeline.engines.llamacpp_worker", "pipeline.engines.vllm",
+                       "pipeline.engines.vllm_worker"]
+    up = {m: sorted(i for i in graph[m] if not i.startswith("pipeline.engines") and i != "pipeline.atomic")
+          for m in drivers}
+    assert not {m: i for m, i in up.items() if i}, up
+    assert "pipeline.engines.vllm" in graph["pipeline.verify_export"] and "pipeline.atomic" in graph[
+        "pipeline.engines.vllm"]  # the test sees the arrows it forbids
+
+
 def test_vllm_bench_methods():
-    from pipeline.engines.vllm_bench import speculative_config
+    from pipeline.vllm_bench import speculative_config
 
     assert speculative_config("plain", 2, 4) is None
     assert speculative_config("ngram:8", 2, 4) == {"method": "ngram", "num_speculative_tokens": 8,
@@ -465,7 +482,7 @@ def test_verify_export_medusa_end_to_end(engine, tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from eval.heads.medusa import MedusaHeads
-    from pipeline.engines.verify import EXPORT_MANIFEST, verify_export
+    from pipeline.verify_export import EXPORT_MANIFEST, verify_export
 
     d, prompts = tiny
     target = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
@@ -494,7 +511,7 @@ def test_vllm_profile_times_the_engine_steps_parts(engine, tiny, plain, tmp_path
     """`profile`: timers on vLLM's step functions in this process. Every part fires, they nest (the target
     forward inside execute_model inside the step; the draft's forwards inside drafting), and timing changes
     no output."""
-    from pipeline.engines.vllm_bench import step_profile
+    from pipeline.vllm_bench import step_profile
 
     d, _ = tiny
     exp = write_speculators_eagle3(tmp_path / "export", d, k=2)

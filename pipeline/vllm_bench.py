@@ -1,7 +1,7 @@
 """vLLM's own speculative methods on held-out prompts: tokens/s and acceptance at each batch size, one engine
 per method (started one after another, never two at once).
 
-    python -m pipeline.engines.vllm_bench --prompts he.jsonl --n 16 --method plain --method ngram:8 \
+    python -m pipeline.vllm_bench --prompts he.jsonl --n 16 --method plain --method ngram:8 \
         --method suffix --batch-sizes 1,16 --json vllm.json
 
 Methods: `plain`; `ngram:K` (prompt lookup, n-grams of --ngram-min..--ngram-max tokens); `suffix` (Arctic
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from .vllm import EngineError, acceptance, run_vllm, vllm_job
+from .engines.vllm import EngineError, acceptance, run_vllm, vllm_job
 
 
 def speculative_config(method: str, ngram_min: int, ngram_max: int) -> dict | None:
@@ -121,10 +121,10 @@ def profile_markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     from eval.bench import encode_prompts, load_prompts
 
-    from ..generate import target_eos_ids
-    from ..models import load_target, resolve_target
+    from .generate import target_eos_ids
+    from .models import load_target, resolve_target
 
-    ap = argparse.ArgumentParser(prog="python -m pipeline.engines.vllm_bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.vllm_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
     ap.add_argument("--prompts", required=True, help="JSONL prompts (`draftsmith prompts --out F`)")
     ap.add_argument("--n", type=int, default=16)

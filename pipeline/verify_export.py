@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .vllm import EngineError, acceptance, counters_from_hist, engine_python, run_vllm, vllm_job
+from .engines.vllm import EngineError, acceptance, counters_from_hist, engine_python, run_vllm, vllm_job
 
 EXPORT_MANIFEST = "draftsmith_export.json"  # written by `draftsmith export` beside the exported files
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -139,7 +139,7 @@ def chain_form(draft: str, workdir) -> str:
 
 def ours_side(plan: ExportPlan, target, prompts, max_new_tokens: int, eos, workdir=None) -> dict:
     """(c) our decoder: plain and the source draft at K, taking turns per prompt (pipeline.measure)."""
-    from ..measure import decode_pairs, proposer_for
+    from .measure import decode_pairs, proposer_for
 
     if not plan.source_draft:
         raise VerifyError("the export names no source draft (no draftsmith_export.json); give --draft <draft dir>")
@@ -220,9 +220,9 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
 
     from eval.bench import encode_prompts, load_prompts
 
-    from ..data import export_heldout_jsonl
-    from ..generate import target_eos_ids
-    from ..models import load_target, resolve_target
+    from .data import export_heldout_jsonl
+    from .generate import target_eos_ids
+    from .models import load_target, resolve_target
 
     plan = plan_export(export_dir, target, k, draft)
     engine_python()  # a missing engine stops here, before minutes of loading
