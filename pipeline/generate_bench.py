@@ -1,6 +1,6 @@
 """Rows per second of each generate.engine on the same training prompts, and how far their rows agree.
 
-    python -m pipeline.engines.generate_bench --recipe recipes/code.yaml --n 32 --out docs/reference/generate-engines.md
+    python -m pipeline.generate_bench --recipe recipes/code.yaml --n 32 --out docs/reference/generate-engines.md
 
 The draftsmith decoder and HF generate take turns batch by batch (the order rotating), so a shared machine's
 drift falls on both alike; vLLM runs its own engine process over the same batches afterwards (one engine
@@ -23,8 +23,8 @@ import torch
 
 
 def _prompt_batches(recipe, tok, n: int, workdir: Path):
-    from ..data import build_prompt_sets
-    from ..generate import plan_batches
+    from .data import build_prompt_sets
+    from .generate import plan_batches
 
     rows = build_prompt_sets(recipe.data, workdir, tok, recipe.seed)["train"]
     rows = random.Random(recipe.seed).sample(rows, min(n, len(rows)))
@@ -32,8 +32,8 @@ def _prompt_batches(recipe, tok, n: int, workdir: Path):
 
 
 def measure(recipe, n: int, workdir: Path) -> dict:
-    from ..generate import batch_seed, generate_batch, make_decoder, target_eos_ids, vllm_rows
-    from ..models import load_target
+    from .generate import batch_seed, generate_batch, make_decoder, target_eos_ids, vllm_rows
+    from .models import load_target
 
     model, tok = load_target(recipe.target, recipe.dtype, "cpu")
     g = recipe.generate
@@ -64,7 +64,7 @@ def measure(recipe, n: int, workdir: Path) -> dict:
 
 
 def markdown(m: dict, command: str, recipe) -> str:
-    from ..generate import agreement
+    from .generate import agreement
 
     ref = m["rows"]["draftsmith"]
     g = recipe.generate
@@ -96,9 +96,9 @@ def markdown(m: dict, command: str, recipe) -> str:
 
 
 def main(argv=None) -> int:
-    from ..config import load_recipe
+    from .config import load_recipe
 
-    ap = argparse.ArgumentParser(prog="python -m pipeline.engines.generate_bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.generate_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="recipes/code.yaml")
     ap.add_argument("--n", type=int, default=32, help="training prompts (default 32)")
     ap.add_argument("--out", help="write the Markdown table here")
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     with tempfile.TemporaryDirectory(prefix="draftsmith-genbench-") as d:
         m = measure(recipe, args.n, Path(d))
-    command = "python -m pipeline.engines.generate_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m pipeline.generate_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     md = markdown(m, command.strip(), recipe)
     print(md)
     if args.out:

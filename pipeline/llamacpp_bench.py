@@ -2,7 +2,7 @@
 plain greedy decoding and its prompt lookup (n-gram) speculation, batch 1, in the llama.cpp venv
 (`make bench-peers` builds llama-cpp-python from source there and makes a bf16 GGUF of the target).
 
-    python -m pipeline.engines.llamacpp_bench --gguf F.gguf --prompts he.jsonl --n 16 \
+    python -m pipeline.llamacpp_bench --gguf F.gguf --prompts he.jsonl --n 16 \
         --method plain --method lookup:4 --json llamacpp.json
 
 The prompts are our tokenizer's ids, given to llama.cpp as tokens, so both engines decode the same input.
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-WORKER = Path(__file__).with_name("llamacpp_worker.py")
+WORKER = Path(__file__).parent / "engines" / "llamacpp_worker.py"
 PEERS_PYTHON = "DRAFTSMITH_PEERS_PYTHON"
 
 
@@ -53,10 +53,10 @@ def run(gguf: str, prompts: list[list[int]], methods: list[str], max_new_tokens:
 def main(argv=None) -> int:
     from eval.bench import encode_prompts, load_prompts
 
-    from ..generate import target_eos_ids
-    from ..models import load_target
+    from .generate import target_eos_ids
+    from .models import load_target
 
-    ap = argparse.ArgumentParser(prog="python -m pipeline.engines.llamacpp_bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.llamacpp_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", required=True, help="the target as a GGUF (make bench-peers makes a bf16 one)")
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct", help="for the tokenizer and EOS ids")
     ap.add_argument("--prompts", required=True)

@@ -1,0 +1,271 @@
+"""The export formats, one object each: the draft kinds it holds, its writer, the engine's speculative config,
+the serve commands and how verify-export loads it in vLLM. `draftsmith export` (pipeline/export.py), the
+recipe's export.formats check (config.py), evaluate.serve, verify-export, the owner report and vLLM bench
+read FORMATS; nothing else lists formats.
+
+  speculators  eagle3    vLLM's native format: `vllm serve <out>` alone (verifier and K in config.json)
+  eagle3       eagle3    the EAGLE-3 checkpoint layout (LlamaForCausalLMEagle3, midlayer.*) that SGLang
+                         (--speculative-algorithm EAGLE3) and vLLM (method "eagle3") load
+  medusa       medusa    vLLM's MedusaModel; independent heads over the full vocabulary only (recurrent
+                         heads read tokens, which no engine's Medusa does; vLLM 0.32 cannot load
+                         truncated LM heads)
+  hf           draft_lm  an ordinary HF causal LM with the tokenizer (HF assistant_model, vLLM draft_model)
+
+Leaf module: the standard library and eval.draft_dir at import time (config.py imports it); torch,
+safetensors and transformers only inside the writers.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from eval import draft_dir
+
+ENGINES = ("vllm", "sglang", "hf")  # evaluate.serve's engines (besides our own decoder)
+HEAD_FILE = "head.safetensors"  # eval/heads/io.py's file (eagle3, medusa)
+# ours alone (no engine reads them), and exports and temporaries written inside a draft (best/export-<format>/)
+NOT_EXPORTED = (draft_dir.FILE, "trainer_state.pt", "datastore.npy", "export-*", ".*")
+
+
+class ExportError(ValueError):
+    """A draft cannot be exported as asked; the message names the problem and the fix."""
+
+
+@dataclass
+class Verifier:
+    """The target model the export will be served with."""
+
+    name_or_path: str  # what the serve commands and the speculators config name
+    config: dict  # its config.json
+    path: Path | None  # a local HF directory (None for a hub id)
+
+
+# ------------------------------------------------------------------------------- engine commands
+
+def vllm_speculative_config(method: str, k: int | None = None, model: str | Path | None = None, **extra) -> dict:
+    """vLLM's speculative config (`--speculative-config`, LLM(speculative_config=...)): the field names of
+    vllm/config/speculative.py's SpeculativeConfig (method, model, num_speculative_tokens, prompt_lookup_*)."""
+    spec = {"method": method}
+    if model is not None:
+        spec["model"] = str(model)
+    if k is not None:
+        spec["num_speculative_tokens"] = k
+    return spec | extra
+
+
+def vllm_serve(model: str | Path, spec: dict | None = None) -> str:
+    return f"vllm serve {model}" + (f" --speculative-config {shlex.quote(json.dumps(spec))}" if spec else "")
+
+
+def sglang_serve(algorithm: str, verifier: str, out: str | Path, k: int) -> str:
+    # a chain of K drafted tokens: top-1 per step, K steps, K + 1 tokens verified (the bonus one included)
+    return (f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm {algorithm} "
+            f"--speculative-draft-model-path {out} --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+
+
+def hf_assistant_serve(verifier: str, out: str | Path, k: int) -> str:
+    return (f"AutoModelForCausalLM.from_pretrained('{verifier}').generate(**inputs, assistant_model="
+            f"AutoModelForCausalLM.from_pretrained('{out}'), num_assistant_tokens={k})")
+
+
+# ------------------------------------------------------------------------------- the format object
+
+@dataclass(frozen=True)
+class ExportFormat:
+    name: str
+    kinds: tuple[str, ...]  # the draft kinds (eval/draft_dir.py) it holds
+    served_by: tuple[str, ...]  # the engines that serve a draft of its kind in this format (evaluate.serve)
+    vllm_method: str  # vLLM's speculative_config "method" for it
+    writer: Callable  # (src, meta, tmp, verifier, k): the files into tmp
+    recognizes: Callable[[dict], bool]  # an export's config.json is of this format
+    k_in_config: Callable[[dict], int | None] = lambda config: None  # K as config.json records it
+    self_contained: bool = False  # config.json names the verifier and K: `vllm serve <out>` alone
+    sglang_algorithm: str | None = None  # SGLang's --speculative-algorithm, where SGLang loads it
+    hf_assistant: bool = False  # HF generate's assistant_model loads it
+
+    def vllm_spec(self, out: str | Path, k: int) -> dict:
+        return vllm_speculative_config(self.vllm_method, k, out)
+
+    def serve(self, out: str | Path, verifier: str, k: int) -> dict[str, str]:
+        """{engine: the command that serves the export in `out` with `verifier` at K speculative tokens}."""
+        cmds = {"vllm": vllm_serve(out) if self.self_contained else vllm_serve(verifier, self.vllm_spec(out, k))}
+        if self.sglang_algorithm:
+            cmds["sglang"] = sglang_serve(self.sglang_algorithm, verifier, out, k)
+        if self.hf_assistant:
+            cmds["hf"] = hf_assistant_serve(verifier, out, k)
+        return cmds
+
+    def vllm_load(self, out: str | Path, target: str | Path, k: int) -> tuple[str, dict | None]:
+        """How verify-export runs the export in `out` (its directory): (vLLM's model, its speculative_config).
+        A self-contained export whose config.json names this local target at this K loads alone, as
+        `vllm serve <out>` does; any other is the target's draft."""
+        if self.self_contained:
+            config = json.loads((Path(out) / "config.json").read_text())
+            verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+            if verifier and Path(verifier).is_dir() and Path(verifier).resolve() == Path(target).resolve() \
+                    and self.k_in_config(config) == k:
+                return str(out), None
+        return str(target), self.vllm_spec(out, k)
+
+
+# ------------------------------------------------------------------------------- writers
+
+def _load(src: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(src / HEAD_FILE))
+
+
+def _save(tensors: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def llama_layer_config(hc: dict, v: Verifier) -> dict:
+    """The EAGLE-3 head's decoder layer as a LlamaConfig dict (the fields vLLM's LlamaDecoderLayer reads)."""
+    rope = {"rope_type": "default", "rope_theta": hc["rope_theta"]}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hc["hidden_size"],
+            "num_attention_heads": hc["num_attention_heads"], "num_key_value_heads": hc["num_key_value_heads"],
+            "head_dim": hc["head_dim"], "intermediate_size": hc["intermediate_size"], "hidden_act": "silu",
+            "rms_norm_eps": hc["rms_norm_eps"], "rope_theta": hc["rope_theta"], "rope_parameters": rope,
+            "max_position_embeddings": hc["max_position_embeddings"], "vocab_size": hc["vocab_size"],
+            "num_hidden_layers": 1, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+            "bos_token_id": v.config.get("bos_token_id"),
+            "eos_token_id": v.config.get("eos_token_id"), "pad_token_id": v.config.get("pad_token_id")}
+
+
+def write_speculators(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
+    # Written for vllm/transformers_utils/configs/speculators/{base,algos}.py (update_eagle3) and
+    # speculators/models/eagle3/config.py (Eagle3SpeculatorConfig); weights for llama_eagle3.py's load_weights.
+    hc = meta["head_config"]
+    config = {
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": llama_layer_config(hc, v),
+        "draft_vocab_size": hc["draft_vocab_size"], "target_hidden_size": hc["target_hidden_size"],
+        # vLLM defaults a missing key to true; the contract's default is false: always write it
+        "norm_before_residual": bool(hc["norm_before_residual"]),
+        "eagle_aux_hidden_state_layer_ids": list(hc["aux_layers"]),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": v.name_or_path, "architectures": v.config.get("architectures") or []},
+        },
+        "speculators_version": "0.9.0",
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    _save(_eagle3_state(src, hc), tmp / "model.safetensors")  # the contract's names are the speculators names
+
+
+def _eagle3_state(src: Path, hc: dict) -> dict:
+    """The head's weights; without d2t/t2d over the full vocabulary, where vLLM's Eagle3LlamaForCausalLM
+    has no vocabulary map to load them into (and refuses the checkpoint if they are there)."""
+    state = _load(src)
+    if hc["draft_vocab_size"] == hc["vocab_size"]:
+        state.pop("d2t", None), state.pop("t2d", None)
+    return state
+
+
+def write_eagle3(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
+    # Written for vllm/transformers_utils/configs/eagle.py (EAGLEConfig, method "eagle3") with
+    # model_executor/models/llama_eagle3.py, and SGLang's models/llama_eagle3.py (LlamaForCausalLMEagle3).
+    hc = meta["head_config"]
+    aux = list(hc["aux_layers"])
+    config = llama_layer_config(hc, v) | {
+        "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": hc["draft_vocab_size"],
+        "target_hidden_size": hc["target_hidden_size"], "norm_before_residual": bool(hc["norm_before_residual"]),
+        # vLLM reads the top-level ids first (id i = the stream entering layer i); SGLang reads only
+        # eagle_config's and captures the stream entering layer id + 1, so its ids are one less.
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux], "use_aux_hidden_state": True},
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    state = {(f"midlayer.{n[len('layers.0.'):]}" if n.startswith("layers.0.") else n): t
+             for n, t in _eagle3_state(src, hc).items()}
+    _save(state, tmp / "model.safetensors")
+
+
+def write_medusa(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
+    # Written for vllm/transformers_utils/configs/medusa.py (MedusaConfig) and
+    # vllm/model_executor/models/medusa.py (Medusa.load_weights).
+    import torch
+
+    mc = meta["medusa_config"]
+    if k > mc["num_heads"]:
+        raise ExportError(f"K={k} needs {k} Medusa heads, the draft has {mc['num_heads']}; pass --k {mc['num_heads']} "
+                          f"or fewer")
+    state = _load(src)
+    d2t = state["d2t"].long()  # [V] absolute target ids (eval/heads/medusa.py); full vocabulary (kind_problem)
+    out = {}
+    for i in range(mc["num_heads"]):
+        for j in range(mc["num_layers"]):  # ResBlock x + SiLU(W x + b) == vLLM's ResidualBlock layer
+            out[f"blocks.{i}.layers.{j}.weight"] = state[f"blocks.{i}.{j}.linear.weight"]
+            out[f"blocks.{i}.layers.{j}.bias"] = state[f"blocks.{i}.{j}.linear.bias"]
+        W = state[f"lm_heads.{i}.weight"]  # [V, H]: our row r scores target id d2t[r], vLLM's row t id t
+        out[f"lm_heads.{i}.weight"] = torch.zeros_like(W).index_copy_(0, d2t, W)
+    # Only "num_heads" and "num_hidden_layers" may contain "num": MedusaConfig.from_pretrained renames
+    # any key holding "num" and "heads"/"layers" to them.
+    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": mc["hidden_size"],
+              "vocab_size": mc["vocab_size"], "truncated_vocab_size": mc["vocab_size"], "num_heads": mc["num_heads"],
+              "num_hidden_layers": mc["num_layers"], "medusa_fc_bias": True}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    _save(out, tmp / "model.safetensors")
+
+
+def write_hf(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
+    # Written for transformers' AutoModelForCausalLM / AutoTokenizer (HF assistant_model, vLLM draft_model).
+    from transformers import AutoTokenizer
+
+    from eval.loading import tokenizers_match
+
+    tmp.rmdir()
+    # The checkpoint's weights are already merged (pipeline/methods/draft_lm.py saves merge_and_unload's
+    # model); the PEFT adapter is copied beside them in adapter/.
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(*NOT_EXPORTED))
+    verifier_tok = AutoTokenizer.from_pretrained(v.path or v.name_or_path)
+    if (tmp / "tokenizer_config.json").exists():
+        draft_tok = AutoTokenizer.from_pretrained(tmp)
+        if not tokenizers_match(draft_tok, verifier_tok):
+            raise ExportError(f"{src}: its tokenizer differs from verifier {v.name_or_path}'s (vocab {len(draft_tok)} "
+                              f"vs {len(verifier_tok)}); a draft must share the verifier's tokenizer: pass the "
+                              f"--verifier it was trained for")
+    else:
+        verifier_tok.save_pretrained(tmp)
+
+
+# ------------------------------------------------------------------------------- the formats
+
+EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def _archs(config: dict) -> list[str]:
+    return config.get("architectures") or []
+
+
+def _speculators_k(config: dict) -> int | None:
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return methods[0].get("speculative_tokens")
+
+
+# In detection order: the first whose `recognizes` holds names an export's format (verify-export).
+FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
+    ExportFormat("speculators", ("eagle3",), ("vllm",), "eagle3", write_speculators,
+                 lambda c: bool(c.get("speculators_model_type")), _speculators_k, self_contained=True),
+    ExportFormat("eagle3", ("eagle3",), ("sglang",), "eagle3", write_eagle3,
+                 lambda c: any(a in EAGLE3_ARCHS for a in _archs(c)), sglang_algorithm="EAGLE3"),
+    ExportFormat("medusa", ("medusa",), ("vllm",), "medusa", write_medusa,
+                 lambda c: c.get("model_type") == "medusa" or "MedusaModel" in _archs(c),
+                 lambda c: c.get("num_heads")),
+    ExportFormat("hf", ("draft_lm",), ("hf",), "draft_model", write_hf,
+                 lambda c: any(a.endswith("ForCausalLM") for a in _archs(c)), hf_assistant=True),
+)}
+
+# {engine: {draft kind: the format that engine serves it in}} (a kind absent here cannot be served there)
+SERVE_FORMATS = {e: {kind: f.name for f in FORMATS.values() if e in f.served_by for kind in f.kinds} for e in ENGINES}
