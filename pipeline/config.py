@@ -45,7 +45,8 @@ def drop_later_defaults(d: dict) -> dict:
         if section in d and key in d[section] and d[section][key] == default:
             del d[section][key]
     for section in LATER_SECTIONS:
-        if section in d and d[section] == LATER_SECTIONS[section]():
+        default = {k: v for k, v in LATER_SECTIONS[section]().items() if LATER_KEYS.get((section, k), object()) != v}
+        if section in d and d[section] == default:
             del d[section]
     return d
 

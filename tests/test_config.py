@@ -204,3 +204,12 @@ def test_cli_prompt_source_with_no_prompts(tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("draftsmith: error:")]
     assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr
     assert "empty.jsonl" in errors[0] and "no prompts" in errors[0]
+
+
+def test_keys_added_to_a_later_section_leave_its_hash_alone():
+    """retrain.min_prompts/min_tokens came after runs were keyed: a recipe that set another retrain key keeps
+    the hash it had before them (8a909ce8cdddf714 at 9d11806), and setting them away from their defaults
+    changes it."""
+    r = load_recipe(domain="code", overrides=["retrain.min_gain=0.05"])
+    assert r.hash() == "8a909ce8cdddf714"
+    assert load_recipe(domain="code", overrides=["retrain.min_gain=0.05", "retrain.min_prompts=4"]).hash() != r.hash()
