@@ -147,6 +147,17 @@ class Registry:
             raise self._broken(p["id"], f"draft is missing ({e['draft_dir']})")
         return e | {"since": p.get("since"), "reason": p.get("reason")}
 
+    def check_target(self, target: str) -> None:
+        """A draft for `target` is compared only with a champion of `target`: where the champion serves another,
+        one line, so a distill is refused before its compute rather than at admission (retrain.check_target)."""
+        champ = self.champion() if self.exists() else None
+        theirs = (champ or {}).get("metrics", {}).get("target")
+        if champ is not None and theirs != target:
+            raise RegistryError(f"the champion {champ['id']} serves target {theirs!r} but this recipe's target is "
+                                f"{target!r}; a draft for another target is never compared with it: use a new "
+                                f"domain for the new target (--domain/domain=NAME), or roll back to a champion of "
+                                f"{target!r} ({self.command('rollback --to ID')})")
+
     def history(self) -> list[dict]:
         """Champion changes, oldest first: id, since, reason, replaced, rollback_to, speedup, tau, traffic_rows."""
         p = self._pointer()
