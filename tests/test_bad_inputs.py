@@ -81,6 +81,37 @@ def _write(rel: str, text: str):
     return setup
 
 
+def _write_bytes(rel: str, data: bytes):
+    def setup(c: Ctx):
+        (c.tmp / rel).write_bytes(data)
+    return setup
+
+
+# a prompts file whose second line is Latin-1, not UTF-8; a chat row whose turn has no content
+NOT_UTF8 = _write_bytes("p.jsonl", b'{"prompt": "def f():\\n    return 1\\n"}\n{"prompt": "caf\xe9 au lait"}\n')
+NO_CONTENT = _write("p.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "user"}]}\n')
+NOT_TEXT = _write("p.jsonl", '{"messages": [{"role": "user", "content": 7}]}\n')
+
+
+def _bench(c: Ctx, *more: str) -> list[str]:
+    return ["bench", "--target", str(c.target), "--draft", "ngram", "--prompts", str(c.tmp / "p.jsonl"),
+            "--dtype", "float32", "--max-new-tokens", "4", *more]
+
+
+def _report(c: Ctx, *more: str) -> list[str]:
+    return ["report", "--domain", "code", "--runs-dir", str(c.runs), "--out", str(c.tmp / "r.html"), *more]
+
+
+def _other_target(c: Ctx):
+    """The same tiny model under another path: another target, to a recipe; the copied run's draft the champion."""
+    from pipeline.registry import Registry
+
+    shutil.copytree(c.target, c.tmp / "other-target")
+    reg = Registry(c.runs / "code")
+    if reg.champion() is None:  # the gate may have kept a tiny draft out: make it the champion
+        reg.promote(RUN_ID, {"reason": "set up as champion"})
+
+
 def _corrupt_shard(c: Ctx):
     (c.run / "train" / "manifest.json").unlink()  # train reads the shards again
     arrow = sorted((c.run / "generate" / "shard-00001").glob("*.arrow"))[0]
@@ -88,21 +119,20 @@ def _corrupt_shard(c: Ctx):
 
 
 def _disk_full_at(name: str):
-    """Every atomic JSON writer refuses `name` with ENOSPC, as a full disk would."""
+    """Every atomic writer (JSON and text) refuses `name` with ENOSPC, as a full disk would."""
     def patch(mp: pytest.MonkeyPatch, c: Ctx):
-        import pipeline.shards
+        import pipeline.atomic
 
-        real = pipeline.shards.write_json_atomic
-
-        def write(path, obj):
-            if Path(path).name == name:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-            return real(path, obj)
-        for mod in ("pipeline.shards", "pipeline.evaluate", "pipeline.atomic"):
-            try:
-                mp.setattr(importlib.import_module(mod), "write_json_atomic", write, raising=False)
-            except ImportError:  # pipeline.atomic: not on every branch
-                pass
+        def refusing(real):
+            def write(path, *a, **kw):
+                if Path(path).name == name:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                return real(path, *a, **kw)
+            return write
+        for fn in ("write_json_atomic", "write_text_atomic"):
+            write = refusing(getattr(pipeline.atomic, fn))
+            for mod in ("pipeline.shards", "pipeline.evaluate", "pipeline.atomic"):
+                mp.setattr(importlib.import_module(mod), fn, write, raising=False)
     return patch
 
 
@@ -115,6 +145,8 @@ PROGRESS_BAR = re.compile(r"^[^|\n]*: *\d+%\|[^|]*\| *\d+/\d+ \[[^]]*\]$")
 def _stderr_lines(err: str) -> list[str]:
     """stderr's lines, each redrawn segment (split at carriage returns) a line of its own, less progress bars."""
     return [s for line in err.split("\n") for s in line.split("\r") if s.strip() and not PROGRESS_BAR.match(s)]
+
+
 CASES = [
     # the recipe and the command line
     Case("no-recipe", lambda c: ["distill"], ("--recipe",)),
@@ -163,6 +195,36 @@ CASES = [
     Case("prompts-of-a-run-without-prompts", lambda c: ["prompts", "--out", str(c.tmp / "h.jsonl"), "--run-dir",
                                                          str(c.tmp / "emptyrun")], ("heldout.jsonl",),
          setup=lambda c: (c.tmp / "emptyrun").mkdir()),
+    # prompt files: not UTF-8, chat rows without text, in every command that reads one
+    Case("bench-prompts-not-utf8", lambda c: _bench(c), ("p.jsonl:2", "UTF-8"), setup=NOT_UTF8),
+    Case("distill-source-not-utf8", lambda c: [*c.stage("distill"), f"data.source={c.tmp / 'p.jsonl'}"],
+         ("p.jsonl:2", "UTF-8"), setup=NOT_UTF8, run=True),
+    Case("distill-heldout-not-utf8", lambda c: ["distill", *_overrides(c.target, c.runs),
+                                                f"data.heldout={c.tmp / 'p.jsonl'}"], ("p.jsonl:2", "UTF-8"),
+         setup=NOT_UTF8),
+    Case("report-prompts-not-utf8", lambda c: _report(c, "--prompts", str(c.tmp / "p.jsonl")),
+         ("p.jsonl:2", "UTF-8"), setup=NOT_UTF8, run=True),
+    Case("bench-messages-without-content", lambda c: _bench(c), ("p.jsonl:2", "content"), setup=NO_CONTENT),
+    Case("distill-messages-without-content", lambda c: ["distill", *_overrides(c.target, c.runs),
+                                                        f"data.source={c.tmp / 'p.jsonl'}"],
+         ("p.jsonl:2", "content"), setup=NO_CONTENT),
+    Case("report-messages-without-content", lambda c: _report(c, "--prompts", str(c.tmp / "p.jsonl")),
+         ("p.jsonl:2", "content"), setup=NO_CONTENT, run=True),
+    Case("bench-messages-content-not-text", lambda c: _bench(c), ("p.jsonl:1", "content"), setup=NOT_TEXT),
+    # sampling settings out of range, on the command line and in the recipe
+    Case("bench-temperature-negative", lambda c: _bench(c, "--temperature", "-1"), ("--temperature", ">= 0"),
+         setup=_write("p.jsonl", '{"prompt": "def f():"}\n')),
+    Case("bench-temperature-nan", lambda c: _bench(c, "--temperature", "nan"), ("--temperature", ">= 0"),
+         setup=_write("p.jsonl", '{"prompt": "def f():"}\n')),
+    Case("evaluate-temperature-nan", lambda c: ["distill", *_overrides(c.target, c.runs), "evaluate.temperature=.nan"],
+         ("evaluate.temperature",)),
+    Case("report-temperature-negative", lambda c: _report(c, "report.temperatures=[0,-1]"),
+         ("report.temperatures",), run=True),
+    # a distill that fails or is refused leaves runs/<domain>/latest where it was
+    Case("failed-distill-latest-stays", lambda c: ["distill", *_overrides(c.target, c.runs), "--run-id", "new"],
+         ("disk full", "val.jsonl"), run=True, patch=_disk_full_at("val.jsonl"), adds=True),
+    Case("distill-new-target-refused-first", lambda c: ["distill", *_overrides(c.tmp / "other-target", c.runs)],
+         ("serves target", "other-target"), setup=_other_target, run=True),
     # export
     Case("export-missing-draft", lambda c: ["export", "--draft", str(c.tmp / "nodraft"), "--format", "hf",
                                             "--out", str(c.tmp / "out")], ("nodraft",)),
