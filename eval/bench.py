@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .cli_args import OneLineParser
 from .cpu import cpu_path
 from .decoder import SpeculativeDecoder
 from .exactness import compare_greedy, exactness_rule
@@ -319,7 +320,7 @@ def compare(target, prompts, ref, other) -> dict:
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="draftsmith bench", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="draftsmith bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=EMBEDDED, help="'embedded' (default) or a local HF checkpoint dir")
     ap.add_argument("--draft", required=True, help="a draft directory (any kind: eagle, medusa, draft_lm, self_spec, "
                     "int8), 'ngram' or 'int8'; or a directory served another way: 'hybrid:DIR' (with n-gram "

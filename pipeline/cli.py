@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from eval.cli_args import OneLineParser
+
 from .config import Recipe, RecipeError, help_table, load_recipe
 from .faults import kill_point
 
@@ -329,7 +331,7 @@ def _recipe_from(args) -> Recipe:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="draftsmith", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="draftsmith", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="store_true", help="the version, torch's, and the CPU path in use")
     sub = p.add_subparsers(dest="cmd", required=False)
     sub.add_parser("doctor", help="which CPU path this machine takes and why, and which paths it runs "

@@ -150,6 +150,8 @@ def _stderr_lines(err: str) -> list[str]:
 CASES = [
     # the recipe and the command line
     Case("no-recipe", lambda c: ["distill"], ("--recipe",)),
+    Case("unknown-flag", lambda c: ["distill", "--recipe", RECIPE, "--bogus"], ("--bogus", "--help")),
+    Case("flag-not-a-number", lambda c: _bench(c, "--temperature", "warm"), ("--temperature", "warm", "--help")),
     Case("recipe-file-missing", lambda c: ["distill", "--recipe", str(c.tmp / "nope.yaml")], ("nope.yaml",)),
     Case("unknown-domain", lambda c: ["distill", "--domain", "nosuchdomain"], ("nosuchdomain", "known domains")),
     Case("unknown-key", lambda c: ["distill", *_overrides(c.target, c.runs), "trian.steps=3"], ("trian",)),
@@ -278,7 +280,10 @@ def test_bad_input_one_line_exit_2_nothing_changed(case, request, tiny_target, t
         case.patch(monkeypatch, ctx)
     before = _snapshot(tmp_path)
     capsys.readouterr()
-    rc = main(argv)
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's errors exit by themselves
+        rc = e.code
     err = capsys.readouterr().err
     assert rc == EXIT_USER_ERROR, err
     lines = _stderr_lines(err)
@@ -292,5 +297,5 @@ def test_bad_input_one_line_exit_2_nothing_changed(case, request, tiny_target, t
         assert after == before
 
 
-def test_there_are_at_least_20_cases():
-    assert len({c.id for c in CASES}) == len(CASES) >= 20
+def test_there_are_at_least_40_cases():
+    assert len({c.id for c in CASES}) == len(CASES) >= 40
