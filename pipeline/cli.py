@@ -534,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             except RecipeError:
                 run_dir = open_run(recipe, for_stage=False)
             stage_compare(recipe, run_dir, args, methods, divergences)
+            _point_latest(run_dir)  # the run has a result now: its comparison
             return 0
         run_dir = open_run(recipe, for_stage=True)
         {"generate": stage_generate, "train": stage_train, "evaluate": stage_evaluate}[args.cmd](recipe, run_dir)
