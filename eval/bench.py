@@ -34,39 +34,33 @@ from pathlib import Path
 
 import torch
 
+from .cli_args import OneLineParser
 from .cpu import cpu_path
 from .decoder import SpeculativeDecoder
 from .exactness import compare_greedy, exactness_rule
 from .loading import LoadError, convert_embedded, convert_gguf, is_gguf, tokenizers_match
+from .prompt_file import PromptFileError, read_prompt_rows, render_chat
 from . import draft_dir
-from .proposers import load_proposer
+from .proposers import check_sampling, load_proposer
 
 EMBEDDED = "embedded"
 
 
 class BenchError(RuntimeError):
-    """A user-facing error: main() prints `bench: <message>` on one line and returns 2."""
+    """A user-facing error: main() prints `draftsmith: error: <message>` on one line and returns 2."""
 
 
 # ----------------------------------------------------------------------------- inputs
 
 def load_prompts(path: str, n: int | None = None) -> list[dict]:
+    """The prompts file's rows (eval.prompt_file: UTF-8 JSONL, chat turns checked), the first `n` of them."""
     p = Path(path)
     if not p.is_file():
         raise BenchError(f"prompts file {path} does not exist")
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BenchError(f"{path}:{i}: bad JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str)
-                                                 or isinstance(row.get("messages"), list)):
-                raise BenchError(f"{path}:{i}: each line needs a 'prompt' string or a 'messages' list")
-            rows.append(row)
+    try:
+        rows = read_prompt_rows(p)
+    except PromptFileError as e:
+        raise BenchError(str(e)) from None
     if not rows:
         raise BenchError(f"prompts file {path} is empty")
     return rows[:n] if n else rows
@@ -76,7 +70,10 @@ def encode_prompts(rows: list[dict], tok) -> list[list[int]]:
     out = []
     for row in rows:
         if isinstance(row.get("messages"), list):
-            ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
+            try:
+                ids = render_chat(tok, row["messages"], add_generation_prompt=True, tokenize=True)
+            except PromptFileError as e:
+                raise BenchError(str(e)) from None
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             ids = list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
@@ -323,7 +320,7 @@ def compare(target, prompts, ref, other) -> dict:
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="draftsmith bench", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="draftsmith bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=EMBEDDED, help="'embedded' (default) or a local HF checkpoint dir")
     ap.add_argument("--draft", required=True, help="a draft directory (any kind: eagle, medusa, draft_lm, self_spec, "
                     "int8), 'ngram' or 'int8'; or a directory served another way: 'hybrid:DIR' (with n-gram "
@@ -403,6 +400,10 @@ def plan(args) -> Plan:
         raise BenchError("--max-new-tokens must be >= 1")
     if args.batch_size < 1:
         raise BenchError("--batch-size must be >= 1")
+    try:
+        check_sampling(args.temperature, names=("--temperature", "--top-k", "--top-p"))
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     k = _parse_k(args.k)
     sweep = None
     if args.batch_sweep:
@@ -611,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(args)
     except BenchError as e:
-        print(f"bench: {e}", file=sys.stderr)
+        print(f"draftsmith: error: {e}", file=sys.stderr)
         return 2
     print(out["table"])
     if "batch_sweep" in out and "markdown" in out["batch_sweep"]:

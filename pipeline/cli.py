@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from eval.cli_args import OneLineParser
+
 from .config import Recipe, RecipeError, help_table, load_recipe
 from .faults import kill_point
 
@@ -94,6 +96,7 @@ def _alive(pid: int) -> bool:
 
 
 def _point_latest(run_dir: Path) -> None:
+    """runs/<domain>/latest -> run_dir, a run with a result (its promoted best/), moved atomically."""
     link = run_dir.parent / "latest"
     for old in run_dir.parent.glob(".latest-*"):  # left by a run killed while it moved the pointer
         pid = old.name.split("-")[-1]
@@ -107,19 +110,33 @@ def _point_latest(run_dir: Path) -> None:
     os.replace(tmp, link)
 
 
+def _runs(domain_dir: Path) -> list[tuple[Path, dict]]:
+    """The domain's distill runs (directories with a status.json, retrain's own left out), oldest started first."""
+    found = []
+    for d in domain_dir.iterdir() if domain_dir.is_dir() else ():
+        if d.is_symlink() or not d.is_dir() or d.name.startswith("."):
+            continue
+        st = _read_status(d)
+        if st and st.get("kind") != "retrain":
+            found.append((d, st))
+    return sorted(found, key=lambda x: (x[1].get("started") or 0, x[0].name))
+
+
 def open_run(recipe: Recipe, *, for_stage: bool, new: bool = False) -> Path:
     """Pick the run directory.
 
-    distill: an explicit run_id; else the latest run if it was interrupted with the same recipe
-    (so rerunning `make distill` resumes); else a new timestamped run.
-    A single stage: an explicit run_id, else the latest run (the stages continue one pipeline)."""
+    distill: an explicit run_id; else the newest run of the same recipe if it was interrupted (so rerunning
+    `make distill` resumes); else a new timestamped run.
+    A single stage: an explicit run_id, else the newest run (the stages continue one pipeline).
+    `latest` is not moved here: only a run with a result moves it (`_point_latest`)."""
     domain_dir = Path(recipe.runs_dir) / recipe.domain
-    latest = domain_dir / "latest"
     run_id = recipe.run_id
-    if run_id is None and latest.exists() and not new:
-        st = _read_status(latest.resolve())
-        if for_stage or (st.get("recipe_hash") == recipe.hash() and not st.get("complete")):
-            run_id = latest.resolve().name
+    if run_id is None and not new:
+        runs = _runs(domain_dir)
+        if not for_stage:
+            runs = [r for r in runs if r[1].get("recipe_hash") == recipe.hash()]
+        if runs and (for_stage or not runs[-1][1].get("complete")):
+            run_id = runs[-1][0].name
             print(f"draftsmith: continuing run {domain_dir / run_id}", file=sys.stderr)
     if run_id is None:
         if for_stage:
@@ -142,11 +159,20 @@ def open_run(recipe: Recipe, *, for_stage: bool, new: bool = False) -> Path:
     write_text_atomic(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
     if not _read_status(run_dir):
         _write_status(run_dir, recipe_hash=recipe.hash(), complete=False, started=time.time())
-    _point_latest(run_dir)
     from .lock import note_run
 
     note_run(domain_dir, run_id)
     return run_dir
+
+
+def refuse_early(recipe: Recipe) -> None:
+    """What would stop a distill only after its compute, refused first (nothing written yet): a data file that
+    cannot be read, a target other than the one the domain's champion serves (admission refuses those)."""
+    from .data import check_sources
+    from .registry import Registry
+
+    check_sources(recipe.data)
+    Registry(Path(recipe.runs_dir) / recipe.domain).check_target(recipe.target)
 
 
 # ---------------------------------------------------------------- stages
@@ -280,6 +306,7 @@ def distill(recipe: Recipe, new: bool = False, command: str | None = None) -> Pa
     admit_distill(recipe, run_dir, target, tok)  # best/ enters the registry; champion only through the gate
     stage_report(recipe, run_dir, target, tok, command)
     kill_point("cli.before_complete")
+    _point_latest(run_dir)  # before `complete`: a run killed between the two is found again and finished
     _write_status(run_dir, complete=True, wall_s=time.time() - t0)
     print(f"draftsmith: done in {time.time() - t0:.0f}s; outputs in {run_dir} (and {run_dir.parent / 'latest'})")
     return run_dir
@@ -304,7 +331,7 @@ def _recipe_from(args) -> Recipe:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="draftsmith", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="draftsmith", description=__doc__.split("\n\n")[0])
     p.add_argument("--version", action="store_true", help="the version, torch's, and the CPU path in use")
     sub = p.add_subparsers(dest="cmd", required=False)
     sub.add_parser("doctor", help="which CPU path this machine takes and why, and which paths it runs "
@@ -490,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         from .models import resolve_target
 
         resolve_target(recipe.target)  # a missing target: refused before any run directory is touched
+        if args.cmd == "distill":
+            refuse_early(recipe)
         _lock_domain(recipe, args.cmd)  # released when main returns
         if args.cmd == "distill":
             distill(recipe, new=args.new, command=shlex.join(["draftsmith", *argv]))
@@ -505,9 +534,12 @@ def main(argv: list[str] | None = None) -> int:
             except RecipeError:
                 run_dir = open_run(recipe, for_stage=False)
             stage_compare(recipe, run_dir, args, methods, divergences)
+            _point_latest(run_dir)  # the run has a result now: its comparison
             return 0
         run_dir = open_run(recipe, for_stage=True)
         {"generate": stage_generate, "train": stage_train, "evaluate": stage_evaluate}[args.cmd](recipe, run_dir)
+        if args.cmd == "evaluate":  # the run has a promoted draft now
+            _point_latest(run_dir)
         return 0
     except KeyboardInterrupt:
         print("draftsmith: interrupted; rerun the same command to resume (finished shards and checkpoints are kept)",

@@ -23,7 +23,7 @@ import yaml
 
 from .formats import ENGINES, FORMATS
 from .methods import METHODS, DraftLMOptions, Eagle3Options, EagleOptions, MedusaOptions, SelfSpecOptions
-from .options import RecipeError, one_of as _one_of, option as _f, positive as _positive
+from .options import RecipeError, one_of as _one_of, option as _f, positive as _positive, sampling as _sampling
 from .synth import SynthOptions
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -111,7 +111,7 @@ class GenerateConfig:
     def __post_init__(self):
         for k in ("max_new_tokens", "batch_size", "batches_per_shard", "top_k_logprobs"):
             _positive(f"generate.{k}", getattr(self, k))
-        _positive("generate.temperature", self.temperature, zero_ok=True)
+        _sampling("generate.", self.temperature)
         _one_of("generate.engine", self.engine, GENERATE_ENGINES)
 
 
@@ -277,10 +277,7 @@ class EvaluateConfig:
 
     def __post_init__(self):
         _one_of("evaluate.serve", self.serve, {"draftsmith", *ENGINES})
-        _positive("evaluate.temperature", self.temperature, zero_ok=True)
-        _positive("evaluate.top_k", self.top_k, zero_ok=True)
-        if not 0.0 < self.top_p <= 1.0:
-            raise RecipeError(f"evaluate.top_p={self.top_p} must be in (0, 1]; 1 turns nucleus sampling off")
+        _sampling("evaluate.", self.temperature, self.top_k, self.top_p)
         if self.temperature == 0 and (self.top_p < 1.0 or self.top_k):
             raise RecipeError(f"evaluate.top_p={self.top_p}, top_k={self.top_k} shape sampling, which "
                               f"evaluate.temperature=0 (greedy) never does: set evaluate.temperature > 0 or "
@@ -341,8 +338,9 @@ class ReportConfig:
             v = getattr(self, name)
             if not v or any(x < 1 for x in v) or len(set(v)) != len(v):
                 raise RecipeError(f"report.{name}={v!r} must list distinct positive integers, e.g. [1, 2, 3, 4]")
-        if not self.temperatures or any(t < 0 for t in self.temperatures) or \
-                len(set(self.temperatures)) != len(self.temperatures):
+        for i, t in enumerate(self.temperatures):
+            _sampling("report.", t, temperature_key=f"temperatures[{i}]")
+        if not self.temperatures or len(set(self.temperatures)) != len(self.temperatures):
             raise RecipeError(f"report.temperatures={self.temperatures!r} must list distinct temperatures >= 0, "
                               f"e.g. [0, 0.7, 1.0]")
         _positive("report.n_prompts", self.n_prompts)

@@ -27,6 +27,8 @@ import sysconfig
 import tokenize
 from pathlib import Path
 
+from eval.prompt_file import PromptFileError, chat_turns, jsonl_objects, render_chat, text_of
+
 from .faults import kill_point
 
 CHAT_INSTRUCTION = "Complete this Python function:\n"
@@ -188,30 +190,6 @@ def _stem(path: Path) -> str:
     return next((path.name[:-len(s)] for s in FILE_SUFFIXES if path.name.endswith(s)), path.stem)
 
 
-def _text(content, what: str) -> str:
-    """A message's text: a string, or OpenAI content parts [{"type": "text", "text"}] joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise ValueError(f"{what} has no text content (a string or [{{'type': 'text', 'text'}}] parts)")
-
-
-def _messages(messages) -> list[dict]:
-    """Chat turns as {"role", "content": str} (keys a Parquet struct column fills with None dropped)."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list of {'role', 'content'} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise ValueError(f"messages[{i}] must be a {{'role', 'content'}} object")
-        turn = {k: v for k, v in m.items() if v is not None}
-        turn["content"] = _text(m["content"], f"messages[{i}] ({m['role']})")
-        out.append(turn)
-    return out
-
-
 def _served(obj: dict) -> dict:
     """An OpenAI request/response log row -> {"messages"|"prompt", "completion"}. The request is a
     request body or a Batch API input line ({"custom_id", "body": {...}}); the response a chat.completion
@@ -225,11 +203,11 @@ def _served(obj: dict) -> dict:
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise ValueError("'response' needs 'choices' (directly or under 'body'): a failed request?")
     first = choices[0]
-    text = _text(first["message"].get("content"), "response choices[0].message") if isinstance(
+    text = text_of(first["message"].get("content"), "response choices[0].message") if isinstance(
         first.get("message"), dict) else first.get("text")
     if not isinstance(text, str):
         raise ValueError("response choices[0] has neither message.content nor text")
-    prompt = {"messages": _messages(req["messages"])} if "messages" in req else {"prompt": req["prompt"]}
+    prompt = {"messages": chat_turns(req["messages"])} if "messages" in req else {"prompt": req["prompt"]}
     return prompt | {"completion": text}
 
 
@@ -249,14 +227,14 @@ def source_row(obj, default_id: str) -> dict:
     if isinstance(obj.get("prompt"), str):
         row = {"id": rid, "prompt": obj["prompt"]}
     elif obj.get("messages") is not None:
-        row = {"id": rid, "messages": _messages(obj["messages"])}
+        row = {"id": rid, "messages": chat_turns(obj["messages"])}
         if obj.get("completion") is None and row["messages"][-1]["role"] == "assistant":
             if len(row["messages"]) == 1:
                 raise ValueError("the only message is the assistant's: no prompt precedes it")
             row["completion"] = row["messages"].pop()["content"]
     elif isinstance(obj.get("body"), dict) and ("messages" in obj["body"] or isinstance(obj["body"].get("prompt"), str)):
         body = obj["body"]  # a Batch API input line alone: the request, logged before it was served
-        row = {"id": rid, **({"messages": _messages(body["messages"])} if "messages" in body else
+        row = {"id": rid, **({"messages": chat_turns(body["messages"])} if "messages" in body else
                              {"prompt": body["prompt"]})}
     else:
         raise ValueError("needs 'prompt' (a string), 'messages' (a list of {'role', 'content'} objects), "
@@ -269,25 +247,20 @@ def source_row(obj, default_id: str) -> dict:
 
 
 def jsonl_prompts(path) -> list[dict]:
-    """Rows of a JSONL file, gzipped when it ends in .gz (`source_row`); a bad line raises DataError naming
-    `path:line`. Missing ids become `<file stem>:<line>`."""
+    """Rows of a JSONL file, gzipped when it ends in .gz (`source_row`); a line that is not UTF-8, not JSON or not a
+    row raises DataError naming `path:line`. Missing ids become `<file stem>:<line>`."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"prompt source {path} does not exist; give {SOURCE_FORMATS}")
     rows = []
-    with (gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")) as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+    try:
+        for n, obj in jsonl_objects(path):
             try:
                 rows.append(source_row(obj, f"{_stem(path)}:{n}"))
             except ValueError as e:
-                raise DataError(f"{where}: {e}") from None
+                raise DataError(f"{path}:{n}: {e}") from None
+    except PromptFileError as e:
+        raise DataError(str(e)) from None
     return rows
 
 
@@ -362,6 +335,16 @@ def load_source(spec: str, kind: str = "data.source") -> list[dict]:
     return rows
 
 
+def check_sources(data_cfg) -> None:
+    """Read data.source and data.heldout where they name files or folders (the humaneval package where it is
+    named), so a bad one is refused before a run directory is made; build_prompt_sets reads them again."""
+    for kind, spec in (("data.source", data_cfg.source), ("data.heldout", heldout_spec(data_cfg))):
+        if spec == "humaneval":
+            humaneval_path()
+        elif spec not in ("stdlib", "self", "split"):
+            load_source(spec, kind)
+
+
 # ---------------------------------------------------------------------------------------------
 # tokenisation
 
@@ -372,7 +355,10 @@ def encode_prompt(row: dict, tokenizer, chat: bool) -> list[int]:
     without adding special tokens a second time."""
     if chat or "messages" in row:
         messages = row.get("messages") or [{"role": "user", "content": CHAT_INSTRUCTION + row["prompt"]}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = render_chat(tokenizer, messages, add_generation_prompt=True, tokenize=False)
+        except PromptFileError as e:
+            raise DataError(f"prompt {row['id']}: {e}" if row.get("id") else str(e)) from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(row["prompt"])["input_ids"])
 

@@ -16,7 +16,6 @@ Writers take a short flock on registry/.write.lock, so `drafts rollback` during 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import shutil
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from eval import draft_dir as dd
 
 from .atomic import TMP_PREFIX, fsync_tree, make_tmp_dir, publish_dir, write_json_atomic, write_text_atomic
+from .checksum import LEGACY_REGISTRY, dir_checksum, matches
 from .faults import kill_point
 from .lock import new_run_id
 
@@ -37,16 +37,6 @@ SUMMARY_KEYS = ("speedup", "tau", "alpha", "accept_per_pos", "mean_acceptance_le
 
 class RegistryError(ValueError):
     """The registry is missing, names an unknown entry, or its pointer names a broken one."""
-
-
-def dir_checksum(d: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(p for p in Path(d).rglob("*") if p.is_file()):
-        h.update(f.relative_to(d).as_posix().encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def metrics_summary(metrics: dict) -> dict:
@@ -147,6 +137,22 @@ class Registry:
             raise self._broken(p["id"], f"draft is missing ({e['draft_dir']})")
         return e | {"since": p.get("since"), "reason": p.get("reason")}
 
+    def verify(self, id: str) -> bool:
+        """Whether entry `id`'s draft files are still the ones admitted (its draft_sha256, of any version)."""
+        e = self.entry(id)
+        return matches(e["draft_dir"], e.get("draft_sha256"), LEGACY_REGISTRY)
+
+    def check_target(self, target: str) -> None:
+        """A draft for `target` is compared only with a champion of `target`: where the champion serves another,
+        one line, so a distill is refused before its compute rather than at admission (retrain.check_target)."""
+        champ = self.champion() if self.exists() else None
+        theirs = (champ or {}).get("metrics", {}).get("target")
+        if champ is not None and theirs != target:
+            raise RegistryError(f"the champion {champ['id']} serves target {theirs!r} but this recipe's target is "
+                                f"{target!r}; a draft for another target is never compared with it: use a new "
+                                f"domain for the new target (--domain/domain=NAME), or roll back to a champion of "
+                                f"{target!r} ({self.command('rollback --to ID')})")
+
     def history(self) -> list[dict]:
         """Champion changes, oldest first: id, since, reason, replaced, rollback_to, speedup, tau, traffic_rows."""
         p = self._pointer()
@@ -200,7 +206,7 @@ class Registry:
         digest = dir_checksum(src)
         with self._writing():
             for e in self.entries():
-                if e.get("run_dir") == run and e.get("draft_sha256") == digest:
+                if e.get("run_dir") == run and matches(src, e.get("draft_sha256"), LEGACY_REGISTRY):
                     return e
             base = Path(run_dir).name if run_dir is not None else new_run_id()
             id, n = base, 2
@@ -386,7 +392,8 @@ def command(args) -> int:
             raise RegistryError(f"no champion in {reg.dir} yet; give an entry id ({reg.command('list')})")
         print(json.dumps(e, indent=2, sort_keys=True))
         d = Path(e["draft_dir"])
-        print(f"draft: {d}" + ("" if e["intact"] else " (missing)"))
+        state = " (missing)" if not e["intact"] else "" if reg.verify(e["id"]) else " (files changed since admission)"
+        print(f"draft: {d}{state}")
         for f in sorted(x for x in d.rglob("*") if x.is_file()) if d.is_dir() else []:
             print(f"  {f.relative_to(d)}  {f.stat().st_size} bytes")
         return 0

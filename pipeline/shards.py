@@ -9,13 +9,13 @@ renamed into place, and the manifest is rewritten through a temporary file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
 from pathlib import Path
 
 from .atomic import write_json_atomic  # noqa: F401  (re-exported: stages import it from here)
+from .checksum import LEGACY_SHARD, dir_checksum, matches
 
 MANIFEST = "manifest.json"
 
@@ -26,16 +26,6 @@ class ShardError(RuntimeError):
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}"
-
-
-def _dir_checksum(d: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(p for p in d.rglob("*") if p.is_file()):
-        h.update(f.relative_to(d).as_posix().encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def read_manifest(stage_dir: Path) -> dict:
@@ -55,7 +45,7 @@ def save_shard(stage_dir: Path, index: int, dataset) -> dict:
     final = stage_dir / shard_name(index)
     tmp = Path(tempfile.mkdtemp(dir=stage_dir, prefix=f".{shard_name(index)}-"))
     dataset.save_to_disk(str(tmp))
-    entry = {"rows": len(dataset), "sha256": _dir_checksum(tmp)}
+    entry = {"rows": len(dataset), "sha256": dir_checksum(tmp)}
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -82,7 +72,7 @@ def record_shard(stage_dir: Path, index: int, entry: dict, header: dict | None =
 
 def verify_shard(stage_dir: Path, name: str, entry: dict) -> bool:
     d = Path(stage_dir) / name
-    return d.is_dir() and _dir_checksum(d) == entry.get("sha256")
+    return matches(d, entry.get("sha256"), LEGACY_SHARD)
 
 
 def complete_shards(stage_dir: Path) -> dict[str, dict]:

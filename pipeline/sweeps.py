@@ -24,9 +24,10 @@ from pathlib import Path
 from eval import draft_dir
 from eval.decoder import SpeculativeDecoder
 from eval.exactness import compare_greedy, exactness_rule
+from eval.prompt_file import PromptFileError, read_prompt_rows
 
 from .config import stable_hash
-from .data import encode_prompt, read_jsonl
+from .data import encode_prompt
 from .measure import MeasurementCache, aggregate, decode_together, proposer_for, vllm_acceptance
 
 
@@ -190,13 +191,9 @@ def prompt_rows(recipe, run_dir: Path, prompts_file: str | Path | None) -> tuple
         raise SweepError(f"{path} does not exist; " + ("give --prompts a JSONL file" if prompts_file else
                                                        "run the generate stage first (it writes the prompt sets)"))
     try:
-        rows = read_jsonl(path)
-    except ValueError as e:
-        raise SweepError(f"{path} is not JSONL ({e}); one JSON object per line") from None
-    bad = [i for i, r in enumerate(rows, 1) if not isinstance(r, dict) or not (
-        isinstance(r.get("prompt"), str) or isinstance(r.get("messages"), list))]
-    if bad:
-        raise SweepError(f"{path}:{bad[0]}: each line needs a 'prompt' string or a 'messages' list")
+        rows = read_prompt_rows(path)
+    except PromptFileError as e:
+        raise SweepError(str(e)) from None
     if not rows:
         raise SweepError(f"{path} holds no prompts; give a JSONL file with at least one")
     return rows[:recipe.report.n_prompts], path

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .options import RecipeError, option, positive
+from .options import RecipeError, option, positive, sampling
 
 HELDOUT_SEED_OFFSET = 1_000_003  # held-out requests are sampled from seed + this: never the training stream
 _SENTINEL = "\x00draftsmith-user-turn\x00"
@@ -50,9 +50,8 @@ class SynthOptions:
     def __post_init__(self):
         for k in ("prompts", "heldout", "max_new_tokens", "min_chars", "batch_size"):
             positive(f"data.synth.{k}", getattr(self, k))
-        positive("data.synth.temperature", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
-            raise RecipeError(f"data.synth.top_p={self.top_p} must be in (0, 1]")
+        positive("data.synth.temperature", self.temperature)  # sampled: 0 would be greedy
+        sampling("data.synth.", self.temperature, top_p=self.top_p)
         if any(not isinstance(s, str) or not s.strip() for s in self.seeds):
             raise RecipeError("data.synth.seeds must be non-empty strings (beginnings of user requests)")
 

@@ -74,9 +74,9 @@ def test_draft_lm_includes_hf_assisted(tiny, tmp_path):
 
 
 def _err(capsys):
-    """The one `bench: ...` line a bad input prints (the last line of stderr)."""
+    """The one `draftsmith: error: ...` line a bad input prints (the last line of stderr)."""
     err = capsys.readouterr().err.strip().splitlines()
-    assert err and err[-1].startswith("bench: ") and sum(e.startswith("bench: ") for e in err) == 1, err
+    assert err and err[-1].startswith("draftsmith: error: ") and sum(e.startswith("draftsmith: error: ") for e in err) == 1, err
     return err[-1]
 
 
@@ -118,7 +118,7 @@ def test_missing_draft_dir_message(tiny, tmp_path, capsys):
     assert bench.main(["--target", tiny["target"], "--draft", str(tmp_path / "no_draft"),
                        "--prompts", tiny["prompts"]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not exist" in err[0] and err[0].startswith("bench: ")
+    assert len(err) == 1 and "does not exist" in err[0] and err[0].startswith("draftsmith: error: ")
 
 
 def test_match_rate_and_merge():

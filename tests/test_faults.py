@@ -209,7 +209,6 @@ CHAINS = [
         "retrain.after_promote",  # logged, gate.json not written
     ]),
     Chain("open-evaluate", distill_command, [
-        "cli.latest_pointer",  # the run directory made, the latest link written aside
         "generate.prompt_file@1",  # one prompt set of three written
         "generate.prompts_written",
         "evaluate.measured@1",  # one checkpoint's measurement stored
@@ -220,6 +219,7 @@ CHAINS = [
         "evaluate.before_metrics",
         "evaluate.before_report",
         "cli.before_complete",
+        "cli.latest_pointer",  # the run finished, the latest link written aside, status not yet complete
     ]),
     Chain("retrain", retrain_command, [
         "retrain.after_ingest",  # the batch directory published, not yet in the ledger: re-ingested

@@ -323,7 +323,7 @@ def test_bench_device_cuda_without_a_gpu_fails_in_one_line(tmp_path, capsys):
     prompts.write_text('{"prompt": "w1 w2"}\n')
     assert bench.main(["--draft", "ngram", "--prompts", str(prompts), "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("bench: --device cuda: no CUDA device here") and "\n" not in err
+    assert err.startswith("draftsmith: error: --device cuda: no CUDA device here") and "\n" not in err
 
 
 def test_bench_compile_reaches_the_decoder():

@@ -13,7 +13,7 @@ for its draft kind.
 """
 
 from ..draft_dir import SERVE_KEYS, SERVED_AS
-from .base import NoDraft, Proposer, Sampling, draw, to_target_vocab, verified_input
+from .base import NoDraft, Proposer, Sampling, check_sampling, draw, to_target_vocab, verified_input
 from .draft_lm import DraftLMProposer
 from .eagle import EagleProposer
 from .eagle3 import Eagle3Proposer
@@ -23,5 +23,5 @@ from .medusa import MedusaProposer
 from .ngram import NgramProposer
 
 __all__ = ["SERVE_KEYS", "SERVED_AS", "DraftLMProposer", "Eagle3Proposer", "EagleProposer", "HybridProposer",
-           "MedusaProposer", "NgramProposer", "NoDraft", "Proposer", "Sampling", "draw", "load_proposer", "serve_with",
-           "to_target_vocab", "verified_input"]
+           "MedusaProposer", "NgramProposer", "NoDraft", "Proposer", "Sampling", "check_sampling", "draw",
+           "load_proposer", "serve_with", "to_target_vocab", "verified_input"]

@@ -26,7 +26,23 @@ draft's slot is overwritten by a later write and never needs cropping.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def check_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0,
+                   names: tuple[str, str, str] = ("temperature", "top_k", "top_p")) -> None:
+    """ValueError naming (by `names`) the first setting out of range: temperature finite and >= 0 (0 = greedy),
+    top_k >= 0 (0 = off), top_p in (0, 1] (1 = off). NaN compares false with everything, so each check is
+    written as what a valid value satisfies."""
+    t, k, p = names
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{t}={temperature!r} must be >= 0 and finite (0 = greedy)")
+    if not (isinstance(top_k, int) and top_k >= 0):
+        raise ValueError(f"{k}={top_k!r} must be >= 0 (0 = off)")
+    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"{p}={top_p!r} must be in (0, 1]; 1 turns nucleus sampling off")
 
 
 class Sampling:
@@ -34,6 +50,7 @@ class Sampling:
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  generator: torch.Generator | None = None):
+        check_sampling(float(temperature), int(top_k), float(top_p))
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.generator = generator
 
