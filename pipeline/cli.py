@@ -395,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--verifier", help="the target it will be served with (default: the target the draft records)")
     e.add_argument("--k", type=int, help="speculative tokens per round written into the serve commands (default 2)")
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    _verify_export_args(sub.add_parser("verify-export", help="load an export in vLLM (make engines); compare its "
-                                       "acceptance with our decoder's and its output with vLLM's plain output"))
+    _verify_export_args(sub.add_parser("verify-export", help="load an export in vLLM (make engines) at batch 1 and 4; "
+                                       "compare its acceptance and its outputs with our decoder's"))
     return p
 
 
