@@ -164,9 +164,11 @@ def first_draft_judged(run_dir: Path, m: dict) -> dict:
     promoted by; lossless from metrics.json. -> {"challenger", "champion": None, "ngram" or None}."""
     from .evaluate import SAMPLED
 
-    suffix = SAMPLED if m.get("promoted_by") == "sampled" else ""
+    sampled = m.get("promoted_by") == "sampled"
+    suffix = SAMPLED if sampled else ""
+    name = m["sampled"]["draft"]["name"] if sampled else m["checkpoint"]  # sampling measured its twin once
     ev = Path(run_dir) / "eval"
-    challenger = json.loads((ev / f"{m['checkpoint']}{suffix}.json").read_text())
+    challenger = json.loads((ev / f"{name}{suffix}.json").read_text())
     challenger |= {"greedy_exact": m["greedy_exact"], "lossless": m.get("lossless", m["greedy_exact"])}
     base = ev / f"ngram{suffix}.json"
     ngram = json.loads(base.read_text()) if m.get("ngram_baseline") and base.exists() else None

@@ -83,6 +83,10 @@ def test_promoted_by_its_speedup_at_the_serving_temperature(sampled_run):
     assert m["promoted_by"] == "sampled" and m["checkpoint"] == best["name"]
     assert s["draft"]["name"] == twin[m["checkpoint"]]
     assert m["fp32_exact"] is True and m["greedy_exact"] is True
+    # the gate admitted it on the same sampled measurements, paired with the sampled n-gram baseline's
+    gate = json.loads((sampled_run / "gate.json").read_text())["figures"]
+    assert gate["challenger"]["name"] == s["draft"]["name"] and gate["challenger"]["speedup"] == s["draft"]["speedup"]
+    assert gate["ngram"]["speedup"] == s["ngram_baseline"]["speedup"]
 
 
 def test_report_gives_both_temperatures_for_the_draft_and_the_baseline(sampled_run):
