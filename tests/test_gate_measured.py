@@ -63,7 +63,9 @@ def _judge(setting, challenger: str, champion: str, name: str) -> tuple:
     d = run.parent / name
     shutil.copytree(run, d)
     judged = retrain.judge(recipe, d, target, tok, challenger, {"id": name, "draft_dir": champion})
-    return judged, retrain.decide(recipe, judged)
+    decision = retrain.decide(recipe, judged)
+    print(f"{name}: {decision.summary()}")  # the measured figures, in the log of a failing run too
+    return judged, decision
 
 
 def test_a_really_slower_challenger_is_kept(setting):
