@@ -118,6 +118,19 @@ def render_headline(results: list[dict], machines: dict) -> str:
                             rows))
 
 
+def render_readme_line(results: list[dict], machines: dict) -> str:
+    """README's one headline line: the newest result marked "headline", its command and conditions."""
+    heads = [r for r in results if r.get("headline")]
+    if not heads:
+        return "No headline result yet: [docs/results.md](docs/results.md)."
+    r = max(heads, key=lambda r: r["date"])
+    f = r["figures"]
+    ngram = f" (prompt lookup alone {_x(f['ngram_speedup'])})" if f.get("ngram_speedup") else ""
+    return (f"**{_x(f.get('speedup'))}** plain decoding's speed{ngram}, τ {_num(f.get('tau'), '.2f')}: "
+            f"`{r.get('headline_command', r['command'])}` on a {_machine(r['machine'], machines, 'short')}, "
+            f"{r['date']}; greedy, batch 1. Every result: [docs/results.md](docs/results.md).")
+
+
 def _sampled(f: dict) -> str:
     """A run's speedup at its serving temperature, with the temperature: '1.40× (T=0.7)'; '–' when greedy."""
     if f.get("sampled_speedup") is None:
@@ -427,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         page = render(results_dir)
         readme = Path(args.readme) if args.readme else None
-        new_readme = with_headline(readme.read_text(), render_headline(
+        new_readme = with_headline(readme.read_text(), render_readme_line(
             load_results(results_dir), load_machines(results_dir))) if readme else None
         out = Path(args.out)
         if args.check:
