@@ -203,3 +203,15 @@ def test_the_environment_scan_finds_every_way_of_reading():
                'e = environ.setdefault("X_FOUR", "1")\ndef f(env):\n    return env.get("DRAFTSMITH_KILL_AT")\n')
     assert env_reads(planted) == {"DRAFTSMITH_TEST_GATE", "X_ONE", "X_TWO", "X_THREE", "X_FOUR",
                                   "DRAFTSMITH_KILL_AT"}
+
+
+def test_every_module_design_names_exists():
+    """docs/DESIGN.md matches the code: each `pipeline/...py`, `eval/...py` or dotted `pipeline.x`/`eval.x`
+    module it names is a file (a moved or renamed module fails here until the page follows)."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    paths = set(re.findall(r"\b((?:pipeline|eval|tests)/[\w/]+\.(?:py|cpp))\b", text))
+    dotted = {m for m in re.findall(r"`((?:pipeline|eval)(?:\.\w+)+)", text)}
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    modules = _modules()
+    missing += [m for m in dotted if m not in modules and m.rpartition(".")[0] not in modules]
+    assert len(paths) + len(dotted) >= 20 and not missing, f"DESIGN.md names modules that do not exist: {missing}"
