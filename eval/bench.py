@@ -196,7 +196,7 @@ class Runner:
     def dec_call(self, dec, batch: list[list[int]], max_new: int):
         res = dec.generate(batch, max_new_tokens=max_new, temperature=self.args.temperature,
                            eos_token_id=self.eos_id)
-        return [_trim(list(s), self.eos, None, max_new) for s in res.sequences], dict(getattr(res, "stats", {}) or {})
+        return [_trim(list(s), self.eos, None, max_new) for s in res.sequences], dict(res.stats)
 
     def measure(self, methods: dict, prompts: list[list[int]]) -> dict:
         """methods: name -> (fn(batch, max_new) -> (sequences, stats|None), batch_size).

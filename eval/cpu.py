@@ -238,14 +238,28 @@ def can_pack(weight: torch.Tensor) -> bool:
 _NONE = torch.empty(0)
 
 
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+class Projection(partial):
+    """x [..., in] -> [..., out], with what the lean forward needs to know of it declared: `row_invariant` (a
+    row's sums never depend on the other rows of the call) and `kernel` ((packed weight, bias, out width) for
+    ext.layer, or None). A partial, so calling it costs no Python frame on the hot path."""
+    row_invariant: bool = False
+    kernel: tuple | None = None
+
+
+def projection(fn, *, row_invariant: bool = False, kernel: tuple | None = None, **kwargs) -> Projection:
+    p = Projection(fn, **kwargs)
+    p.row_invariant, p.kernel = row_invariant, kernel
+    return p
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
     """x [..., in] -> [..., out]: F.linear, with copies of the weight packed on CPU bf16 (see the note
     above): up to MAX_ROWS rows go to the kernels where this path has them, and so do more rows where
     oneDNN has no bf16 path; else one or two rows to the native GEMV on the plain weight and more rows to
     oneDNN's packed copy. Like the fused copies, packed weights are taken now; rebuild the runner if the
     weights change. `.row_invariant`: a row's sums never depend on the other rows of the call."""
     if not can_pack(weight):
-        return partial(F.linear, weight=weight, bias=bias)
+        return projection(F.linear, weight=weight, bias=bias)
     path = cpu_path()
     ext = path.kernels if weight.shape[1] % 2 == 0 else None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS) if path.onednn_bf16 else None
@@ -266,17 +280,16 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
         if packed is None or (rows <= GEMV_MAX_ROWS and not torch._C._get_mkldnn_enabled()):
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
-    f.row_invariant = ext is not None  # up to MAX_ROWS rows at least: a row's sums do not depend on the others
-    f.kernel = (kpacked, kbias, n_out) if ext is not None else None  # for ext.layer (LeanLlama._forward_fused)
-    return f
+    # row-invariant up to MAX_ROWS rows at least; the kernel's operands for ext.layer (LeanLlama._forward_fused)
+    return projection(f, row_invariant=ext is not None, kernel=(kpacked, kbias, n_out) if ext is not None else None)
 
 
-def module_linear(mod):
-    """A projection module as a callable: packed when it is a plain nn.Linear, else the module itself
+def module_linear(mod) -> Projection:
+    """A projection module as a Projection: packed when it is a plain nn.Linear, else the module itself
     (e.g. eval.drafts' int8 or truncated-vocabulary layers)."""
     if type(mod) is torch.nn.Linear:
         return packed_linear(mod.weight, mod.bias)
-    return mod
+    return projection(mod)
 
 
 def main() -> int:

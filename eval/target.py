@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from transformers.cache_utils import CacheLayerMixin
 
-from .cpu import cpu_gemv, module_linear, packed_linear, small_gemm
+from .cpu import cpu_gemv, module_linear, packed_linear, projection, small_gemm
 from .kernels import MAX_ROWS
 from .layers import KVCache
 
@@ -190,8 +190,9 @@ class LeanLlama:
         # With fuse=True every projection and the LM head is also packed for oneDNN on CPU bf16 (see
         # `packed_linear`); fuse=False copies nothing, so it packs nothing either.
         self.fused = [None] * len(model.model.layers)  # per layer: (qkv(h), gate_up(h)) callables, or None
-        self.out = [(l.self_attn.o_proj, l.mlp.down_proj) for l in model.model.layers]  # per layer: (o(a), down(h))
-        self.lm_head = model.lm_head
+        self.out = [(projection(l.self_attn.o_proj), projection(l.mlp.down_proj))  # per layer: (o(a), down(h))
+                    for l in model.model.layers]
+        self.lm_head = projection(model.lm_head)
         with torch.no_grad():
             for i, layer in enumerate(model.model.layers if fuse else []):
                 att, mlp = layer.self_attn, layer.mlp
@@ -208,7 +209,8 @@ class LeanLlama:
             if fuse:
                 self.lm_head = module_linear(model.lm_head)
             elif family.fused:  # no q/k/v modules to fall back on: the model's own fused ones, uncopied
-                self.fused = [(l.self_attn.qkv_proj, l.mlp.gate_up_proj) for l in model.model.layers]
+                self.fused = [(projection(l.self_attn.qkv_proj), projection(l.mlp.gate_up_proj))
+                              for l in model.model.layers]
             # Partial rotary (Phi-3's partial_rotary_factor): RoPE on the first `rot_dim` dims of each head.
             self.rot_dim = model.model.rotary_emb(p[:1, None], torch.zeros(1, 1, dtype=torch.long,
                                                                            device=self.device))[0].shape[-1]
@@ -218,8 +220,8 @@ class LeanLlama:
         # for every projection and the LM head, kernel attention): greedy speculative output then equals
         # plain output bit for bit in bf16 too, when a round verifies at most MAX_ROWS tokens.
         self.row_invariant = self.attend is not None and all(
-            getattr(f, "row_invariant", False) for pair in self.fused + self.out for f in pair) \
-            and getattr(self.lm_head, "row_invariant", False)
+            pair is not None and all(f.row_invariant for f in pair) for pair in self.fused + self.out) \
+            and self.lm_head.row_invariant
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv * self.head_dim
         # The layer's elementwise steps fused (eval/kernels.py: residual add + RMSNorm, RoPE, SiLU * up),
@@ -229,16 +231,15 @@ class LeanLlama:
         # those run _forward, with the same matmul and attention kernels.
         plain = not self.qk_norm and self.rot_dim == self.head_dim and self.windows is None
         self.ew = ext if ext is not None and plain and self.dtype == torch.bfloat16 and all(f is not None for f in self.fused) \
-            and hasattr(ext, "add_rmsnorm") and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0 \
+            and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0 \
             and all(hasattr(n, "variance_epsilon") and n.weight.dtype == torch.bfloat16 for n in norms) else None
         if self.ew is not None:
             # per layer: (input norm's weight, eps), (post-attention norm's), then the final norm's
             self.norm_w = [(n.weight.detach(), float(n.variance_epsilon)) for n in norms]
         # ext.layer's arguments per layer ([packed, bias] x 4, out widths), where every projection is the kernel's
         self.layers = None
-        kernels = [[getattr(f, "kernel", None) for f in (fused[0], out[0], fused[1], out[1])]  # qkv, o, gate|up, down
-                   for fused, out in zip(self.fused, self.out)] \
-            if self.ew is not None and hasattr(self.ew, "layer") else []
+        kernels = [[f.kernel for f in (fused[0], out[0], fused[1], out[1])]  # qkv, o, gate|up, down
+                   for fused, out in zip(self.fused, self.out)] if self.ew is not None else []
         if kernels and all(k is not None for ks in kernels for k in ks):
             self.layers = [([t for kp, kb, _ in ks for t in (kp, kb)], [n for _, _, n in ks]) for ks in kernels]
 
@@ -371,7 +372,7 @@ class LeanLlama:
         # Up to MAX_ROWS tokens (every decode step and verify), attention straight from the projections:
         # one kernel call writes k/v into the cache and attends, bf16 in and out (`attend_qkv`), where
         # the cache write, the casts and the transposes were ~12 ATen ops a layer.
-        direct = vis is not None and hasattr(ew, "attend_qkv")
+        direct = vis is not None
         slots = slots.contiguous() if direct else slots
         aux = self.aux_layers
         taps = {}  # layer id -> a copy of the residual stream entering it (x is updated in place)

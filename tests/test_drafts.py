@@ -213,7 +213,7 @@ def test_int8_draft_is_a_close_int8_copy(target, int8):
     att = int8.model.layers[0].self_attn
     assert att.q_proj.weight.data_ptr() == att.qkv_proj.weight.data_ptr()  # q/k/v: views of q|k|v
     runner = DraftLMProposer(int8, V).runner
-    assert runner.fused[0][0] is att.qkv_proj  # LeanLlama uses the fused int8 modules as they are
+    assert runner.fused[0][0].func is att.qkv_proj  # LeanLlama uses the fused int8 modules as they are
     ids = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(0))
     runner.reset(2, 20)
     with torch.no_grad():
