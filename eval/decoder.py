@@ -115,7 +115,7 @@ class SpeculativeDecoder:
         self.static_len = 0  # compile=True: the cache length of every call so far
         if self.static:
             if self.runner.path != "lean":  # compiled: the lean forward only
-                raise ValueError(f"compile=True needs the lean forward (eval/target.py LEAN_FAMILIES); "
+                raise ValueError(f"compile=True needs the lean forward (eval/family.py LEAN_FAMILIES); "
                                  f"{type(target).__name__} runs on the HF path: leave compile off")
             refusal = inductor_refusal(target.device)
             if refusal:

@@ -25,11 +25,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import draft_dir
-from . import target as runner
-from .family import describe
+from . import family
+from .family import cache_kwarg, describe
 from .int8 import Int8Linear
 from .layers import RMSNorm
-from .target import cache_kwarg
 
 ADAPTER_FILE = "adapter.safetensors"
 
@@ -44,14 +43,14 @@ class DraftError(ValueError):
 def runs_layer_by_layer(model) -> bool:
     """Whether draftsmith's lean forward runs `model`'s layers itself (what self_spec and int8 reuse)
     rather than handing the whole forward to HF."""
-    return runner.runner_path(model) == "lean"
+    return family.runner_path(model) == "lean"
 
 
 def check_layer_by_layer(what: str, model, others: str = ANY_FAMILY_METHODS) -> None:
     """Refuse `what` (a method that runs the target's own layers) on a target the lean forward does not
     run, in one line naming the architecture and the methods that can."""
     if not runs_layer_by_layer(model):
-        raise DraftError(f"{what} needs a target draftsmith runs layer by layer ({', '.join(runner.LEAN_FAMILIES)}); "
+        raise DraftError(f"{what} needs a target draftsmith runs layer by layer ({', '.join(family.LEAN_FAMILIES)}); "
                          f"this target is {describe(model)}: use {others}")
 
 

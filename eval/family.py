@@ -6,6 +6,10 @@ shape, and the features the heads train on (final-norm `last_hidden_state`, `hid
 
 from __future__ import annotations
 
+import functools
+import inspect
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
@@ -76,3 +80,89 @@ def aux_hidden_states(model, ids: torch.Tensor, attention_mask: torch.Tensor | N
     [B, L, n*H]: the features an EAGLE-3 head trains on, on every family."""
     out = decoder(model)(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     return torch.cat([out.hidden_states[i] for i in layers], -1)
+
+
+def aux_bytes_per_token(model, n_layers: int = 3) -> int:
+    """What `n_layers` aux features of one token cost in the model's dtype: n_layers * H * the dtype's size
+    (SmolLM2-135M, bf16: 3 * 576 * 2 = 3456 bytes)."""
+    p = model.get_input_embeddings().weight
+    return n_layers * model.config.hidden_size * p.element_size()
+
+
+# ------------------------------------------------------------------------------- the lean forward's families
+
+@dataclass(frozen=True)
+class LeanFamily:
+    """What the lean forward needs beyond Llama's layout for one `config.model_type` (LEAN_FAMILIES).
+    Attention/MLP biases need no row: the projections' own `.bias` is read wherever it is set (Qwen2)."""
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (`q_norm`, `k_norm`) before RoPE
+    fused: bool = False  # Phi-3: `qkv_proj` rows [q | k | v] and `gate_up_proj` rows [gate | up] (no q/k/v modules)
+
+
+# model_type -> its row. Sliding windows (Mistral, Phi-3, Qwen2/3 with use_sliding_window) need no flag:
+# every family's windows come from the config (`layer_windows`) and go into the attention mask. Partial
+# rotary (Phi-3's partial_rotary_factor) is read from the width of the model's own rotary module's cos.
+# Anything else (Gemma 2/3: (1+w) norms, scaled embeddings, GELU, softcapping; GPT-2; GPT-NeoX) runs on
+# the HF path (HFFallback), which decodes every family the same way, without this project's kernels.
+LEAN_FAMILIES: dict[str, LeanFamily] = {
+    "llama": LeanFamily(),
+    "mistral": LeanFamily(),
+    "qwen2": LeanFamily(),
+    "qwen3": LeanFamily(qk_norm=True),
+    "phi3": LeanFamily(fused=True),
+}
+
+
+def layer_windows(config, n_layers: int) -> list[int | None] | None:
+    """Each layer's sliding window (a key at position p is seen from position q iff p > q - W), as the
+    model's own mask builders read the config: `layer_types` where the config has them (Qwen2/3, Gemma),
+    else `sliding_window` on every layer (Mistral, Phi-3). None when no layer has a window."""
+    w = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise TypeError(f"{config.model_type}: layer types {sorted(unknown)} have no mask here "
+                            "(only full_attention and sliding_attention)")
+        wins = [w if t == "sliding_attention" else None for t in types[:n_layers]]
+    else:
+        wins = [w] * n_layers
+    return wins if any(x is not None for x in wins) else None
+
+
+def lean_family(model) -> LeanFamily | None:
+    """The model's LEAN_FAMILIES row where its modules have the layout that row reads, else None."""
+    row = LEAN_FAMILIES.get(getattr(model.config, "model_type", None))
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if row is None or layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return None
+    l0 = layers[0]
+    att, mlp = getattr(l0, "self_attn", None), getattr(l0, "mlp", None)
+    fused = hasattr(att, "qkv_proj") and hasattr(mlp, "gate_up_proj")
+    need_att = fused or all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj"))
+    need_mlp = fused or all(hasattr(mlp, n) for n in ("gate_proj", "up_proj"))
+    ok = need_att and need_mlp and hasattr(att, "o_proj") and hasattr(mlp, "down_proj") \
+        and (fused or not row.fused) and hasattr(att, "q_norm") == row.qk_norm \
+        and getattr(model.config, "hidden_act", "silu") == "silu" \
+        and hasattr(l0, "input_layernorm") and hasattr(l0, "post_attention_layernorm")
+    return row if ok else None
+
+
+def lean_supported(model) -> bool:
+    """Whether `make_runner` gives `model` the lean forward (LeanLlama: this project's kernels) rather
+    than the HF path (HFFallback). Both take ragged batches and token trees."""
+    return lean_family(model) is not None
+
+
+def runner_path(model) -> str:
+    """"lean" or "hf": the forward `make_runner(model)` runs (docs/reference/architectures.md)."""
+    return "lean" if lean_supported(model) else "hf"
+
+
+@functools.cache
+def cache_kwarg(fn) -> str:
+    """The keyword `fn` (a model class's forward, create_causal_mask) takes its KV cache by:
+    transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40);
+    earlier 5.x know only the old one. Cached per function: callers are in the decoding loop."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"

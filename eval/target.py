@@ -6,11 +6,12 @@ positions, (2) a rejected draft's slot is simply overwritten by the next round (
 (3) it returns both logits and the features (final hidden state after the final norm, the input of
 the LM head) that EAGLE heads read.
 
-Two runners (`make_runner` picks; `runner_path(model)` names the pick, docs/reference/architectures.md):
-`LeanLlama` reads the HF module's own weights for the families of `LEAN_FAMILIES` (Llama, Mistral,
-Qwen2, Qwen3, Phi-3: q/k/v/o + SwiGLU MLP + RMSNorm + the model's own rotary module, plus each row's
-extras) and runs this project's CPU kernels. `HFFallback` (the HF path) runs any other HF causal LM's
-own forward over a cache of ours (`_SlotLayer`) with masks we build.
+Two runners (`make_runner` picks; `eval.family.runner_path(model)` names the pick,
+docs/reference/architectures.md): `LeanLlama`, here, reads the HF module's own weights for the families of
+`eval.family.LEAN_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, Phi-3: q/k/v/o + SwiGLU MLP + RMSNorm + the
+model's own rotary module, plus each row's extras) and runs this project's CPU kernels (eval/cpu.py).
+`HFFallback` (eval/hf_forward.py, the HF path) runs any other HF causal LM's own forward over a cache of
+ours with masks we build (eval/masks.py).
 
 Both expose the same interface:
     runner.reset(batch, max_len)                       # allocate/zero the cache
@@ -30,113 +31,15 @@ that mask, only slots within their window by position (`window_masks`).
 
 from __future__ import annotations
 
-import functools
-import inspect
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from transformers.cache_utils import CacheLayerMixin
-
 from .cpu import cpu_gemv, module_linear, packed_linear, projection, small_gemm
+from .family import layer_windows, lean_family, lean_supported
+from .hf_forward import HFFallback
 from .kernels import MAX_ROWS
 from .layers import KVCache
-
-
-@functools.cache
-def cache_kwarg(fn) -> str:
-    """The keyword `fn` (a model class's forward, create_causal_mask) takes its KV cache by:
-    transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40);
-    earlier 5.x know only the old one. Cached per function: callers are in the decoding loop."""
-    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
-
-
-@dataclass(frozen=True)
-class LeanFamily:
-    """What the lean forward needs beyond Llama's layout for one `config.model_type` (LEAN_FAMILIES).
-    Attention/MLP biases need no row: the projections' own `.bias` is read wherever it is set (Qwen2)."""
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (`q_norm`, `k_norm`) before RoPE
-    fused: bool = False  # Phi-3: `qkv_proj` rows [q | k | v] and `gate_up_proj` rows [gate | up] (no q/k/v modules)
-
-
-# model_type -> its row. Sliding windows (Mistral, Phi-3, Qwen2/3 with use_sliding_window) need no flag:
-# every family's windows come from the config (`layer_windows`) and go into the attention mask. Partial
-# rotary (Phi-3's partial_rotary_factor) is read from the width of the model's own rotary module's cos.
-# Anything else (Gemma 2/3: (1+w) norms, scaled embeddings, GELU, softcapping; GPT-2; GPT-NeoX) runs on
-# the HF path (HFFallback), which decodes every family the same way, without this project's kernels.
-LEAN_FAMILIES: dict[str, LeanFamily] = {
-    "llama": LeanFamily(),
-    "mistral": LeanFamily(),
-    "qwen2": LeanFamily(),
-    "qwen3": LeanFamily(qk_norm=True),
-    "phi3": LeanFamily(fused=True),
-}
-
-
-def layer_windows(config, n_layers: int) -> list[int | None] | None:
-    """Each layer's sliding window (a key at position p is seen from position q iff p > q - W), as the
-    model's own mask builders read the config: `layer_types` where the config has them (Qwen2/3, Gemma),
-    else `sliding_window` on every layer (Mistral, Phi-3). None when no layer has a window."""
-    w = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        unknown = set(types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise TypeError(f"{config.model_type}: layer types {sorted(unknown)} have no mask here "
-                            "(only full_attention and sliding_attention)")
-        wins = [w if t == "sliding_attention" else None for t in types[:n_layers]]
-    else:
-        wins = [w] * n_layers
-    return wins if any(x is not None for x in wins) else None
-
-
-def _lean_family(model) -> LeanFamily | None:
-    """The model's LEAN_FAMILIES row where its modules have the layout that row reads, else None."""
-    row = LEAN_FAMILIES.get(getattr(model.config, "model_type", None))
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if row is None or layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
-        return None
-    l0 = layers[0]
-    att, mlp = getattr(l0, "self_attn", None), getattr(l0, "mlp", None)
-    fused = hasattr(att, "qkv_proj") and hasattr(mlp, "gate_up_proj")
-    need_att = fused or all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj"))
-    need_mlp = fused or all(hasattr(mlp, n) for n in ("gate_proj", "up_proj"))
-    ok = need_att and need_mlp and hasattr(att, "o_proj") and hasattr(mlp, "down_proj") \
-        and (fused or not row.fused) and hasattr(att, "q_norm") == row.qk_norm \
-        and getattr(model.config, "hidden_act", "silu") == "silu" \
-        and hasattr(l0, "input_layernorm") and hasattr(l0, "post_attention_layernorm")
-    return row if ok else None
-
-
-def lean_supported(model) -> bool:
-    """Whether `make_runner` gives `model` the lean forward (LeanLlama: this project's kernels) rather
-    than the HF path (HFFallback). Both take ragged batches and token trees."""
-    return _lean_family(model) is not None
-
-
-def runner_path(model) -> str:
-    """"lean" or "hf": the forward `make_runner(model)` runs (docs/reference/architectures.md)."""
-    return "lean" if lean_supported(model) else "hf"
-
-
-def window_masks(mask: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, windows) -> dict:
-    """mask [B, 1, T, S] (which slots each query sees), pos/slots [B, T] of this forward -> {W: mask with
-    the slots older than W positions hidden} for each window W in `windows` (None: `mask` itself).
-    A slot written now holds its token's position; every other visible slot is a committed one, whose
-    position is its index (the cache is position-indexed), so trees get their nodes' true distances."""
-    B, S = mask.shape[0], mask.shape[-1]
-    cols = torch.arange(S, device=mask.device)
-    held = cols.expand(B, S).clone().scatter_(1, slots, pos)  # [B, S] position in each slot
-    return {w: mask if w is None else mask & (held[:, None, None, :] > pos[:, None, :, None] - w)
-            for w in set(windows)}
-
-
-def causal_mask(pos: torch.Tensor, s_len: int) -> torch.Tensor:
-    """pos [B, T] -> [B, 1, T, s_len]: query at position p sees slots 0..p of its own row (a chain)."""
-    cols = torch.arange(s_len, device=pos.device)
-    return (cols[None, None, :] <= pos[:, :, None])[:, None]
+from .masks import causal_mask, window_masks
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +62,7 @@ class LeanLlama:
     aux_layers: tuple[int, ...] | None = None  # features = the residual streams entering these layers
 
     def __init__(self, model, fuse: bool = True):
-        family = _lean_family(model)
+        family = lean_family(model)
         if family is None:
             raise TypeError(f"{type(model).__name__} is not a family the lean forward covers "
                             f"({', '.join(LEAN_FAMILIES)}): use make_runner, which gives it the HF path")
@@ -402,152 +305,6 @@ class LeanLlama:
             h = ew.add_rmsnorm(x, o_proj(a), *nw[2 * i + 1])
             h = ew.add_rmsnorm(x, down_proj(ew.silu_mul(fused[1](h))), *nw[2 * i + 2])  # the next norm; the last: final
         return self._head(h, logit_idx, taps)  # h: after the final norm
-
-
-class _SlotLayer(CacheLayerMixin):
-    """One layer's keys/values [B, nkv, S_max, hd] for HF's attention modules, which call `update` like
-    on any HF cache: written at the runner's slots of this forward, the first s_len slots returned. HF's
-    StaticLayer writes at one cumulative offset for the whole batch, which ragged rows and tree nodes
-    are not, hence this layer."""
-
-    is_sliding = False  # windows are in the masks the runner passes, not in what the cache keeps
-
-    def __init__(self, runner: "HFFallback"):
-        super().__init__()
-        self.runner = runner  # .slots [B, T], .s_len, .max_len of the current forward
-
-    def lazy_initialization(self, key_states, value_states):
-        B, n_kv, _, hd = key_states.shape
-        S = self.runner.max_len
-        self.keys = key_states.new_zeros(B, n_kv, S, hd)
-        self.values = value_states.new_zeros(B, value_states.shape[1], S, value_states.shape[-1])
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        KVCache.over(self.keys, self.values).write(self.runner.slots, key_states, value_states)
-        s = self.runner.s_len
-        return self.keys[:, :, :s], self.values[:, :, :s]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.runner.s_len, 0
-
-    def get_seq_length(self) -> int:
-        return self.runner.s_len
-
-    def get_max_length(self) -> int:
-        return self.runner.max_len
-
-
-class HFFallback:
-    """The HF path: any HF causal LM's own forward, with ragged batches and token trees, like LeanLlama.
-    Its attention modules write into a preallocated position-indexed cache (`_SlotLayer`) at the slots
-    this runner picks, with explicit `position_ids` and a 4-D attention mask it builds (a chain: slot
-    visible iff slot <= pos; a tree: the tree's mask), so the model's own mask builders are skipped.
-    Sliding-window layers get the mask with slots older than the window hidden by position (one mask,
-    or HF's `{layer type: mask}` mapping where the model mixes full and sliding layers, e.g. Gemma 2/3).
-    ATen's matmuls and the model's attention (SDPA, or eager with an additive mask): slower than the lean
-    forward's kernels, and not row-invariant."""
-
-    path = "hf"
-    trees = True  # slots/mask/move(): a token tree's nodes verified in one forward
-    row_invariant = False  # ATen's matmuls: a row's numbers may depend on the others in the forward
-    aux_layers: tuple[int, ...] | None = None  # features = hidden_states[i] for these layers, concatenated
-
-    def __init__(self, model):
-        self.model = model
-        cfg = model.config
-        self.impl = cfg._attn_implementation
-        if self.impl not in ("sdpa", "eager"):
-            raise ValueError(f"{type(model).__name__}: the HF path passes its own 4-D masks, which need "
-                             f"attn_implementation 'sdpa' or 'eager', not {self.impl!r}: load it with one of those")
-        self.body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self.head = model.get_output_embeddings()
-        p = self.head.weight
-        self.dtype, self.device = p.dtype, p.device
-        n_layers = cfg.num_hidden_layers
-        self.windows = layer_windows(cfg, n_layers)
-        # HF's {layer type: mask} where the layers' windows differ (the model reads it per layer), else one mask
-        self.types = list(cfg.layer_types[:n_layers]) if self.windows is not None \
-            and len(set(self.windows)) > 1 else None
-        self.cache = None
-        self.slots, self.s_len, self.max_len, self.batch = None, 0, 0, 0
-
-    def reset(self, batch: int, max_len: int) -> None:
-        # Reuse the allocation when the shape fits; stale slots are never attended (the masks hide them).
-        if self.cache is not None and self.batch == batch and self.max_len >= max_len:
-            return
-        from transformers import Cache
-
-        self.batch, self.max_len = batch, max_len
-        self.cache = Cache(layers=[_SlotLayer(self) for _ in range(self.model.config.num_hidden_layers)])
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads first)."""
-        for layer in self.cache.layers:
-            for t in (layer.keys, layer.values):  # [B, nkv, S_max, hd]
-                idx_s = src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])  # [B, nkv, P, hd]
-                t.scatter_(2, dst[:, None, :, None].expand_as(idx_s), t.gather(2, idx_s))
-
-    def __call__(self, tokens, pos, s_len, logit_idx=None, slots=None, mask=None):
-        with cpu_gemv(tokens.numel(), self.device):
-            return self._forward(tokens, pos, s_len, logit_idx, slots, mask)
-
-    def _masks(self, mask: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor):
-        """mask [B, 1, T, S] bool -> what the model's forward takes as attention_mask: one 4-D mask, or
-        {layer type: mask}; bool for SDPA, additive (0 / dtype min) for eager attention."""
-        if self.windows is not None:
-            wm = window_masks(mask, pos, slots, self.windows)
-            if self.types is None:
-                mask = wm[self.windows[0]]
-            else:
-                mask = {t: wm[w] for t, w in zip(self.types, self.windows)}
-        if self.impl == "eager":
-            fmt = lambda m: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(  # noqa: E731
-                ~m, torch.finfo(self.dtype).min)
-            return {t: fmt(m) for t, m in mask.items()} if isinstance(mask, dict) else fmt(mask)
-        return mask
-
-    def _forward(self, tokens, pos, s_len, logit_idx, slots, mask):
-        self.slots = pos if slots is None else slots  # [B, T] read by each layer's update
-        self.s_len = s_len
-        if mask is None:
-            mask = causal_mask(pos, s_len)  # [B, 1, T, S]
-        aux = self.aux_layers
-        kw = {cache_kwarg(type(self.body).forward): self.cache} | ({"output_hidden_states": True} if aux is not None else {})
-        out = self.body(input_ids=tokens, position_ids=pos, attention_mask=self._masks(mask, pos, self.slots),
-                        use_cache=True, **kw)
-        feats = out.last_hidden_state  # [B, T, H] after the final norm
-        ret = feats if aux is None else torch.cat([out.hidden_states[i] for i in aux], -1)  # [B, T, n*H]
-        if logit_idx is not None:
-            feats = feats[torch.arange(tokens.shape[0], device=feats.device), logit_idx][:, None]  # [B, 1, H]
-        return _final_logits(self.model.config, self.head(feats)), ret
-
-
-def _final_logits(config, logits: torch.Tensor) -> torch.Tensor:
-    """What the model's CausalLM forward does to the LM head's output, by config key: Granite's
-    `logits_scaling` (divides), Cohere's `logit_scale` (multiplies), Gemma 2/3's final softcapping."""
-    if getattr(config, "logits_scaling", None):
-        logits = logits / config.logits_scaling
-    if getattr(config, "logit_scale", None):
-        logits = logits * config.logit_scale
-    cap = getattr(config, "final_logit_softcapping", None)
-    return logits if not cap else torch.tanh(logits / cap) * cap
-
-
-def aux_hidden_states(model, ids: torch.Tensor, attention_mask: torch.Tensor | None, layers) -> torch.Tensor:
-    """The residual streams entering `layers` of an HF causal LM (hidden_states[i]) for ids [B, L],
-    concatenated [B, L, n*H]: the features an EAGLE-3 head trains on (the runners' aux_layers at serving)."""
-    out = model.model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True)
-    return torch.cat([out.hidden_states[i] for i in layers], -1)
-
-
-def aux_bytes_per_token(model, n_layers: int = 3) -> int:
-    """What `n_layers` aux features of one token cost in the model's dtype: n_layers * H * the dtype's size
-    (SmolLM2-135M, bf16: 3 * 576 * 2 = 3456 bytes)."""
-    p = model.get_input_embeddings().weight
-    return n_layers * model.config.hidden_size * p.element_size()
 
 
 def make_runner(model, lean: bool = True, fuse: bool | None = None):

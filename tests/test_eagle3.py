@@ -11,7 +11,9 @@ from eval import draft_dir
 from eval.decoder import SpeculativeDecoder
 from eval.heads import Eagle3Config, Eagle3Head, default_aux_layers, read_head
 from eval.proposers import Eagle3Proposer, HybridProposer, load_proposer
-from eval.target import HFFallback, LeanLlama, aux_bytes_per_token
+from eval.family import aux_bytes_per_token
+from eval.hf_forward import HFFallback
+from eval.target import LeanLlama
 from pipeline.checkpoints import train_key
 from pipeline.config import Recipe, recipe_from_dict
 from pipeline.features import aux_features_file, cache_features

@@ -11,7 +11,9 @@ import torch
 from eval.decoder import SpeculativeDecoder
 from eval.proposers.draft_lm import DraftLMProposer
 from eval.proposers.hybrid import HybridProposer
-from eval.target import HFFallback, LeanLlama, make_runner, runner_path
+from eval.family import runner_path
+from eval.hf_forward import HFFallback
+from eval.target import LeanLlama, make_runner
 from eval.tree import Tree
 from tests.families import FAMILIES, SLIDING_WINDOW, tiny_family
 

@@ -129,7 +129,9 @@ def test_llama_shaped_models_outside_the_table_take_the_hf_path(family):
     not the module layout, gives the lean forward, and the HF path's logits are the model's own."""
     import transformers as tf
 
-    from eval.target import HFFallback, lean_supported, make_runner, runner_path
+    from eval.family import lean_supported, runner_path
+    from eval.hf_forward import HFFallback
+    from eval.target import make_runner
 
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -25,9 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eval.family import aux_hidden_states
+from eval.family import aux_bytes_per_token, aux_hidden_states
 from eval.heads import Eagle3Config, Eagle3Head
-from eval.target import aux_bytes_per_token
 
 from ..losses import divergence
 from ..options import RecipeError, one_of, option, positive
