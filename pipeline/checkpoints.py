@@ -1,6 +1,6 @@
 """The train stage's checkpoints: train/checkpoint-{step:06d}/ = a draft directory (eval/draft_dir.py)
-+ trainer_state.pt, written to a temporary directory and renamed, and the key that tells a run's
-own checkpoints (resumed) from those of another training recipe (set aside)."""
++ trainer_state.pt, written to a temporary directory and renamed; a run's own checkpoints (by the training
+recipe's key, Recipe.train_key) are resumed, those of another are set aside."""
 
 from __future__ import annotations
 
@@ -15,21 +15,9 @@ import torch
 
 from eval import draft_dir
 
-from .config import drop_later_defaults, flat_train, stable_hash
 from .faults import kill_point
 
 STATE_FILE = "trainer_state.pt"
-
-
-def train_key(recipe) -> str:
-    """What a checkpoint's weights depend on: the target, dtype, seed, data, generate and train sections,
-    except train.save_every (evaluate, wandb, device and run names do not change the weights). Stored in
-    every checkpoint's draftsmith_draft.json as "train_key": a run resumes only checkpoints of its own."""
-    d = recipe.to_dict()
-    keep = {k: d[k] for k in ("target", "dtype", "seed", "data", "generate")}
-    drop_later_defaults(keep)
-    keep["train"] = {k: v for k, v in flat_train(recipe.train).items() if k != "save_every"}
-    return stable_hash(keep)
 
 
 def checkpoints(train_dir: Path) -> list[Path]:

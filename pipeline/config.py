@@ -444,6 +444,16 @@ class Recipe:
             d["data"].pop("synth")
         return d
 
+    def train_key(self) -> str:
+        """What a checkpoint's weights depend on: the target, dtype, seed, data, generate and train sections,
+        except train.save_every (evaluate, wandb, device and run names do not change the weights). Stored in
+        every checkpoint's draftsmith_draft.json as "train_key": a run resumes only checkpoints of its own."""
+        d = self.to_dict()
+        keep = {k: d[k] for k in ("target", "dtype", "seed", "data", "generate")}
+        drop_later_defaults(keep)
+        keep["train"] = {k: v for k, v in flat_train(self.train).items() if k != "save_every"}
+        return stable_hash(keep)
+
     def hash(self) -> str:
         """Stable hash of everything that changes outputs (run_id, runs_dir and wandb excluded)."""
         d = self.to_dict()

@@ -17,7 +17,6 @@ import torch
 
 from eval.family import aux_hidden_states, final_features
 
-from .config import stable_hash
 from .faults import kill_point
 from .models import compute_copy
 from .train_data import right_padded
@@ -29,21 +28,6 @@ RAW_TEACHER_FILE = "raw-teacher.safetensors"
 def aux_features_file(layers) -> str:
     """The aux-feature cache of `layers` (its own file: the final-norm cache stays valid beside it)."""
     return f"features-aux-{'-'.join(map(str, layers))}.safetensors"
-
-
-def features_key(recipe, gen_manifest: dict) -> str:
-    """What the cached features depend on: the target, dtype, seq_len, data mode and shard checksums."""
-    shards = {k: v.get("sha256") for k, v in gen_manifest.get("shards", {}).items()}
-    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "shards": shards,
-         "data": recipe.train.data}
-    return stable_hash(d)
-
-
-def aux_features_key(recipe, gen_manifest: dict, layers) -> str:
-    """features_key's inputs, the layers, and the scored raw windows when train.raw_windows adds them
-    (the aux cache covers every training row)."""
-    raw = raw_teacher_key(recipe) if recipe.train.raw_windows else None
-    return stable_hash({"features": features_key(recipe, gen_manifest), "layers": list(layers), "raw": raw})
 
 
 def padded_batches(seqs: list[list[int]], batch_size: int, desc: str):
@@ -94,16 +78,6 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
     kill_point("features.before_rename")
     os.replace(tmp, path)
     return feats
-
-
-def raw_teacher_key(recipe) -> str:
-    """What the scored raw windows depend on: the target, dtype, seq_len, seed, text source, n and top-k."""
-    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "seed": recipe.seed,
-         "source": recipe.data.source, "heldout": recipe.data.heldout, "n": recipe.train.raw_windows,
-         "k": recipe.generate.top_k_logprobs}
-    if recipe.data.heldout == "split":  # which rows are held out (and so filtered from the text) depends on these
-        d |= {"heldout_fraction": recipe.data.heldout_fraction, "heldout_max": recipe.data.heldout_max}
-    return stable_hash(d)
 
 
 @torch.no_grad()

@@ -54,9 +54,8 @@ import torch
 from eval.cpu import bf16_matmul_fast
 from eval.datastore import FILE as DATASTORE_FILE, Datastore
 
-from .checkpoints import STATE_FILE, checkpoints, restore, set_aside_foreign, train_key, trainer_state, write_checkpoint
-from .features import (FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, aux_features_key, cache_features,
-                       features_key, raw_teacher_key, score_raw_windows)
+from .checkpoints import STATE_FILE, checkpoints, restore, set_aside_foreign, trainer_state, write_checkpoint
+from .features import FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, cache_features, score_raw_windows
 from .config import stable_hash
 from .data import read_jsonl
 from .faults import kill_point
@@ -65,7 +64,8 @@ from .methods import DraftMethod, check_applies, get_method
 from .onpolicy import is_onpolicy_step, onpolicy_batch, step_seed
 from .shards import read_manifest, remove_temps, write_json_atomic
 from .tracking import NoOpTracker
-from .train_data import EpochSampler, Sequences, TrainError, check_vocab, collate, load_rows, raw_rows, raw_windows
+from .train_data import (EpochSampler, RawText, Sequences, TrainError, check_vocab, collate, load_rows, raw_rows,
+                         raw_windows)
 
 __all__ = ["run_train", "TrainError", "LOG_FILE", "read_log"]
 
@@ -87,7 +87,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
         check_applies(tc.method, target if target is not None else target_skeleton(recipe.target))
     train_dir = Path(run_dir) / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
-    key = train_key(recipe)
+    key = recipe.train_key()
     if init_from is not None:
         key = stable_hash([key, warm_start_key(init_from)])
     extra = {"target": recipe.target, "method": tc.method, "divergence": tc.divergence, "data": tc.data,
@@ -104,7 +104,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
         raise TrainError(f"train.batch_size={tc.batch_size} is the global batch and must divide among "
                          f"{accelerator.num_processes} processes; set a multiple of {accelerator.num_processes}")
     gkd = uses_gkd(tc)  # refuses what GKDTrainer cannot do before the target loads
-    rows, gen_manifest = load_rows(run_dir, recipe)
+    rows, gen_manifest = load_rows(run_dir, recipe.target, recipe.train.seq_len)
     if target is None:
         target, tok = load_target(recipe.target, recipe.dtype, recipe.device)
         tokenizer = tokenizer or tok
@@ -202,16 +202,45 @@ def _training_rows(recipe, rows, target, tokenizer, train_dir: Path):
     tc = recipe.train
     held_path = train_dir.parent / "prompts" / "heldout.jsonl"  # the rows this run is judged on (a split, maybe)
     held = read_jsonl(held_path) if held_path.exists() else None
+    text = RawText(recipe.data.source, recipe.data.heldout if held is None else held, tc.seq_len, recipe.seed)
     if tc.data == "raw":  # as many raw windows as there are generated sequences: the same budget
-        rows = raw_rows(recipe, tokenizer, len(rows), held)
+        rows = raw_rows(text, tokenizer, len(rows))
     n_gen, raw_feats = len(rows), []
     if tc.raw_windows:  # the data mix: raw text with the target's own teacher-forced top-k
-        windows = lambda: raw_windows(recipe, tokenizer, tc.raw_windows, "train.raw_windows", held)  # noqa: E731
+        windows = lambda: raw_windows(text, tokenizer, tc.raw_windows, "train.raw_windows")  # noqa: E731
         raw, raw_feats = score_raw_windows(target, windows, len(rows[0]["tk_ids"][0]), train_dir / RAW_TEACHER_FILE,
                                            raw_teacher_key(recipe), tc.batch_size)
         rows = rows + raw
     check_vocab(rows, target, tokenizer)
     return rows, n_gen, raw_feats
+
+
+# The caches' keys: what each cache depends on, read from the recipe here; features.py takes the key alone.
+
+def features_key(recipe, gen_manifest: dict) -> str:
+    """What the cached features depend on: the target, dtype, seq_len, data mode and shard checksums."""
+    shards = {k: v.get("sha256") for k, v in gen_manifest.get("shards", {}).items()}
+    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "shards": shards,
+         "data": recipe.train.data}
+    return stable_hash(d)
+
+
+def aux_features_key(recipe, gen_manifest: dict, layers) -> str:
+    """features_key's inputs, the layers, and the scored raw windows when train.raw_windows adds them
+    (the aux cache covers every training row)."""
+    raw = raw_teacher_key(recipe) if recipe.train.raw_windows else None
+    return stable_hash({"features": features_key(recipe, gen_manifest), "layers": list(layers), "raw": raw})
+
+
+def raw_teacher_key(recipe) -> str:
+    """What the scored raw windows depend on: the target, dtype, seq_len, seed, text source, n and top-k."""
+    d = {"target": recipe.target, "dtype": recipe.dtype, "seq_len": recipe.train.seq_len, "seed": recipe.seed,
+         "source": recipe.data.source, "heldout": recipe.data.heldout, "n": recipe.train.raw_windows,
+         "k": recipe.generate.top_k_logprobs}
+    if recipe.data.heldout == "split":  # which rows are held out (and so filtered from the text) depends on these
+        d |= {"heldout_fraction": recipe.data.heldout_fraction, "heldout_max": recipe.data.heldout_max}
+    return stable_hash(d)
+
 
 
 def _seed(seed: int) -> None:

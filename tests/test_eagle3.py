@@ -14,7 +14,6 @@ from eval.proposers import Eagle3Proposer, HybridProposer, load_proposer
 from eval.family import aux_bytes_per_token
 from eval.hf_forward import HFFallback
 from eval.target import LeanLlama
-from pipeline.checkpoints import train_key
 from pipeline.config import Recipe, recipe_from_dict
 from pipeline.features import aux_features_file, cache_features
 from pipeline.methods import get_method
@@ -296,7 +295,7 @@ def test_training_lowers_the_loss_and_serves_exactly(tmp_path, gen_dir, train_ta
     ckpt = train_dir / "checkpoint-000030"
     meta = draft_dir.read_meta(ckpt)
     assert meta["kind"] == "eagle3" and meta["target"] == "tiny" and meta["step"] == 30
-    assert meta["train_key"] == train_key(recipe) and meta["target_config"]["num_hidden_layers"] == 4
+    assert meta["train_key"] == recipe.train_key() and meta["target_config"]["num_hidden_layers"] == 4
     assert meta["head_config"]["aux_layers"] == [0, 2, 3] and meta["head_config"]["draft_vocab_size"] == 64
 
     method, tc = get_method("eagle3"), recipe.train
@@ -329,14 +328,14 @@ def test_recipes_of_other_methods_keep_their_hash():
     """The eagle3 section enters the recipe hash and train_key only for method=eagle3: run directories of
     every other recipe resume (the values were computed on main before the section existed)."""
     default = Recipe()
-    assert (default.hash(), train_key(default)) == ("6e56496bbbb8a0a8", "a9bc2e49f74e318f")
+    assert (default.hash(), default.train_key()) == ("6e56496bbbb8a0a8", "a9bc2e49f74e318f")
     eagle = recipe_from_dict({"train": {"method": "eagle"}})
-    assert (eagle.hash(), train_key(eagle)) == ("a9cf9312baa64d91", "10a5b63a295e7089")
+    assert (eagle.hash(), eagle.train_key()) == ("a9cf9312baa64d91", "10a5b63a295e7089")
     e3 = recipe_from_dict({"train": {"method": "eagle3"}})
     e3b = recipe_from_dict({"train": {"method": "eagle3", "eagle3": {"unroll": 2}}})
     assert len({e3.hash(), e3b.hash(), default.hash(), eagle.hash()}) == 4
     online = recipe_from_dict({"train": {"method": "eagle3", "eagle3": {"features": "online", "max_cache_gb": 1}}})
-    assert (online.hash(), train_key(online)) == (e3.hash(), train_key(e3))  # where features come from: resumes
+    assert (online.hash(), online.train_key()) == (e3.hash(), e3.train_key())  # where features come from: resumes
 
 
 def test_eagle3_options_are_checked():

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoints import train_key
 from pipeline.cli import main
 from pipeline.config import load_recipe
 from pipeline.options import RecipeError
@@ -157,9 +156,9 @@ def test_default_recipe_keys_unchanged_and_greedy_keys_ignore_sampling():
     from pipeline.measure import evaluate_settings
 
     default = load_recipe(domain="code")
-    assert (default.hash(), train_key(default)) == ("6e56496bbbb8a0a8", "a9bc2e49f74e318f")
+    assert (default.hash(), default.train_key()) == ("6e56496bbbb8a0a8", "a9bc2e49f74e318f")
     served = load_recipe(domain="code", overrides=SAMPLING)
-    assert served.hash() != default.hash() and train_key(served) == train_key(default)
+    assert served.hash() != default.hash() and served.train_key() == default.train_key()
     assert evaluate_settings(served) == evaluate_settings(default)  # greedy results of a run are read back
 
 

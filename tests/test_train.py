@@ -7,7 +7,6 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.heads import EagleHead
-from pipeline.checkpoints import train_key
 from pipeline.features import cache_features
 from pipeline.methods.base import draft_vocab
 from pipeline.shards import record_shard, save_shard
@@ -82,11 +81,11 @@ def test_changed_training_recipe_does_not_resume_foreign_checkpoints(tmp_path, g
         for k in wa:
             torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
     meta = json.loads((d / "train/checkpoint-000006/draftsmith_draft.json").read_text())
-    assert meta["train_key"] == train_key(recipe) != old_key
+    assert meta["train_key"] == recipe.train_key() != old_key
     before = (d / "train/checkpoint-000006/head.safetensors").stat().st_mtime_ns
     other_eval = _recipe(steps=6, save_every=2, method="medusa", medusa={"heads": 2}, datastore=False)
     other_eval.evaluate.n_prompts = 3
-    assert train_key(other_eval) == train_key(recipe) and other_eval.hash() != recipe.hash()
+    assert other_eval.train_key() == recipe.train_key() and other_eval.hash() != recipe.hash()
     run_train(other_eval, d, target=target)
     assert (d / "train/checkpoint-000006/head.safetensors").stat().st_mtime_ns == before
     assert len(list((d / "train").glob("stale-*"))) == 1

@@ -15,7 +15,7 @@ from pipeline.methods import get_method
 from pipeline.methods.draft_lm import build_draft_lm
 from pipeline.onpolicy import onpolicy_batch, teacher_topk
 from pipeline.train import run_train
-from pipeline.train_data import collate, load_rows, raw_rows
+from pipeline.train_data import RawText, collate, load_rows, raw_rows
 
 from helpers import train_recipe
 from helpers import TRAIN_V as V, copy_generate as _copy_gen, make_generate as _make_generate, tiny_llama
@@ -127,7 +127,8 @@ def test_teacher_topk_matches_the_targets_own_logprobs(target):
 
 
 def test_onpolicy_batch_scores_the_drafts_own_samples(target, gen_dir):
-    rows, _ = load_rows(gen_dir, _recipe())
+    r = _recipe()
+    rows, _ = load_rows(gen_dir, r.target, r.train.seq_len)
     batch = collate([{"ids": torch.tensor(r["ids"]), "P": r["P"], "tk_ids": torch.tensor(r["tk_ids"]),
                       "tk_lp": torch.tensor(r["tk_lp"])} for r in rows[:3]])
     tc = _recipe(method="draft_lm", data="onpolicy", draft_lm={"num_layers": 1}).train
@@ -172,7 +173,8 @@ def test_onpolicy_training_runs_and_counts_its_steps(tmp_path, gen_dir, target, 
 
 def test_raw_rows_are_one_hot_domain_text_without_heldout(real_tokenizer):
     recipe = _recipe(data="raw", seq_len=64)
-    rows = raw_rows(recipe, real_tokenizer, 20)
+    text = RawText(recipe.data.source, recipe.data.heldout, recipe.train.seq_len, recipe.seed)
+    rows = raw_rows(text, real_tokenizer, 20)
     assert len(rows) == 20
     for r in rows:
         assert r["P"] == 1 and len(r["ids"]) <= 64
@@ -181,7 +183,7 @@ def test_raw_rows_are_one_hot_domain_text_without_heldout(real_tokenizer):
     text = real_tokenizer.decode(rows[0]["ids"])
     assert text.strip()
     with pytest.raises(Exception, match="tokenizer"):
-        raw_rows(recipe, None, 2)
+        raw_rows(text, None, 2)
 
 
 def test_raw_data_trains_eagle_on_raw_text(tmp_path, real_tokenizer):
