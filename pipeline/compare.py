@@ -27,7 +27,7 @@ from pathlib import Path
 
 from eval import speedup
 from eval.datastore import FILE as DATASTORE_FILE
-from eval.draft_dir import KINDS
+from eval.draft_dir import kind_names
 from eval.family import text_config
 
 from .shards import write_json_atomic
@@ -156,15 +156,15 @@ def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k
 
 def check_choices(methods, divergences) -> list[str]:
     """--methods and --divergences checked against METHODS and DIVERGENCES; each chosen variant's
-    "method" must be a draft kind (eval.draft_dir.KINDS)."""
+    "method" must be a draft kind (eval.draft_dir.kind_names())."""
     methods = list(methods or METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise CompareError(f"unknown method(s) {unknown} for --methods; choose from {sorted(METHODS)}")
     for m in methods:
-        if METHODS[m]["method"] not in KINDS:
+        if METHODS[m]["method"] not in kind_names():
             raise CompareError(f"compare variant {m}: method {METHODS[m]['method']!r} is not a draft kind; "
-                               f"choose from {list(KINDS)}")
+                               f"choose from {list(kind_names())}")
     bad = [d for d in divergences if d not in DIVERGENCES]
     if bad:
         raise CompareError(f"unknown divergence(s) {bad} for --divergences; choose from {list(DIVERGENCES)}")

@@ -1,7 +1,7 @@
 """The draft methods, one module each, behind the `DraftMethod` interface (base.py). This registry is
 the one list of them: the recipe's train.method, its per-method sections (train.<name>) and the train
 loop read it. To add a method: a module with a DraftMethod subclass (and its options dataclass, if it
-has keys), one line here, and its kind in eval/draft_dir.py."""
+has keys), one line here, its kind in eval/draft_dir.py and its loader in eval/proposers/kinds.py."""
 
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ def check_applies(name: str, target, what: str | None = None) -> None:
     from eval.drafts import check_layer_by_layer
 
     if get_method(name).layer_by_layer:
-        others = [n for n, m in METHODS.items() if not m.layer_by_layer]
-        check_layer_by_layer(what or f"train.method={name}", target, ", ".join(others[:-1]) + f" or {others[-1]}")
+        check_layer_by_layer(what or f"train.method={name}", target)
 
 
 def get_method(name: str) -> DraftMethod:

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from eval import draft_dir
+
 from ..losses import divergence
 
 
@@ -24,7 +26,11 @@ class DraftMethod:
     needs_features: bool = False  # trains on the target's cached features, not on target forwards
     token_level: bool = False  # a draft LM that samples its own continuations (data=onpolicy/mix)
     trains: bool = True  # False: nothing to train, the checkpoint only names the kind
-    layer_by_layer: bool = False  # runs the target's own layers in the lean forward (only the families it covers)
+
+    @property
+    def layer_by_layer(self) -> bool:
+        """Runs the target's own layers in the lean forward (only the families it covers): its kind declares it."""
+        return draft_dir.get_kind(self.name).layer_by_layer
 
     def build(self, tc, target, tokenizer, rows: list[dict], resume: Path | None) -> nn.Module:
         """The trainable module, forward(batch) -> (loss, metrics); fresh, or with the weights of

@@ -10,7 +10,6 @@ from .base import DraftMethod
 
 class Int8(DraftMethod):
     name = "int8"
-    layer_by_layer = True
     trains = False
 
     def save(self, module, directory, extra, step):

@@ -58,7 +58,6 @@ class SelfSpecTrainer(nn.Module):
 
 class SelfSpec(DraftMethod):
     name = "self_spec"
-    layer_by_layer = True
     config = SelfSpecOptions
     token_level = True
 
