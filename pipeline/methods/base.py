@@ -21,11 +21,20 @@ class DraftMethod:
     how to save it as a draft directory (eval/draft_dir.py) and, for token-level drafts, how to
     sample continuations (data=onpolicy/mix)."""
 
-    name: str = ""
+    name: str = ""  # also the draft kind it saves (eval/draft_dir.py), which says how the decoder serves it
     config: type | None = None  # the dataclass of its recipe section, train.<name>; None: no keys
+    help: str = ""  # what it is, in train.method's `draftsmith recipe-help` line
+    variants: dict = {}  # `draftsmith compare`'s variants of it: name -> train overrides; {}: not compared
     needs_features: bool = False  # trains on the target's cached features, not on target forwards
     token_level: bool = False  # a draft LM that samples its own continuations (data=onpolicy/mix)
     trains: bool = True  # False: nothing to train, the checkpoint only names the kind
+    reuses_target_layers: bool = False  # train.<name>.num_layers counts target layers (compare caps it on small targets)
+    # How its section enters the recipe hash and train_key (config.flat_train): flat, in the layout from before
+    # the sections, under flat_names where they differ, for every method (the methods that predate the sections);
+    # else as "<name>.<key>" only when it runs, without `unhashed` (keys that choose how, not what, it learns).
+    flat: bool = False
+    flat_names: dict = {}
+    unhashed: tuple = ()
 
     @property
     def layer_by_layer(self) -> bool:

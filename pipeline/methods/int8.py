@@ -10,6 +10,8 @@ from .base import DraftMethod
 
 class Int8(DraftMethod):
     name = "int8"
+    help = "an int8 copy of the target, no training: a baseline"
+    variants = {"int8": {}}
     trains = False
 
     def save(self, module, directory, extra, step):
