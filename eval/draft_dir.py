@@ -1,9 +1,9 @@
 """The draft-directory format: one folder per draft, marked by `draftsmith_draft.json`.
 
 Every draft draftsmith writes (a training checkpoint, best/, a compare variant) is a directory holding
-FILE, a JSON object whose "kind" is a registered DraftKind (the built-in ones below, a plugin's from its
-own module with register_kind), plus the files the kind declares it holds. How the decoder serves a
-kind is registered beside its proposer (eval/proposers/kinds.py).
+FILE, a JSON object whose "kind" is a registered DraftKind (the built-in ones below, with the files each
+holds; a plugin's from its own module with register_kind), plus that kind's files. How the decoder
+serves a kind is registered beside its proposer (eval/proposers/kinds.py).
 
 Optional keys: "step", "train_key" (the training inputs' hash, pipeline/checkpoints.py), "proposer":
 "hybrid" (promoted as a hybrid with n-gram lookups), "serve" (SERVE_KEYS settings fixed at
@@ -31,7 +31,6 @@ class DraftKind:
     """One kind of draft directory, declared once (register_kind)."""
 
     name: str
-    holds: str  # the files beside FILE
     stores_weights: bool = True  # False: the directory holds only FILE, and the kind's name alone is a draft
     layer_by_layer: bool = False  # runs the target's own layers in the lean forward (only the families it covers)
 
@@ -47,16 +46,14 @@ def register_kind(kind: DraftKind) -> DraftKind:
     return kind
 
 
+# The built-in kinds, each with the files it holds beside FILE.
 for _kind in (
-        DraftKind("eagle", "head.safetensors (an EAGLE head over the target's features)"),
-        DraftKind("eagle3", "head.safetensors (an EAGLE-3 head over three target layers; speculators' weight names)"),
-        DraftKind("medusa", "head.safetensors (Medusa heads over the target's features)"),
-        DraftKind("draft_lm", "an ordinary HF checkpoint (config.json, model.safetensors, tokenizer), and with LoRA "
-                              "the PEFT adapter in adapter/"),
-        DraftKind("self_spec", "adapter.safetensors (the target's first layers are reused, not stored)",
-                  layer_by_layer=True),
-        DraftKind("int8", "nothing: an int8 copy of the target is built at load time", stores_weights=False,
-                  layer_by_layer=True)):
+        DraftKind("eagle"),  # head.safetensors: an EAGLE head over the target's features
+        DraftKind("eagle3"),  # head.safetensors: an EAGLE-3 head over three target layers, speculators' weight names
+        DraftKind("medusa"),  # head.safetensors: Medusa heads over the target's features
+        DraftKind("draft_lm"),  # an ordinary HF checkpoint (config.json, model.safetensors, tokenizer); LoRA: adapter/
+        DraftKind("self_spec", layer_by_layer=True),  # adapter.safetensors: the target's first layers are reused
+        DraftKind("int8", stores_weights=False, layer_by_layer=True)):  # nothing: built from the target at load time
     register_kind(_kind)
 
 

@@ -78,7 +78,7 @@ class BigramProposer(Proposer):
         self.cur = bonus.clone()
 
 
-draft_dir.register_kind(draft_dir.DraftKind("toy", FILE + " (a low-rank bigram table)"))
+draft_dir.register_kind(draft_dir.DraftKind("toy"))  # holds toy.safetensors, a low-rank bigram table
 register_loader(KindLoader("toy", lambda d, meta, target, dtype: BigramProposer(Bigram.load(d))))
 '''
 
@@ -186,7 +186,7 @@ def test_registering_checks_what_it_is_given(toy_package):
     """A kind or method registered twice, a method whose kind is unknown, and a method with recipe keys after
     the recipe's sections were built are refused; a loader needs a declared kind."""
     with pytest.raises(ValueError, match="taken"):
-        draft_dir.register_kind(draft_dir.DraftKind("toy", "again"))
+        draft_dir.register_kind(draft_dir.DraftKind("toy"))
     with pytest.raises(ValueError, match="registered already"):
         methods.register_method(toy_package.method.Toy())
     with pytest.raises(draft_dir.DraftDirError, match="'warp' is not one of"):
@@ -197,7 +197,7 @@ def test_registering_checks_what_it_is_given(toy_package):
 
     with pytest.raises(draft_dir.DraftDirError, match="'warp' is not one of"):
         methods.register_method(Warp())
-    draft_dir.register_kind(draft_dir.DraftKind("warp", "nothing"))
+    draft_dir.register_kind(draft_dir.DraftKind("warp"))
 
     @dataclasses.dataclass
     class WarpOptions:
