@@ -74,9 +74,12 @@ def _draft_lm(d, meta, target, dtype):
     return DraftLMProposer(model, target.config.vocab_size)
 
 
-def _self_spec(d, meta, target, dtype):  # the adapter alone is stored: rebuilt around `target`, its own target
-    draft = SelfSpecDraft.load(d, target, dtype=dtype, device=_device(target))
+def _self_spec_draft(draft: SelfSpecDraft, target):  # its truncated vocabulary's rows map to target ids by d2t
     return DraftLMProposer(draft, target.config.vocab_size, d2t=draft.d2t)
+
+
+def _self_spec(d, meta, target, dtype):  # the adapter alone is stored: rebuilt around `target`, its own target
+    return _self_spec_draft(SelfSpecDraft.load(d, target, dtype=dtype, device=_device(target)), target)
 
 
 def _int8(d, meta, target, dtype):  # nothing stored: the int8 copy is built from the target now
@@ -86,5 +89,6 @@ def _int8(d, meta, target, dtype):  # nothing stored: the int8 copy is built fro
 for _loader in (KindLoader("eagle", _eagle, module=EagleHead, wrap=EagleProposer),
                 KindLoader("eagle3", _eagle3, module=Eagle3Head, wrap=Eagle3Proposer),
                 KindLoader("medusa", _medusa), KindLoader("draft_lm", _draft_lm),
-                KindLoader("self_spec", _self_spec), KindLoader("int8", _int8)):
+                KindLoader("self_spec", _self_spec, module=SelfSpecDraft, wrap=_self_spec_draft),
+                KindLoader("int8", _int8)):
     register_loader(_loader)

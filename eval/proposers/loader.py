@@ -20,8 +20,8 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     """The proposer for a draft, however it is given:
       a Proposer                -> itself
       a registered loader's module -> its `wrap` (an EagleHead -> EagleProposer, an Eagle3Head ->
-                                   Eagle3Proposer: eval/proposers/kinds.py)
-      another module            -> DraftLMProposer (an HF model, or an eval.drafts draft, whose `d2t` is used)
+                                   Eagle3Proposer, a SelfSpecDraft -> DraftLMProposer with its d2t: kinds.py)
+      another module            -> DraftLMProposer (an HF model, the int8 draft)
       "ngram"                   -> NgramProposer()
       a kind that stores no weights, by name ("int8") -> its proposer, built now from the target
       "hybrid:<draft dir>"      -> HybridProposer over that draft (and its datastore.npy, if any)
@@ -37,7 +37,7 @@ def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
         for kl in loaders():
             if kl.module is not None and isinstance(path_or_kind, kl.module):
                 return kl.wrap(path_or_kind, target)
-        return DraftLMProposer(path_or_kind, target.config.vocab_size, d2t=getattr(path_or_kind, "d2t", None))
+        return DraftLMProposer(path_or_kind, target.config.vocab_size)
     if path_or_kind == "ngram":
         return NgramProposer()
     if isinstance(path_or_kind, str) and path_or_kind in _by_name():
