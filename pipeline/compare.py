@@ -190,9 +190,10 @@ def _served_rows(recipe, run_dir, target, tokenizer, rows: list[dict], best: dic
         served = [("hybrid", f"hybrid:{d}", f"hybrid ({best_m} + ngram + datastore)"),
                   ("hybrid-nostore", f"hybrid-nostore:{d}", f"hybrid ({best_m} + ngram), no datastore"),
                   ("ngram+datastore", f"datastore:{d}", "ngram + datastore (no draft)")]
-    int8 = [r for r in rows if r["method"] == "int8"]
-    if int8:  # the int8 copy accepts almost everything but costs much of a target step (docs/reference/kernels.md)
-        served.append(("int8+ngram", f"hybrid:{int8[0]['dir']}", "hybrid (int8 + ngram)"))
+    for r in rows:  # an untrained draft with lookups too (int8: accepts almost everything, costs much of a target step)
+        m = r["method"]
+        if not get_method(m).trains:
+            served.append((f"{m}+ngram", f"hybrid:{r['dir']}", f"hybrid ({m} + ngram)"))
     out = []
     for name, src, method in served:
         out.append(_decode_row(name, src, recipe, run_dir, target, tokenizer, k) | {"method": method})

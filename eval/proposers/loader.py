@@ -65,7 +65,7 @@ def _served(how: str, src, target, dtype) -> HybridProposer:
             raise DatastoreError(f"{d} holds no datastore.npy; train with train.datastore=true or give a draft "
                                  f"directory that has one")
         return HybridProposer(NoDraft(), datastore=store)
-    if not is_draft:  # "ngram", a kind loaded by name ("int8"), or load_proposer's error for a directory that is no draft
+    if not is_draft:  # "ngram", a kind named alone ("int8"), or load_proposer's error for a directory that is no draft
         return HybridProposer(load_proposer(str(src), target, dtype))
     return _hybrid(d, draft_dir.read_meta(d), store, target, dtype)
 

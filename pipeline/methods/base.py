@@ -28,7 +28,7 @@ class DraftMethod:
     needs_features: bool = False  # trains on the target's cached features, not on target forwards
     token_level: bool = False  # a draft LM that samples its own continuations (data=onpolicy/mix)
     trains: bool = True  # False: nothing to train, the checkpoint only names the kind
-    reuses_target_layers: bool = False  # train.<name>.num_layers counts target layers (compare caps it on small targets)
+    reuses_target_layers: bool = False  # train.<name>.num_layers counts target layers (compare caps it for small ones)
     # How its section enters the recipe hash and train_key (config.flat_train): flat, in the layout from before
     # the sections, under flat_names where they differ, for every method (the methods that predate the sections);
     # else as "<name>.<key>" only when it runs, without `unhashed` (keys that choose how, not what, it learns).
