@@ -1,34 +1,75 @@
 """The draft-directory format: one folder per draft, marked by `draftsmith_draft.json`.
 
 Every draft draftsmith writes (a training checkpoint, best/, a compare variant) is a directory holding
-FILE, a JSON object whose "kind" is one of KINDS, plus the kind's own weights:
-
-  eagle, medusa  head.safetensors (a head over the target's features)
-  eagle3         head.safetensors (an EAGLE-3 head over three target layers; speculators' weight names)
-  self_spec      adapter.safetensors (the target's first layers are reused, not stored)
-  draft_lm       an ordinary HF checkpoint (config.json, model.safetensors, tokenizer), and with LoRA
-                 the PEFT adapter in adapter/
-  int8           nothing: an int8 copy of the target is built at load time
+FILE, a JSON object whose "kind" is a registered DraftKind (the built-in ones below, with the files each
+holds; a plugin's from its own module with register_kind), plus that kind's files. How the decoder
+serves a kind is registered beside its proposer (eval/proposers/kinds.py).
 
 Optional keys: "step", "train_key" (the training inputs' hash, pipeline/checkpoints.py), "proposer":
 "hybrid" (promoted as a hybrid with n-gram lookups), "serve" (SERVE_KEYS settings fixed at
 promotion, e.g. the fitted tree budget), and a datastore (eval/datastore.py) beside the weights.
-This module is the one reader and writer of FILE.
+This module is the one reader and writer of FILE, and holds the registry of draft kinds.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 FILE = "draftsmith_draft.json"
-KINDS = ("eagle", "eagle3", "medusa", "draft_lm", "self_spec", "int8")
 SERVED_AS = ("hybrid", "hybrid-nostore", "datastore")  # "<how>:<draft dir>": a directory served another way
 SERVE_KEYS = ("max_nodes",)  # the serving settings a draft's "serve" may fix
 
 
 class DraftDirError(ValueError):
     """Not a usable draft directory; the message names the path and what is wrong."""
+
+
+@dataclass(frozen=True)
+class DraftKind:
+    """One kind of draft directory, declared once (register_kind)."""
+
+    name: str
+    stores_weights: bool = True  # False: the directory holds only FILE, and the kind's name alone is a draft
+    layer_by_layer: bool = False  # runs the target's own layers in the lean forward (only the families it covers)
+
+
+_KINDS: dict[str, DraftKind] = {}
+
+
+def register_kind(kind: DraftKind) -> DraftKind:
+    """Add a draft kind (once per name; "ngram" and the SERVED_AS prefixes are load_proposer's own)."""
+    if kind.name in _KINDS or kind.name == "ngram" or kind.name in SERVED_AS or not kind.name.isidentifier():
+        raise ValueError(f"draft kind {kind.name!r} is taken or not a plain identifier")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+# The built-in kinds, each with the files it holds beside FILE.
+for _kind in (
+        DraftKind("eagle"),  # head.safetensors: an EAGLE head over the target's features
+        DraftKind("eagle3"),  # head.safetensors: an EAGLE-3 head over three target layers, speculators' weight names
+        DraftKind("medusa"),  # head.safetensors: Medusa heads over the target's features
+        DraftKind("draft_lm"),  # an ordinary HF checkpoint (config.json, model.safetensors, tokenizer); LoRA: adapter/
+        DraftKind("self_spec", layer_by_layer=True),  # adapter.safetensors: the target's first layers are reused
+        DraftKind("int8", stores_weights=False, layer_by_layer=True)):  # nothing: built from the target at load time
+    register_kind(_kind)
+
+
+def kinds() -> tuple[DraftKind, ...]:
+    """Every registered draft kind, the built-in ones first, in registration order."""
+    return tuple(_KINDS.values())
+
+
+def kind_names() -> tuple[str, ...]:
+    return tuple(k.name for k in kinds())
+
+
+def get_kind(name: str) -> DraftKind:
+    if name not in _KINDS:
+        raise DraftDirError(f"draft kind {name!r} is not one of {', '.join(kind_names())}")
+    return _KINDS[name]
 
 
 def served_form(source: str) -> tuple[str | None, str]:
@@ -53,16 +94,16 @@ def read_meta(directory: str | Path) -> dict:
         meta = json.loads(f.read_text())
     except json.JSONDecodeError:
         raise DraftDirError(f"{f}: bad JSON") from None
-    if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
+    if not isinstance(meta, dict) or meta.get("kind") not in kind_names():
         kind = meta.get("kind") if isinstance(meta, dict) else None
-        raise DraftDirError(f"{f}: unknown draft kind {kind!r} (expected one of {', '.join(KINDS)})")
+        raise DraftDirError(f"{f}: unknown draft kind {kind!r} (expected one of {', '.join(kind_names())})")
     return meta
 
 
 def write_meta(directory: str | Path, meta: dict) -> Path:
     """Write FILE (meta must name a known "kind"); the directory is created if needed."""
-    if meta.get("kind") not in KINDS:
-        raise DraftDirError(f"draft kind {meta.get('kind')!r} is not one of {', '.join(KINDS)}")
+    if meta.get("kind") not in kind_names():
+        raise DraftDirError(f"draft kind {meta.get('kind')!r} is not one of {', '.join(kind_names())}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / FILE).write_text(json.dumps(meta, indent=2))

@@ -32,9 +32,6 @@ from .layers import RMSNorm
 
 ADAPTER_FILE = "adapter.safetensors"
 
-# The methods that apply to every family: they read the target's features or copy its layers whole.
-ANY_FAMILY_METHODS = "medusa, eagle, eagle3 or draft_lm"
-
 
 class DraftError(ValueError):
     """A draft cannot be built for this target; the message says why and which methods can."""
@@ -46,12 +43,19 @@ def runs_layer_by_layer(model) -> bool:
     return family.runner_path(model) == "lean"
 
 
-def check_layer_by_layer(what: str, model, others: str = ANY_FAMILY_METHODS) -> None:
+def any_family_kinds() -> str:
+    """The draft kinds that apply to every family (they read the target's features or copy its layers
+    whole; draft_dir.DraftKind.layer_by_layer), as "a, b or c"."""
+    names = [k.name for k in draft_dir.kinds() if not k.layer_by_layer]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
+def check_layer_by_layer(what: str, model) -> None:
     """Refuse `what` (a method that runs the target's own layers) on a target the lean forward does not
     run, in one line naming the architecture and the methods that can."""
     if not runs_layer_by_layer(model):
         raise DraftError(f"{what} needs a target draftsmith runs layer by layer ({', '.join(family.LEAN_FAMILIES)}); "
-                         f"this target is {describe(model)}: use {others}")
+                         f"this target is {describe(model)}: use {any_family_kinds()}")
 
 
 # ------------------------------------------------------------------------------------ self-spec

@@ -345,9 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
         _recipe_args(sub.add_parser(name, help=h))
     c = sub.add_parser("compare", help="train and judge every draft method x divergence; one table")
     _recipe_args(c)
-    from .compare import DIVERGENCES, METHODS
+    from .compare import DIVERGENCES
+    from .methods import variants
 
-    c.add_argument("--methods", help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
+    c.add_argument("--methods", help=f"comma-separated subset of: {', '.join(variants())} (default: all)")
     c.add_argument("--divergences", help=f"divergences tried on the best method (default: {','.join(DIVERGENCES)})")
     c.add_argument("--steps", type=int, help="training steps per variant (default: the recipe's train.steps)")
     c.add_argument("--no-raw", action="store_true", help="skip the raw-text (undistilled) baseline")

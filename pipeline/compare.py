@@ -27,25 +27,14 @@ from pathlib import Path
 
 from eval import speedup
 from eval.datastore import FILE as DATASTORE_FILE
-from eval.draft_dir import KINDS
 from eval.family import text_config
 
+from .methods import get_method, variants
 from .shards import write_json_atomic
 from .tracking import NoOpTracker
 
-# name -> recipe overrides (train.*). "lora" is draft_lm with a LoRA adapter; "eagle_fullvocab" is
-# the truncated-vocabulary method's counterpart (same head, all 49k rows); "medusa" recurrent heads
-# and "medusa_indep" Medusa-1's independent ones.
-METHODS = {
-    "eagle": {"method": "eagle"},
-    "medusa": {"method": "medusa", "medusa": {"recurrent": True}},
-    "medusa_indep": {"method": "medusa", "medusa": {"recurrent": False}},
-    "self_spec": {"method": "self_spec", "self_spec": {"num_layers": 6, "adapter_rank": 128}, "lr": 1e-2},
-    "int8": {"method": "int8"},
-    "lora": {"method": "draft_lm", "draft_lm": {"num_layers": 2, "lora_rank": 16, "lora_alpha": 32}, "lr": 1e-3},
-    "draft_lm": {"method": "draft_lm", "draft_lm": {"num_layers": 2, "lora_rank": 0}, "lr": 3e-4},
-    "eagle_fullvocab": {"method": "eagle", "draft_vocab_size": 0},
-}
+# The variants (name -> train overrides, "method" included) are the methods' own (DraftMethod.variants,
+# pipeline.methods.variants()): e.g. "lora" is draft_lm with a LoRA adapter, "medusa_indep" Medusa-1's heads.
 DIVERGENCES = ("fkl", "rkl", "jsd", "tv")
 
 
@@ -98,9 +87,9 @@ def run_variant(name: str, recipe, run_dir: Path, target, tokenizer) -> dict:
     from .train import run_train
 
     L = text_config(target).num_hidden_layers
-    own = getattr(recipe.train, recipe.train.method, None)  # the method's own section, train.<method>
-    if recipe.train.method in ("self_spec", "draft_lm") and own.num_layers > max(L // 2, 1):
-        own.num_layers = max(L // 2, 1)  # a small target: keep the draft a fraction of it
+    if get_method(recipe.train.method).reuses_target_layers:
+        own = getattr(recipe.train, recipe.train.method)  # the method's own section, train.<method>
+        own.num_layers = min(own.num_layers, max(L // 2, 1))  # a small target: keep the draft a fraction of it
     vdir = run_dir / "compare" / name
     (vdir / "train").mkdir(parents=True, exist_ok=True)
     _link(run_dir / "generate", vdir / "generate")
@@ -155,16 +144,12 @@ def _decode_row(name: str, src: str, recipe, run_dir: Path, target, tokenizer, k
 
 
 def check_choices(methods, divergences) -> list[str]:
-    """--methods and --divergences checked against METHODS and DIVERGENCES; each chosen variant's
-    "method" must be a draft kind (eval.draft_dir.KINDS)."""
-    methods = list(methods or METHODS)
-    unknown = [m for m in methods if m not in METHODS]
+    """--methods and --divergences checked against the methods' variants and DIVERGENCES."""
+    known = variants()
+    methods = list(methods or known)
+    unknown = [m for m in methods if m not in known]
     if unknown:
-        raise CompareError(f"unknown method(s) {unknown} for --methods; choose from {sorted(METHODS)}")
-    for m in methods:
-        if METHODS[m]["method"] not in KINDS:
-            raise CompareError(f"compare variant {m}: method {METHODS[m]['method']!r} is not a draft kind; "
-                               f"choose from {list(KINDS)}")
+        raise CompareError(f"unknown method(s) {unknown} for --methods; choose from {sorted(known)}")
     bad = [d for d in divergences if d not in DIVERGENCES]
     if bad:
         raise CompareError(f"unknown divergence(s) {bad} for --divergences; choose from {list(DIVERGENCES)}")
@@ -176,12 +161,13 @@ def applicable(methods: list[str], target, chosen: bool) -> list[str]:
     one line; from the default list it is left out, saying so."""
     from .methods import check_applies, methods_for
 
+    method = {v: over["method"] for v, over in variants().items()}
     if chosen:
         for m in methods:
-            check_applies(METHODS[m]["method"], target, f"compare variant {m} (train.method={METHODS[m]['method']})")
+            check_applies(method[m], target, f"compare variant {m} (train.method={method[m]})")
         return methods
     ok = set(methods_for(target))
-    out = [m for m in methods if METHODS[m]["method"] in ok]
+    out = [m for m in methods if method[m] in ok]
     if len(out) < len(methods):
         print(f"[compare] leaving out {', '.join(m for m in methods if m not in out)}: they run the target's layers "
               f"in draftsmith's lean forward, which does not cover this target", file=sys.stderr)
@@ -191,7 +177,7 @@ def applicable(methods: list[str], target, chosen: bool) -> list[str]:
 def _method_rows(recipe, run_dir, target, tokenizer, methods, steps) -> list[dict]:
     """Step 2: every method with the recipe's divergence, on the generated data."""
     div = recipe.train.divergence
-    return [run_variant(f"{m}-{div}", _variant_recipe(recipe, {**METHODS[m], "divergence": div, "data": "generated"},
+    return [run_variant(f"{m}-{div}", _variant_recipe(recipe, {**variants()[m], "divergence": div, "data": "generated"},
                                                       steps), run_dir, target, tokenizer) for m in methods]
 
 
@@ -204,9 +190,10 @@ def _served_rows(recipe, run_dir, target, tokenizer, rows: list[dict], best: dic
         served = [("hybrid", f"hybrid:{d}", f"hybrid ({best_m} + ngram + datastore)"),
                   ("hybrid-nostore", f"hybrid-nostore:{d}", f"hybrid ({best_m} + ngram), no datastore"),
                   ("ngram+datastore", f"datastore:{d}", "ngram + datastore (no draft)")]
-    int8 = [r for r in rows if r["method"] == "int8"]
-    if int8:  # the int8 copy accepts almost everything but costs much of a target step (docs/reference/kernels.md)
-        served.append(("int8+ngram", f"hybrid:{int8[0]['dir']}", "hybrid (int8 + ngram)"))
+    for r in rows:  # an untrained draft with lookups too (int8: accepts almost everything, costs much of a target step)
+        m = r["method"]
+        if not get_method(m).trains:
+            served.append((f"{m}+ngram", f"hybrid:{r['dir']}", f"hybrid ({m} + ngram)"))
     out = []
     for name, src, method in served:
         out.append(_decode_row(name, src, recipe, run_dir, target, tokenizer, k) | {"method": method})
@@ -219,14 +206,14 @@ def _divergence_rows(recipe, run_dir, target, tokenizer, own: list[dict], best_m
     rows = list(own)
     for d in divergences:
         if d != default:
-            rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": d, "data": "generated"}, steps)
+            rv = _variant_recipe(recipe, {**variants()[best_m], "divergence": d, "data": "generated"}, steps)
             rows.append(run_variant(f"{best_m}-{d}", rv, run_dir, target, tokenizer))
     return rows
 
 
 def _lift_arm(recipe, run_dir, target, tokenizer, best_m: str, data: str, steps: int, n_prompts: int, tag: str):
     extra = {"raw_windows": 0} if data == "raw" else {}
-    rv = _variant_recipe(recipe, {**METHODS[best_m], "divergence": recipe.train.divergence, "data": data, **extra},
+    rv = _variant_recipe(recipe, {**variants()[best_m], "divergence": recipe.train.divergence, "data": data, **extra},
                          steps, n_prompts)
     name = f"{best_m}-{recipe.train.divergence}{'-raw' if data == 'raw' else ''}{tag}"
     return run_variant(name, rv, run_dir, target, tokenizer)
@@ -272,7 +259,7 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
     (run_dir / "compare").mkdir(exist_ok=True)
     ctx = (recipe, run_dir, target, tokenizer)
     rows = _method_rows(*ctx, methods, steps)
-    trained = [r for r in rows if r["method"] != "int8"]
+    trained = [r for r in rows if get_method(r["method"]).trains]
     best = max(trained or rows, key=lambda r: r["speedup"])
     best_m = best["name"].rsplit("-", 1)[0]
     rows += _served_rows(*ctx, rows, best, best_m)
@@ -281,7 +268,7 @@ def run_compare(recipe, run_dir: Path, target, tokenizer, methods=None, divergen
     div_rows = _divergence_rows(*ctx, own, best_m, divergences, steps)
     dist = raw = None
     lift_steps, lift_prompts = lift_steps or steps or recipe.train.steps, lift_prompts or recipe.evaluate.n_prompts
-    if raw_baseline and METHODS[best_m]["method"] != "int8":
+    if raw_baseline and get_method(variants()[best_m]["method"]).trains:
         dist, raw = _lift(*ctx, best, best_m, steps, lift_steps, lift_prompts)
     # K sweep (measured) on the best served proposer: a variant's best/ dir, or "hybrid:<dir>"
     served = max([r for r in rows if r["name"] not in ("ngram", "ngram+datastore")], key=lambda r: r["speedup"])

@@ -6,8 +6,9 @@ as `section.key=value` (parsed as YAML, so `train.steps=10` gives an int). The d
 recipes/code.yaml, so `draftsmith recipe-help` prints what the shipped recipe runs.
 
 A draft method's own keys live in its section, train.<method> (e.g. train.medusa.heads), a dataclass
-owned by the method's module in pipeline/methods/; the method list is that package's registry. A key
-of another method's section is refused by name rather than silently ignored.
+owned by the method's module in pipeline/methods/; the method list, train.method's help and the
+sections (fields of TrainConfig) come from that package's registry. A key of another method's section
+is refused by name rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from .formats import ENGINES, FORMATS
-from .methods import METHODS, DraftLMOptions, Eagle3Options, EagleOptions, MedusaOptions, SelfSpecOptions
+from .methods import METHODS, sections
 from .options import RecipeError, one_of as _one_of, option as _f, positive as _positive, sampling as _sampling
 from .synth import SynthOptions
 
@@ -115,24 +116,17 @@ class GenerateConfig:
         _one_of("generate.engine", self.engine, GENERATE_ENGINES)
 
 
-SECTIONS = tuple(name for name, m in METHODS.items() if m.config is not None)  # train.<method> sections
-
-
-def _section(cls, help: str):
-    return field(default_factory=cls, metadata={"help": help})
+_SECTIONS = sections()  # the methods with a section train.<method>, fields of TrainConfig
+SECTIONS = tuple(_SECTIONS)
 
 
 @dataclass
-class TrainConfig:
-    method: str = _f("medusa", "Draft method: 'eagle' (a decoder layer over the target's features and the next "
-                               "token, EAGLE, Li et al. 2024); 'eagle3' (one layer over three fused target "
-                               "layers, EAGLE-3, Li et al. 2025: the draft vLLM and SGLang load); 'medusa' "
-                               "(heads on the target's last feature, "
-                               "one per further position, Cai et al. 2024); 'draft_lm' (a small LM: the "
-                               "target's first layers or `init_from`, full fine-tuning or LoRA); 'self_spec' "
-                               "(the target's own first layers + an adapter, no second copy of the weights); "
-                               "'int8' (an int8 copy of the target, no training: a baseline). Its own keys "
-                               "live in train.<method>.")
+class _TrainKeys:
+    """train's keys shared by every method; TrainConfig adds one section per method that has keys."""
+
+    # help_from: read when asked, so a method registered after this module loaded is listed too
+    method: str = field(default="medusa", metadata={"help_from": lambda: "Draft method: " + "; ".join(
+        f"'{n}' ({m.help})" for n, m in METHODS.items()) + ". Its own keys live in train.<method>."})
     data: str = _f("generated", "What the draft learns from: 'generated' (the target's own outputs, stage 1), "
                                 "'raw' (the domain's raw text with one-hot next-token targets: the "
                                 "undistilled baseline), 'onpolicy' (sequences sampled from the draft, scored "
@@ -163,11 +157,6 @@ class TrainConfig:
                                "as a datastore: served as a hybrid, the draft's token trees also get the "
                                "datastore's most frequent continuations of the current suffix (REST, He et "
                                "al. 2024; SuffixDecoding, Oliaro et al. 2024). false: no datastore.")
-    eagle: EagleOptions = _section(EagleOptions, "method=eagle only (pipeline/methods/eagle.py).")
-    eagle3: Eagle3Options = _section(Eagle3Options, "method=eagle3 only (pipeline/methods/eagle3.py).")
-    medusa: MedusaOptions = _section(MedusaOptions, "method=medusa only (pipeline/methods/medusa.py).")
-    draft_lm: DraftLMOptions = _section(DraftLMOptions, "method=draft_lm only (pipeline/methods/draft_lm.py).")
-    self_spec: SelfSpecOptions = _section(SelfSpecOptions, "method=self_spec only (pipeline/methods/self_spec.py).")
 
     def __post_init__(self):
         _one_of("train.method", self.method, set(METHODS))
@@ -200,6 +189,14 @@ class TrainConfig:
                                   f"raw_windows=0")
 
 
+# The sections, in registration order after the shared keys (the order dataclasses.asdict gives them).
+TrainConfig = dataclasses.make_dataclass("TrainConfig", [
+    (n, m.config, field(default_factory=m.config, metadata={
+        "help": f"method={n} only ({type(m).__module__.replace('.', '/')}.py)."}))
+    for n, m in _SECTIONS.items()], bases=(_TrainKeys,))
+TrainConfig.__module__ = __name__
+
+
 def _refuse_other_sections(tc: TrainConfig, given: dict, prefix: str) -> None:
     """A key given for another method's section would be silently ignored: refuse it by name."""
     for name in SECTIONS:
@@ -215,27 +212,24 @@ _MOVED = {"num_layers": "train.<method>.num_layers (eagle, draft_lm, self_spec)"
           "medusa_recurrent": "train.medusa.recurrent", "adapter_rank": "train.self_spec.adapter_rank",
           "lora_rank": "train.draft_lm.lora_rank", "lora_alpha": "train.draft_lm.lora_alpha",
           "init_from": "train.draft_lm.init_from"}
-_FLAT_NAMES = {"medusa": {"heads": "medusa_heads", "recurrent": "medusa_recurrent"}}
-# Sections added after the flat layout: hashed only when their method runs, as "<section>.<key>", so the
-# recipes of other methods keep their hash and train_key; without their keys that choose how, not what, the
-# draft learns (where the target's features come from), so switching them resumes.
-_OWN_ONLY = {"eagle3": ("features", "max_cache_gb")}
 
 
 def flat_train(tc: TrainConfig) -> dict:
     """The train section in the flat layout it had before the method sections, which the recipe hash
-    and train_key are computed over, so run directories made before still resume. Every section's keys
-    are kept (those of _OWN_ONLY only for their own method); num_layers is the active method's (1 for a
-    method without one)."""
+    and train_key are computed over, so run directories made before still resume. The keys of the
+    sections declared `flat` are kept for every method (under their `flat_names`); any other section
+    only for its own method, as "<section>.<key>" without its `unhashed` keys, so that adding a method
+    changes no other recipe's hash; num_layers is the active method's (1 for a method without one)."""
     d = dataclasses.asdict(tc)
     flat = {k: v for k, v in d.items() if k not in SECTIONS}
     flat["num_layers"] = (d.get(tc.method) or {}).get("num_layers", 1)
-    if tc.method in _OWN_ONLY:
-        flat.update({f"{tc.method}.{k}": v for k, v in d[tc.method].items() if k not in _OWN_ONLY[tc.method]})
-    for name in (s for s in SECTIONS if s not in _OWN_ONLY):
-        for k, v in d[name].items():
+    own = _SECTIONS.get(tc.method)
+    if own is not None and not own.flat:
+        flat.update({f"{tc.method}.{k}": v for k, v in d[tc.method].items() if k not in own.unhashed})
+    for name, m in _SECTIONS.items():
+        for k, v in d[name].items() if m.flat else ():
             if k != "num_layers":
-                flat[_FLAT_NAMES.get(name, {}).get(k, k)] = v
+                flat[m.flat_names.get(k, k)] = v
     return flat
 
 
@@ -571,5 +565,6 @@ def help_table(cls=Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
             rows += help_table(hints[f.name], prefix + f.name + ".")
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((prefix + f.name, repr(default), f.metadata.get("help", "")))
+            help = f.metadata["help_from"]() if "help_from" in f.metadata else f.metadata.get("help", "")
+            rows.append((prefix + f.name, repr(default), help))
     return rows

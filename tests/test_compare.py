@@ -7,7 +7,8 @@ import json
 import pytest
 
 from pipeline.cli import main
-from pipeline.compare import METHODS, best_k
+from pipeline.compare import best_k
+from pipeline.methods import variants
 
 from helpers import TINY_BUDGET
 
@@ -26,12 +27,12 @@ def test_compare_end_to_end(tiny_target, tmp_path, monkeypatch):  # noqa: F811
     docs = tmp_path / "compare.md"
     args = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
             f"runs_dir={tmp_path}", "wandb.mode=offline", *TINY_BUDGET,
-            "--methods", ",".join(METHODS), "--divergences", "fkl,tv", "--steps", "2", "--docs", str(docs)]
+            "--methods", ",".join(variants()), "--divergences", "fkl,tv", "--steps", "2", "--docs", str(docs)]
     assert main(args) == 0
     run = (tmp_path / "code" / "latest").resolve()
     out = json.loads((run / "compare" / "compare.json").read_text())
     names = [r["name"] for r in out["methods"]]
-    assert names == [f"{m}-fkl" for m in METHODS] + ["hybrid", "hybrid-nostore", "ngram+datastore", "int8+ngram",
+    assert names == [f"{m}-fkl" for m in variants()] + ["hybrid", "hybrid-nostore", "ngram+datastore", "int8+ngram",
                                                      "ngram"]
     served = ("hybrid", "hybrid-nostore", "ngram+datastore", "int8+ngram", "ngram", "int8-fkl")
     decoded = ("hybrid", "hybrid-nostore", "ngram+datastore", "int8+ngram", "ngram")
@@ -71,21 +72,28 @@ def test_compare_rejects_unknown_method(tiny_target, tmp_path, capsys):  # noqa:
             f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "--methods", "eagle,warp"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "['warp']" in err[0] and all(m in err[0] for m in METHODS)
+    assert len(err) == 1 and "['warp']" in err[0] and all(m in err[0] for m in variants())
     assert not (tmp_path / "code").exists()  # refused before any run opens
 
 
-def test_every_variant_is_a_draft_kind(monkeypatch):
-    """Each METHODS variant trains one of the draft kinds (eval.draft_dir.KINDS); a variant naming
-    another is refused with the kinds listed."""
-    from eval.draft_dir import KINDS
+def test_variants_are_the_methods_own():
+    """compare's variants are those the methods declare (DraftMethod.variants), each training its own
+    method, as they were when compare held its own table; an unknown one is refused naming them all."""
     from pipeline import compare
+    from pipeline.methods import METHODS
 
-    assert {v["method"] for v in METHODS.values()} <= set(KINDS)
-    monkeypatch.setitem(compare.METHODS, "warp", {"method": "warp"})
+    assert variants() == {
+        "eagle": {"method": "eagle"}, "eagle_fullvocab": {"method": "eagle", "draft_vocab_size": 0},
+        "medusa": {"method": "medusa", "medusa": {"recurrent": True}},
+        "medusa_indep": {"method": "medusa", "medusa": {"recurrent": False}},
+        "lora": {"method": "draft_lm", "draft_lm": {"num_layers": 2, "lora_rank": 16, "lora_alpha": 32}, "lr": 1e-3},
+        "draft_lm": {"method": "draft_lm", "draft_lm": {"num_layers": 2, "lora_rank": 0}, "lr": 3e-4},
+        "self_spec": {"method": "self_spec", "self_spec": {"num_layers": 6, "adapter_rank": 128}, "lr": 1e-2},
+        "int8": {"method": "int8"}}
+    assert all(v in METHODS[over["method"]].variants for v, over in variants().items())
     with pytest.raises(compare.CompareError, match="warp") as e:
         compare.check_choices(["eagle", "warp"], ["fkl"])
-    assert all(k in str(e.value) for k in KINDS)
+    assert all(v in str(e.value) for v in variants())
     with pytest.raises(compare.CompareError, match=r"\['kl'\].*" + ".*".join(compare.DIVERGENCES)):
         compare.check_choices(["eagle"], ["kl"])
 

@@ -9,44 +9,39 @@ import torch
 from .. import draft_dir
 from ..datastore import Datastore, DatastoreError
 from ..draft_dir import SERVE_KEYS
-from ..drafts import SelfSpecDraft, int8_draft
-from ..heads import Eagle3Head, EagleHead, MedusaHeads
 from .base import NoDraft, Proposer
 from .draft_lm import DraftLMProposer
-from .eagle import EagleProposer
-from .eagle3 import Eagle3Proposer
 from .hybrid import HybridProposer
-from .medusa import MedusaProposer
+from .kinds import loader_for, loaders
 from .ngram import NgramProposer
 
 
 def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     """The proposer for a draft, however it is given:
       a Proposer                -> itself
-      an EagleHead              -> EagleProposer
-      an Eagle3Head             -> Eagle3Proposer
-      another module            -> DraftLMProposer (an HF model, or an eval.drafts draft, whose `d2t` is used)
+      a registered loader's module -> its `wrap` (an EagleHead -> EagleProposer, an Eagle3Head ->
+                                   Eagle3Proposer, a SelfSpecDraft -> DraftLMProposer with its d2t: kinds.py)
+      another module            -> DraftLMProposer (an HF model, the int8 draft)
       "ngram"                   -> NgramProposer()
-      "int8"                    -> DraftLMProposer over an int8 copy of the target (built now)
+      a kind that stores no weights, by name ("int8") -> its proposer, built now from the target
       "hybrid:<draft dir>"      -> HybridProposer over that draft (and its datastore.npy, if any)
       "hybrid-nostore:<dir>"    -> the same without the datastore
       "datastore:<draft dir>"   -> n-gram and datastore lookups alone, no draft (NoDraft)
-      a draft directory         -> its kind's proposer (eval/draft_dir.py); a hybrid with its fitted
+      a draft directory         -> its kind's registered `load` (kinds.py); a hybrid with its fitted
                                    "serve" settings when it was promoted as one
     A self_spec directory holds only the adapter: it is rebuilt around `target`, which must be its own
     target."""
     if isinstance(path_or_kind, Proposer):
         return path_or_kind
-    if isinstance(path_or_kind, EagleHead):
-        return EagleProposer(path_or_kind, target)
-    if isinstance(path_or_kind, Eagle3Head):
-        return Eagle3Proposer(path_or_kind, target)
     if isinstance(path_or_kind, torch.nn.Module):
-        return DraftLMProposer(path_or_kind, target.config.vocab_size, d2t=getattr(path_or_kind, "d2t", None))
+        for kl in loaders():
+            if kl.module is not None and isinstance(path_or_kind, kl.module):
+                return kl.wrap(path_or_kind, target)
+        return DraftLMProposer(path_or_kind, target.config.vocab_size)
     if path_or_kind == "ngram":
         return NgramProposer()
-    if path_or_kind == "int8":
-        return _int8_proposer(target)
+    if isinstance(path_or_kind, str) and path_or_kind in _by_name():
+        return loader_for(path_or_kind).load(None, {}, target, dtype)
     how, src = draft_dir.served_form(path_or_kind) if isinstance(path_or_kind, str) else (None, None)
     if how:
         return _served(how, src, target, dtype)
@@ -70,7 +65,7 @@ def _served(how: str, src, target, dtype) -> HybridProposer:
             raise DatastoreError(f"{d} holds no datastore.npy; train with train.datastore=true or give a draft "
                                  f"directory that has one")
         return HybridProposer(NoDraft(), datastore=store)
-    if not is_draft:  # "ngram", "int8", or load_proposer's error for a directory that is no draft
+    if not is_draft:  # "ngram", a kind named alone ("int8"), or load_proposer's error for a directory that is no draft
         return HybridProposer(load_proposer(str(src), target, dtype))
     return _hybrid(d, draft_dir.read_meta(d), store, target, dtype)
 
@@ -95,27 +90,10 @@ def serve_with(proposer: Proposer, settings: dict | None, where) -> Proposer:
     return proposer
 
 
-def _int8_proposer(target) -> DraftLMProposer:
-    return DraftLMProposer(int8_draft(target), target.config.vocab_size)
+def _by_name() -> set[str]:
+    """The kinds that store no weights: their name alone is a draft ("int8")."""
+    return {k.name for k in draft_dir.kinds() if not k.stores_weights}
 
 
 def _model_proposer(d: Path, meta: dict, target, dtype) -> Proposer:
-    p = target.get_output_embeddings().weight
-    kind = meta.get("kind")
-    if kind == "eagle":
-        return EagleProposer(EagleHead.load(d, dtype=dtype, device=p.device), target)
-    if kind == "eagle3":
-        return Eagle3Proposer(Eagle3Head.load(d, dtype=dtype, device=p.device), target)
-    if kind == "draft_lm":
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).to(p.device)
-        return DraftLMProposer(model, target.config.vocab_size)
-    if kind == "self_spec":
-        draft = SelfSpecDraft.load(d, target, dtype=dtype, device=p.device)
-        return DraftLMProposer(draft, target.config.vocab_size, d2t=draft.d2t)
-    if kind == "int8":  # nothing stored: the int8 copy is built from the target now
-        return _int8_proposer(target)
-    if kind == "medusa":
-        return MedusaProposer(MedusaHeads.load(d, dtype=dtype, device=p.device), target)
-    raise ValueError(f"{d}: unknown draft kind {kind!r} (expected one of {', '.join(draft_dir.KINDS)})")
+    return loader_for(meta["kind"]).load(d, meta, target, dtype)

@@ -1,9 +1,18 @@
 """The draft methods, one module each, behind the `DraftMethod` interface (base.py). This registry is
-the one list of them: the recipe's train.method, its per-method sections (train.<name>) and the train
-loop read it. To add a method: a module with a DraftMethod subclass (and its options dataclass, if it
-has keys), one line here, and its kind in eval/draft_dir.py."""
+the one list of them: the recipe's train.method, its help, its per-method sections (train.<name>), the
+recipe hash's layout of them, `draftsmith compare`'s variants and the train loop read it. Each method
+declares these on its class; the draft kind it saves declares its files (eval/draft_dir.py) and how
+it is served (eval/proposers/kinds.py).
+
+To add a method: a module with a DraftMethod subclass (and its options dataclass, if it has keys) and one
+entry in BUILTIN below, beside its kind's entries in eval/draft_dir.py and eval/proposers/kinds.py
+(docs/DESIGN.md, "To add a method"). A plugin calls register_method from its own module, after
+eval.draft_dir.register_kind and eval.proposers.register_loader, and before pipeline.config is imported
+when the method has keys."""
 
 from __future__ import annotations
+
+from eval import draft_dir
 
 from .base import DraftMethod
 from .draft_lm import DraftLM, DraftLMOptions
@@ -13,7 +22,42 @@ from .int8 import Int8
 from .medusa import Medusa, MedusaOptions
 from .self_spec import SelfSpec, SelfSpecOptions
 
-METHODS: dict[str, DraftMethod] = {m.name: m for m in (Eagle(), Eagle3(), Medusa(), DraftLM(), SelfSpec(), Int8())}
+METHODS: dict[str, DraftMethod] = {}
+_sections_read = False  # set once the recipe's sections were built from METHODS (pipeline/config.py)
+
+
+def register_method(method: DraftMethod) -> DraftMethod:
+    """Add a draft method. Its name must be a registered draft kind (eval.draft_dir.register_kind), so
+    that what it saves can be loaded and served; a method with keys must come before the recipe's
+    sections are built, since train.<name> is a field of the recipe."""
+    if method.name in METHODS:
+        raise ValueError(f"draft method {method.name!r} is registered already")
+    draft_dir.get_kind(method.name)
+    if method.config is not None and _sections_read:
+        raise ValueError(f"draft method {method.name!r} has recipe keys (train.{method.name}), so it must be "
+                         f"registered before pipeline.config is imported")
+    taken = [v for v in method.variants if any(v in m.variants for m in METHODS.values())]
+    if taken:
+        raise ValueError(f"draft method {method.name!r}: compare variant {taken[0]!r} is another method's")
+    METHODS[method.name] = method
+    return method
+
+
+BUILTIN = (Eagle(), Eagle3(), Medusa(), DraftLM(), SelfSpec(), Int8())
+for _m in BUILTIN:
+    register_method(_m)
+
+
+def sections() -> dict[str, DraftMethod]:
+    """The methods with a recipe section train.<name>, in registration order (read once by pipeline/config.py)."""
+    global _sections_read
+    _sections_read = True
+    return {n: m for n, m in METHODS.items() if m.config is not None}
+
+
+def variants() -> dict[str, dict]:
+    """`draftsmith compare`'s variants: name -> train overrides, "method" included."""
+    return {v: {"method": n, **over} for n, m in METHODS.items() for v, over in m.variants.items()}
 
 
 def methods_for(target) -> list[str]:
@@ -31,8 +75,7 @@ def check_applies(name: str, target, what: str | None = None) -> None:
     from eval.drafts import check_layer_by_layer
 
     if get_method(name).layer_by_layer:
-        others = [n for n, m in METHODS.items() if not m.layer_by_layer]
-        check_layer_by_layer(what or f"train.method={name}", target, ", ".join(others[:-1]) + f" or {others[-1]}")
+        check_layer_by_layer(what or f"train.method={name}", target)
 
 
 def get_method(name: str) -> DraftMethod:
@@ -41,5 +84,6 @@ def get_method(name: str) -> DraftMethod:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "DraftMethod", "check_applies", "get_method", "methods_for", "DraftLMOptions", "Eagle3Options", "EagleOptions", "MedusaOptions",
+__all__ = ["BUILTIN", "METHODS", "DraftMethod", "check_applies", "get_method", "methods_for", "register_method",
+           "sections", "variants", "DraftLMOptions", "Eagle3Options", "EagleOptions", "MedusaOptions",
            "SelfSpecOptions"]

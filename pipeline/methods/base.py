@@ -10,6 +10,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from eval import draft_dir
+
 from ..losses import divergence
 
 
@@ -19,12 +21,25 @@ class DraftMethod:
     how to save it as a draft directory (eval/draft_dir.py) and, for token-level drafts, how to
     sample continuations (data=onpolicy/mix)."""
 
-    name: str = ""
+    name: str = ""  # also the draft kind it saves (eval/draft_dir.py), which says how the decoder serves it
     config: type | None = None  # the dataclass of its recipe section, train.<name>; None: no keys
+    help: str = ""  # what it is, in train.method's `draftsmith recipe-help` line
+    variants: dict = {}  # `draftsmith compare`'s variants of it: name -> train overrides; {}: not compared
     needs_features: bool = False  # trains on the target's cached features, not on target forwards
     token_level: bool = False  # a draft LM that samples its own continuations (data=onpolicy/mix)
     trains: bool = True  # False: nothing to train, the checkpoint only names the kind
-    layer_by_layer: bool = False  # runs the target's own layers in the lean forward (only the families it covers)
+    reuses_target_layers: bool = False  # train.<name>.num_layers counts target layers (compare caps it for small ones)
+    # How its section enters the recipe hash and train_key (config.flat_train): flat, in the layout from before
+    # the sections, under flat_names where they differ, for every method (the methods that predate the sections);
+    # else as "<name>.<key>" only when it runs, without `unhashed` (keys that choose how, not what, it learns).
+    flat: bool = False
+    flat_names: dict = {}
+    unhashed: tuple = ()
+
+    @property
+    def layer_by_layer(self) -> bool:
+        """Runs the target's own layers in the lean forward (only the families it covers): its kind declares it."""
+        return draft_dir.get_kind(self.name).layer_by_layer
 
     def build(self, tc, target, tokenizer, rows: list[dict], resume: Path | None) -> nn.Module:
         """The trainable module, forward(batch) -> (loss, metrics); fresh, or with the weights of

@@ -122,6 +122,11 @@ def lora_model(opts: DraftLMOptions, target, tokenizer, resume: Path | None):
 class DraftLM(DraftMethod):
     name = "draft_lm"
     config = DraftLMOptions
+    help = "a small LM: the target's first layers or `init_from`, full fine-tuning or LoRA"
+    variants = {"lora": {"draft_lm": {"num_layers": 2, "lora_rank": 16, "lora_alpha": 32}, "lr": 1e-3},
+                "draft_lm": {"draft_lm": {"num_layers": 2, "lora_rank": 0}, "lr": 3e-4}}
+    flat = True
+    reuses_target_layers = True
     token_level = True
 
     def build(self, tc, target, tokenizer, rows, resume):

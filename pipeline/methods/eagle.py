@@ -85,6 +85,9 @@ class EagleTrainer(nn.Module):
 class Eagle(DraftMethod):
     name = "eagle"
     config = EagleOptions
+    help = "a decoder layer over the target's features and the next token, EAGLE, Li et al. 2024"
+    variants = {"eagle": {}, "eagle_fullvocab": {"draft_vocab_size": 0}}  # the truncated vocabulary's counterpart
+    flat = True
     needs_features = True
 
     def build(self, tc, target, tokenizer, rows, resume):

@@ -118,6 +118,8 @@ class Eagle3Trainer(nn.Module):
 class Eagle3(DraftMethod):
     name = "eagle3"
     config = Eagle3Options
+    help = "one layer over three fused target layers, EAGLE-3, Li et al. 2025: the draft vLLM and SGLang load"
+    unhashed = ("features", "max_cache_gb")  # where the target's features come from: switching them resumes
 
     def layers(self, tc, target) -> list[int]:
         """The aux layer ids for `target`: the recipe's, or vLLM's default (checked against the target)."""

@@ -10,7 +10,8 @@ from .base import DraftMethod
 
 class Int8(DraftMethod):
     name = "int8"
-    layer_by_layer = True
+    help = "an int8 copy of the target, no training: a baseline"
+    variants = {"int8": {}}
     trains = False
 
     def save(self, module, directory, extra, step):

@@ -122,6 +122,11 @@ class MedusaTrainer(nn.Module):
 class Medusa(DraftMethod):
     name = "medusa"
     config = MedusaOptions
+    help = "heads on the target's last feature, one per further position, Cai et al. 2024"
+    # recurrent heads, and Medusa-1's independent ones
+    variants = {"medusa": {"medusa": {"recurrent": True}}, "medusa_indep": {"medusa": {"recurrent": False}}}
+    flat = True
+    flat_names = {"heads": "medusa_heads", "recurrent": "medusa_recurrent"}
     needs_features = True
 
     def build(self, tc, target, tokenizer, rows, resume):

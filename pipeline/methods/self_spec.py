@@ -58,8 +58,11 @@ class SelfSpecTrainer(nn.Module):
 
 class SelfSpec(DraftMethod):
     name = "self_spec"
-    layer_by_layer = True
     config = SelfSpecOptions
+    help = "the target's own first layers + an adapter, no second copy of the weights"
+    variants = {"self_spec": {"self_spec": {"num_layers": 6, "adapter_rank": 128}, "lr": 1e-2}}
+    flat = True
+    reuses_target_layers = True
     token_level = True
 
     def build(self, tc, target, tokenizer, rows, resume):
