@@ -211,7 +211,7 @@ def test_every_module_design_names_exists():
     text = (ROOT / "docs" / "DESIGN.md").read_text()
     paths = set(re.findall(r"\b((?:pipeline|eval|tests)/[\w/]+\.(?:py|cpp))\b", text))
     dotted = {m for m in re.findall(r"`((?:pipeline|eval)(?:\.\w+)+)", text)}
-    missing = [p for p in paths if not (ROOT / p).exists()]
+    missing = [p for p in paths if not (ROOT / p).exists() and Path(p).stem != "X"]  # X: "your method's" module
     modules = _modules()
     missing += [m for m in dotted if m not in modules and m.rpartition(".")[0] not in modules]
     assert len(paths) + len(dotted) >= 20 and not missing, f"DESIGN.md names modules that do not exist: {missing}"
