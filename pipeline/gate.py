@@ -123,7 +123,8 @@ def _pos_check(challenger: list[float], champion: list[float], tol: float, servi
 
 
 def _evidence(challenger: dict, champion: dict | None, baseline: dict | None, min_prompts: int,
-              min_tokens: int) -> Check:
+              min_tokens: int) -> tuple[Check, dict]:
+    """The evidence rule, and the counts it read (figures["evidence"])."""
     if not challenger["stats"].get("per_prompt") or not (challenger.get("plain_stats") or {}).get("per_prompt"):
         n, tokens = 0, 0  # measured before per-prompt figures were kept: nothing to resample
     else:
@@ -132,9 +133,10 @@ def _evidence(challenger: dict, champion: dict | None, baseline: dict | None, mi
             n_paired(challenger, baseline)
         tokens = sum(p["n_tokens"] for p in challenger["stats"]["per_prompt"])
     ok = n >= min_prompts and tokens >= min_tokens
-    return Check("evidence", ok, n, min_prompts,
-                 f"{n} paired prompts {'>=' if n >= min_prompts else '<'} min_prompts {min_prompts}, {tokens} "
-                 f"generated tokens {'>=' if tokens >= min_tokens else '<'} min_tokens {min_tokens}")
+    check = Check("evidence", ok, n, min_prompts,
+                  f"{n} paired prompts {'>=' if n >= min_prompts else '<'} min_prompts {min_prompts}, {tokens} "
+                  f"generated tokens {'>=' if tokens >= min_tokens else '<'} min_tokens {min_tokens}")
+    return check, {"n_prompts": n, "n_tokens": tokens, "min_prompts": min_prompts, "min_tokens": min_tokens}
 
 
 def _floor(name: str, boot: dict, what: str, confidence: float) -> Check:
@@ -151,10 +153,7 @@ def decide(challenger: dict, champion: dict | None, baseline: dict | None, *, se
     results over the same prompts (None: no champion yet / no baseline measured)."""
     figures = {"challenger": _figures(challenger), "champion": _figures(champion) if champion else None,
                "ngram": _figures(baseline) if baseline else None, "serving": asdict(serving)}
-    evidence = _evidence(challenger, champion, baseline, min_prompts, min_tokens)
-    figures["evidence"] = {"n_prompts": evidence.value, "n_tokens": sum(
-        p["n_tokens"] for p in challenger["stats"].get("per_prompt") or []), "min_prompts": min_prompts,
-        "min_tokens": min_tokens}
+    evidence, figures["evidence"] = _evidence(challenger, champion, baseline, min_prompts, min_tokens)
     if not evidence.passed:
         return Decision(False, [evidence], figures)
     boot = dict(confidence=confidence, n_boot=n_boot, seed=seed)
