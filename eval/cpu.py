@@ -97,9 +97,21 @@ class CpuPath:
 
 
 def _onednn_bf16(flags: frozenset) -> bool:
-    """oneDNN's bf16 matmul and its weight reorder run here: the CPU has their instructions and this build the ops."""
+    """oneDNN's bf16 matmul and its weight reorder run here: the CPU has their instructions, this build the
+    ops, and oneDNN itself agrees (it may be capped below the CPU, e.g. by its own ONEDNN_MAX_CPU_ISA)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-        and any(all(f in flags for f in need) for need in ONEDNN_BF16_NEEDS)
+        and any(all(f in flags for f in need) for need in ONEDNN_BF16_NEEDS) and _onednn_bf16_runs()
+
+
+@functools.cache
+def _onednn_bf16_runs() -> bool:
+    """One tiny bf16 weight reorder and matmul: oneDNN refuses them with a RuntimeError where its ISA is capped."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), PACK_HINT_ROWS)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), w, None, "none", [None], "")
+        return bool(y[0, 0] == 16)
+    except RuntimeError:
+        return False
 
 
 def _capped(flags: frozenset, path: str) -> frozenset:

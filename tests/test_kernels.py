@@ -5,6 +5,11 @@ rows in the call (so a verify forward's matmuls round like one-token steps), and
 what the CPU runs: never an op it cannot execute, a warning and PyTorch's ops where the kernels do not
 build, one clear error for a forced path this CPU lacks."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +17,8 @@ import torch.nn.functional as F
 import eval.cpu as cpu
 import eval.kernels as kernels
 from eval.cpu import packed_linear
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -84,6 +91,17 @@ def test_an_avx2_only_cpu_takes_the_avx2_path_and_never_onednn_bf16():
     assert p.name == "avx2" and not p.onednn_bf16 and "avx512" in p.reason
     assert not cpu.decide({cpu.ENV_KERNELS: "0"}, flags=AVX2_ONLY).onednn_bf16
     assert cpu.decide({}, flags=frozenset({"sse4_2"})).name == "generic"
+
+
+def test_onednn_capped_below_the_cpu_is_asked_not_assumed():
+    """oneDNN capped by its own ONEDNN_MAX_CPU_ISA=AVX2 (as on an AVX2-only CPU) refuses its bf16 reorder
+    even where the CPU's flags have the instructions: the path asks oneDNN, so the best path on this CPU
+    packs nothing for oneDNN there (the flags alone said yes, and the packing raised)."""
+    code = ("from eval import cpu; import torch; f = cpu.cpu_info()[1]; "
+            "print(cpu._onednn_bf16_runs(), cpu.decide({}, flags=f).onednn_bf16)")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
 
 
 def test_forcing_a_path_hides_the_instructions_above_it():
