@@ -46,10 +46,13 @@ from .tree import Tree
 
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "fused-3"
+# Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
+CONTROLLER_REV = "measured-rates-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 K_WARMUP = 4  # k="auto": the K of the rounds that first measure alpha and c
-PROBE_EVERY = 16  # k="auto" with speculation off: one speculative round every this many
+PROBE_EVERY = 16  # k="auto": a probe of another K every this many rounds (with speculation off, at first)
+PROBE_BACKOFF = 8  # k="auto" off: probes that keep losing stretch the wait up to this many PROBE_EVERY
 STATIC_MIN_LEN = 256  # compile=True: the KV cache length (the step's attended length), a power of two >= this
 
 
@@ -169,7 +172,7 @@ class SpeculativeDecoder:
                 r = self._chain_round(s, k)
             new = self._record(s, r, active)
             if ctl is not None:
-                ctl.observe(r.k, sum(len(t) for t in new), time.perf_counter() - t_round)
+                ctl.observe(r.k, sum(len(t) for t in new), time.perf_counter() - t_round, sum(active))
             yield s.emit(new)
             self._update(s, r, ctl, plain=k == 0)
 
@@ -251,7 +254,7 @@ class SpeculativeDecoder:
         dt = time.perf_counter() - t
         s.stats.draft_prefill_s += dt
         if ctl is not None:
-            ctl.charge(dt)  # turning speculation back on costs this much
+            ctl.charge(dt, resync=True)  # turning speculation back on costs this much
         s.synced = True
 
     def _chain_round(self, s: "_Batch", k: int) -> "_Round":
@@ -409,62 +412,125 @@ class _Round:
 
 
 class KController:
-    """k="auto": the K of each round (0: a plain step) from what the rounds so far measured
+    """k="auto": the K of each round (0: a plain step) that maximises measured throughput
     (docs/reference/k-auto.md).
 
-    First `warmup` plain steps (their cost is what speculation must beat), then rounds at `k_warmup`
-    until two speculative rounds ran and some draft position was reached (alpha and c). From then on,
-    the K of eval.speedup.best_k. best_k assumes a verify of K+1 tokens costs a plain step and nothing
-    else costs anything, which holds roughly at batch 1 on CPU, not at larger batches (the forward stops
-    being memory-bound, per-round overheads add up). So the on/off decision uses measured throughput,
-    tokens per second of speculative rounds against plain ones: below 1, rounds go plain, with one
-    speculative probe every `probe_every` of them."""
+    First `warmup` plain steps (the first one untimed), then rounds at `k_warmup` until two
+    speculative rounds ran and some draft position was reached. From then on each K is scored by
+    tokens per row-round over seconds per round, both as this call measured them at that K (recent
+    rounds weigh most). A K not measured yet is modelled from its nearest measured one: its tokens by
+    the geometric acceptance model at alpha_hat (eval.speedup), its time on the line through the
+    measured rounds' times against K, so a verify that grows with the batch (the forward stops being
+    bandwidth-bound) prices long drafts out, and K = 0 wins where no K pays. Every `probe_every`
+    rounds the best K's neighbour runs once, to keep the scores fresh; while off, the best K runs once
+    as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). One K for the whole batch: a
+    round's verify pads every row to the longest draft, so a shorter K for some rows saves no work."""
+
+    DECAY = 0.8  # weight of a K's older rounds in its scores, per newer round at that K
 
     def __init__(self, k_max: int = K_MAX_AUTO, warmup: int = WARMUP_PLAIN, k_warmup: int = K_WARMUP,
                  probe_every: int = PROBE_EVERY):
         self.k_max, self.warmup, self.k_warmup, self.probe_every = k_max, warmup, k_warmup, probe_every
         self.choices: list[int] = []  # the K chosen for each round
         self.rounds = self.spec_rounds = 0  # rounds observed, and those that proposed drafts
-        self.off_rounds = 0  # choices made with speculation losing
-        self.expected_speedup: float | None = None  # the last estimate behind the on/off decision
-        self.plain_wall = self.spec_wall = 0.0  # seconds of plain and of speculative rounds
+        self.off_rounds = 0  # choices of K = 0 after the warm-up
+        self.expected_speedup: float | None = None  # the best K's score over the plain step's, last choice
+        # per K: decayed sums of [weight, tokens per row, seconds] of the rounds run at that K
+        self.arms: dict[int, list[float]] = {}
+        self.gap = probe_every  # rounds from one probe to the next while off (doubles while probes lose)
+        self.next_probe = warmup + probe_every  # the choice index of the next probe while off
+        self.pending = 0.0  # seconds charged to the next speculative round (a resync before it)
+        self.last_k = 0
+        self.plain_wall = self.spec_wall = 0.0  # seconds of plain and of speculative rounds (all, undecayed)
         self.plain_toks = self.spec_toks = 0  # ... and the tokens they produced
 
     def choose(self, alpha_hat: float, c: float, measured: bool = True) -> int:
-        """The next round's K, from the acceptance alpha_hat and the draft cost c measured so far
-        (measured: some draft position was reached, so alpha_hat means something)."""
+        """The next round's K, from what the rounds so far measured; alpha_hat (the per-token
+        acceptance) models the K not measured yet (measured: some draft position was reached)."""
         if self.rounds < self.warmup:
             return self._pick(0)
         if self.spec_rounds < 2 or not measured:
             return self._pick(self.k_warmup)
-        K, v = best_k(alpha_hat, c, self.k_max)
-        if self.plain_wall > 0 and self.spec_wall > 0:
-            v = (self.spec_toks / self.spec_wall) / (self.plain_toks / self.plain_wall)
-        self.expected_speedup = v
-        if v < 1.0:  # speculation does not pay: plain rounds, probing back periodically
+        if 0 not in self.arms:  # no plain step timed (warmup <= 1): the model's own estimate decides
+            K, v = best_k(alpha_hat, c, self.k_max)
+            self.expected_speedup = v
+            return self._pick(K if v >= 1.0 else 0)
+        rate = {k: self.rate(k, alpha_hat) for k in range(self.k_max + 1)}
+        spec = max(range(1, self.k_max + 1), key=lambda k: (rate[k], -k))  # ties go to the shorter draft
+        self.expected_speedup = rate[spec] / rate[0] if rate[0] > 0 else None
+        K = spec if rate[spec] > rate[0] else 0
+        n = len(self.choices)
+        if K == 0:  # off: a probe of the best K when due, each losing probe doubling the wait for the next
             self.off_rounds += 1
-            if self.off_rounds % self.probe_every:
-                return self._pick(0)
+            if n >= self.next_probe:
+                self.next_probe = n + self.gap
+                self.gap = min(2 * self.gap, PROBE_BACKOFF * self.probe_every)
+                K = spec
+        else:
+            self.gap, self.next_probe = self.probe_every, n + self.probe_every
+            if (n - self.warmup) % self.probe_every == self.probe_every - 1:  # the best K's neighbour, once
+                K = min(K + 1, self.k_max) if ((n - self.warmup) // self.probe_every) % 2 else max(K - 1, 1)
         return self._pick(K)
+
+    def rate(self, k: int, alpha_hat: float) -> float:
+        """Tokens per row per second at K = k: measured there, or modelled from the nearest measured K."""
+        tok, sec = self._tokens(k, alpha_hat), self._seconds(k)
+        return tok / sec if sec > 0 else 0.0
+
+    def _mean(self, k: int, i: int) -> float:
+        w = self.arms[k]
+        return w[i] / w[0]
+
+    def _tokens(self, k: int, alpha_hat: float) -> float:
+        if k in self.arms:
+            return self._mean(k, 1)
+        near = min((j for j in self.arms if j > 0), key=lambda j: (abs(j - k), j))
+        return self._mean(near, 1) * _geometric(alpha_hat, k) / _geometric(alpha_hat, near)
+
+    def _seconds(self, k: int) -> float:
+        if k in self.arms:
+            return self._mean(k, 2)
+        pts = [(j, self._mean(j, 2)) for j in self.arms]  # plain and measured K: a least-squares line
+        kbar = sum(j for j, _ in pts) / len(pts)
+        tbar = sum(t for _, t in pts) / len(pts)
+        var = sum((j - kbar) ** 2 for j, _ in pts)
+        slope = max(sum((j - kbar) * (t - tbar) for j, t in pts) / var, 0.0) if var else 0.0
+        return max(tbar + slope * (k - kbar), self._mean(0, 2))  # a draft never costs less than none
 
     def _pick(self, k: int) -> int:
         self.choices.append(k)
         return k
 
-    def observe(self, k: int, tokens: int, seconds: float):
-        """A round ran: k drafts proposed (0: a plain step), `tokens` new over the active rows."""
+    def observe(self, k: int, tokens: int, seconds: float, rows: int = 1):
+        """A round ran: k drafts proposed (0: a plain step), `tokens` new over its `rows` active rows."""
         self.rounds += 1
         self.spec_rounds += k > 0
+        self.last_k = k
         if self.rounds == 1:  # the first round after prefill runs slow: left out
             return
-        if k == 0:
-            self.plain_wall, self.plain_toks = self.plain_wall + seconds, self.plain_toks + tokens
-        else:
+        if k > 0:
+            seconds, self.pending = seconds + self.pending, 0.0
             self.spec_wall, self.spec_toks = self.spec_wall + seconds, self.spec_toks + tokens
+        else:
+            self.plain_wall, self.plain_toks = self.plain_wall + seconds, self.plain_toks + tokens
+        w = self.arms.setdefault(k, [0.0, 0.0, 0.0])
+        for i, x in enumerate((1.0, tokens / max(rows, 1), seconds)):
+            w[i] = self.DECAY * w[i] + x
 
-    def charge(self, seconds: float):
-        """Speculation's cost outside a round: the proposer's accept(), a resync after plain rounds."""
+    def charge(self, seconds: float, resync: bool = False):
+        """Speculation's cost outside a round: the proposer's accept() after the last round, or a resync
+        (after plain rounds) before the next speculative one."""
         self.spec_wall += seconds
+        if resync:
+            self.pending += seconds
+        elif self.last_k in self.arms and self.last_k > 0:
+            self.arms[self.last_k][2] += seconds
+
+
+def _geometric(a: float, k: int) -> float:
+    """Tokens a chain round of k drafts yields at per-token acceptance a: (1 - a^(k+1)) / (1 - a)."""
+    a = min(max(a, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
 
 
 class _Stats:

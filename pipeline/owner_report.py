@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .atomic import write_text_atomic
 from .bootstrap import speed_ratio
-from .sweeps import Sweeps, prompt_text
+from .sweeps import Sweeps, prompt_text, vllm_k_schedule
 
 SECTIONS = (("summary", "Summary"), ("per-position", "Per-position acceptance"),
             ("k-curve", "Acceptance length and speedup against K"), ("batch-curve", "Against batch size"),
@@ -394,9 +394,14 @@ def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: st
         src = _src(sw, f"batch-{r['batch_size']}")
         ties = "all near-ties" if r["all_near_ties"] else "NOT all near-ties"
         claim = "exact" if r["exact"] else f"{r['n_divergences']} divergences, {ties}"
+        c = r["controlled"]
         out.append([str(r["batch_size"]), str(r["n_sequences"]),
                     num(r["plain_tokens_per_s"], ".1f", "plain_tokens_per_s", src),
                     num(r["tokens_per_s"], ".1f", "tokens_per_s", src), num(r["speedup"], ".2f", "speedup", src, "×"),
+                    num(c["tokens_per_s"], ".1f", "controlled.tokens_per_s", src),
+                    num(c["speedup"], ".2f", "controlled.speedup", src, "×"),
+                    num(c["k_chosen"], "d", "controlled.k_chosen", src),
+                    num(c["spec_off_fraction"], ".2f", "controlled.spec_off_fraction", src),
                     num(r["match_rate"], ".4f", "match_rate", src), num(r["n_divergences"], "d", "n_divergences", src),
                     num(r["max_divergence_margin"], ".3f", "max_divergence_margin", src) if r["max_divergence_margin"]
                     is not None else "–", esc(claim)])
@@ -404,25 +409,41 @@ def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: st
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     bs = [r["batch_size"] for r in rows]
     ax.plot(bs, [r["plain_tokens_per_s"] for r in rows], "o-", label="plain tokens/s")
-    ax.plot(bs, [r["tokens_per_s"] for r in rows], "s-", label="speculative tokens/s")
+    ax.plot(bs, [r["tokens_per_s"] for r in rows], "s-", label="fixed K tokens/s")
+    ax.plot(bs, [r["controlled"]["tokens_per_s"] for r in rows], "D-", label="K controller tokens/s")
     ax.set_xscale("log", base=2)
     ax.set_xticks(bs, [str(b) for b in bs])
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s")
     ax2 = ax.twinx()
-    ax2.plot(bs, [r["match_rate"] for r in rows], "^:", color="C3", label="match rate")
+    ax2.plot(bs, [r["match_rate"] for r in rows], "^:", color="C3", label="match rate (fixed K)")
     ax2.set_ylim(0, 1.05)
     ax2.set_ylabel("greedy match rate")
     _legend(ax, ax2)
     dtype = rows[0]["dtype"] if rows else ""
-    body = (f"<p>Plain and speculative greedy decoding in the decoder's ragged batches, taking turns batch by "
-            f"batch, in {esc(dtype)}; the speculative outputs compared token by token with plain decoding's at the "
-            f"same batch size (match rate: tokens before each sequence's first divergence over all; margin: the "
-            f"target's top-1 minus top-2 logit there). <b>Exactness is claimed only at the batch sizes measured "
-            f"here</b>: the row-invariant kernels make batch 1 exact, not every batch.</p>"
-            + table(["batch", "sequences", "plain tok/s", "speculative tok/s", "speedup", "match rate",
-                     "divergences", "max near-tie margin", "verdict"], out, "batchcurve")
-            + figs(fig, "Tokens/s and greedy match rate against batch size", **_curve_caption(sw)))
+    schedule = vllm_k_schedule([(r["batch_size"], r["controlled"]["k_chosen"]) for r in rows])
+    top = max((e[2] for e in schedule), default=0)
+    spec = {"num_speculative_tokens": max(top, 1), "num_speculative_tokens_per_batch_size": schedule}
+    body = (f"<p>Plain decoding, the draft at the recipe's fixed K, and the draft under the K controller "
+            f"(<code>k=\"auto\"</code>: each round's K from this machine's measured round times and the draft's "
+            f"acceptance, 0 where speculation does not pay) in the decoder's ragged batches, greedy, taking turns "
+            f"batch by batch, in {esc(dtype)}; the fixed-K outputs compared token by token with plain decoding's "
+            f"at the same batch size (match rate: tokens before each sequence's first divergence over all; margin: "
+            f"the target's top-1 minus top-2 logit there). <b>Exactness is claimed only at the batch sizes "
+            f"measured here</b>: the row-invariant kernels make batch 1 exact, not every batch.</p>"
+            + table(["batch", "sequences", "plain tok/s", "fixed K tok/s", "fixed K speedup", "controller tok/s",
+                     "controller speedup", "K settled", "rounds plain", "match rate", "divergences",
+                     "max near-tie margin", "verdict"], out, "batchcurve")
+            + figs(fig, "Tokens/s against batch size: plain, fixed K and the K controller; greedy match rate",
+                   **_curve_caption(sw))
+            + "<p>For vLLM's dynamic speculative decoding, the K the controller settled on at each measured batch "
+              "size, as <code>num_speculative_tokens_per_batch_size</code> (inclusive batch-size ranges; vLLM "
+              "carries the last K on to larger batches; measured in this decoder, so check it against "
+              "<code>draftsmith verify-export</code> in vLLM). Merge these fields into the export's "
+              "<code>--speculative-config</code>:</p>"
+            + table(["batch sizes", "K"], [[f"{a}–{b}" if a != b else str(a), str(k)] for a, b, k in schedule],
+                    "vllmschedule")
+            + f"<pre>{esc(json.dumps(spec))}</pre>")
     return section("batch-curve", body)
 
 

@@ -3,9 +3,11 @@ decoding in the project's decoder, as curves over K, batch size and sampling tem
 
 - K curve: the draft at every report.ks, all taking turns with plain decoding on each prompt (one
   decode_together call): vLLM's mean_acceptance_length and the measured speedup at each K.
-- batch curve: at every report.batch_sizes, plain and speculative decoding take turns batch by batch in
-  the decoder's ragged batches; tokens/s, speedup, and the greedy outputs compared (eval.exactness:
-  match rate, divergences and their near-tie margins). Exactness is claimed per measured batch size only.
+- batch curve: at every report.batch_sizes, plain decoding, the draft at the recipe's K and the draft under
+  the K controller (k="auto") take turns batch by batch in the decoder's ragged batches; tokens/s, speedup,
+  the K the controller settled on (vllm_k_schedule turns them into vLLM's K-by-batch table), and the greedy
+  outputs compared (eval.exactness: match rate, divergences and their near-tie margins). Exactness is
+  claimed per measured batch size only.
 - temperature curve: at every report.temperatures, lossless speculative sampling against plain sampled
   decoding (prompt i seeded `seed + i`; 0 = greedy): speedup, α, mean acceptance length.
 - with --draft / --prompts (`draftsmith report`): that draft on those prompts at the recipe's K, with the
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eval import draft_dir
-from eval.decoder import SpeculativeDecoder
+from eval.decoder import CONTROLLER_REV, WARMUP_PLAIN, SpeculativeDecoder
 from eval.exactness import compare_greedy, exactness_rule
 from eval.prompt_file import PromptFileError, read_prompt_rows
 
@@ -121,34 +123,45 @@ class Sweeps:
         return self._cached("k-curve", {"ks": ks}, measure)
 
     def batch_point(self, b: int) -> dict:
-        """Plain and speculative greedy decoding in batches of `b` (the prompts cycled to fill one batch
-        when fewer), taking turns batch by batch, and their outputs compared."""
+        """Plain decoding, the draft at the recipe's K and the draft under the K controller (k="auto": each
+        round's K from measured costs, 0 where speculation does not pay), greedy, in batches of `b` (the
+        prompts cycled to fill one batch when fewer), taking turns batch by batch; their outputs compared
+        with plain decoding's."""
         def measure():
             prompts = self.prompts if len(self.prompts) >= b else \
                 [self.prompts[i % len(self.prompts)] for i in range(b)]
             batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
             decs = [SpeculativeDecoder(self.target, None, compile=self.compile),
                     SpeculativeDecoder(self.target, proposer_for(self.source, self.target), k=self.k,
+                                       compile=self.compile),
+                    SpeculativeDecoder(self.target, proposer_for(self.source, self.target), k="auto",
                                        compile=self.compile)]
             for dec in decs:  # warm-up, not timed; compiled: every batch once, so each shape compiles here
                 for batch in batches if self.compile else [[p[:16] for p in batches[0]]]:
                     dec.generate(batch, max_new_tokens=self.max_new_tokens if self.compile else 4,
                                  eos_token_id=self.eos)
-            seqs, stats = ([], []), ([], [])
+            seqs, stats = ([], [], []), ([], [], [])
             for i, batch in enumerate(batches):
-                for j in (0, 1) if i % 2 == 0 else (1, 0):
+                for j in (0, 1, 2)[i % 3:] + (0, 1, 2)[:i % 3]:  # each decoder first in turn
                     res = decs[j].generate(batch, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos)
                     seqs[j].extend(res.sequences)
                     stats[j].append(res.stats)
-            plain, spec = aggregate(stats[0]), aggregate(stats[1])
+            plain, spec, auto = (aggregate(s) for s in stats)
             match = compare_greedy(self.target, prompts, seqs[0], seqs[1], tol=self.near_tie_tol)
+            m_auto = compare_greedy(self.target, prompts, seqs[0], seqs[2], tol=self.near_tie_tol)
+            choices = [k for s in stats[2] for k in s["k_choices"]]
             return _row(spec, plain) | {
                 "batch_size": b, "n_sequences": len(prompts), "dtype": self.dtype,
                 "row_invariant": spec.get("row_invariant", False), "match_rate": match["match_rate"],
                 "exact": bool(match["exact"]), "n_divergences": len(match["divergences"]),
                 "max_divergence_margin": max((d["margin"] for d in match["divergences"]), default=None),
-                "all_near_ties": bool(match["all_near_ties"]), "divergences": match["divergences"]}
-        return self._cached(f"batch-{b}", {"batch_size": b, "k": self.k}, measure)
+                "all_near_ties": bool(match["all_near_ties"]), "divergences": match["divergences"],
+                "controlled": _row(auto, plain) | {
+                    "k_chosen": settled_k(choices), "k_choices": choices,
+                    "spec_off_fraction": choices.count(0) / len(choices) if choices else 0.0,
+                    "match_rate": m_auto["match_rate"], "exact": bool(m_auto["exact"]),
+                    "n_divergences": len(m_auto["divergences"])}}
+        return self._cached(f"batch-{b}", {"batch_size": b, "k": self.k, "controlled": CONTROLLER_REV}, measure)
 
     def temperature_point(self, t: float) -> dict:
         """The draft at the recipe's K against plain decoding at temperature `t` (lossless speculative
@@ -167,6 +180,26 @@ class Sweeps:
         return {"k": self.k_curve()["rows"],
                 "batch": [self.batch_point(b) for b in self.cfg.batch_sizes],
                 "temperature": [self.temperature_point(float(t)) for t in self.cfg.temperatures]}
+
+
+def settled_k(choices: list[int]) -> int:
+    """The K the controller settled on: the one it chose most after its warm-up (ties: the smaller K)."""
+    after = choices[WARMUP_PLAIN + 2:] or choices
+    return min(set(after), key=lambda k: (-after.count(k), k)) if after else 0
+
+
+def vllm_k_schedule(points: list[tuple[int, int]]) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` (SpeculativeConfig, vLLM 0.32): inclusive batch-size
+    ranges [start, end, K] from the measured (batch size, K) points, each point's K covering the batch sizes
+    above the previous point up to its own; vLLM carries the last range's K on to larger batches."""
+    out, start = [], 1
+    for b, k in sorted(points):
+        if out and out[-1][2] == k:
+            out[-1][1] = b
+        else:
+            out.append([start, b, k])
+        start = b + 1
+    return out
 
 
 def _ratio(stats: dict, plain: dict) -> float:

@@ -58,6 +58,7 @@ class Page(HTMLParser):
         super().__init__()
         self.h2, self.numbers, self.figures, self.links = [], [], [], []
         self._in_h2 = self._field = None
+        self.text = ""  # every text node, joined
         self.feed(text)
 
     def handle_starttag(self, tag, attrs):
@@ -83,6 +84,7 @@ class Page(HTMLParser):
             self._field = None
 
     def handle_data(self, data):
+        self.text += data
         if self._in_h2 is not None:
             self._in_h2 += data
         if self._field:
@@ -140,7 +142,8 @@ def test_numbers_equal_the_files_they_come_from(run, rendered):
     k_curve = {("report/k-curve.json", f"rows.{i}.{f}") for i in (0, 1) for f in ("mean_acceptance_length", "speedup")}
     assert k_curve <= seen
     for b in (1, 2):
-        assert {(f"report/batch-{b}.json", f) for f in ("speedup", "match_rate", "n_divergences")} <= seen
+        assert {(f"report/batch-{b}.json", f) for f in ("speedup", "match_rate", "n_divergences", "controlled.speedup",
+                                                        "controlled.tokens_per_s", "controlled.k_chosen")} <= seen
     for t in ("0", "1"):
         assert {(f"report/temperature-{t}.json", f) for f in ("speedup", "alpha", "mean_acceptance_length")} <= seen
 
@@ -173,6 +176,36 @@ def test_the_batch_curve_claims_exactness_only_where_measured(run):
         r = json.loads((run / "report" / f"batch-{b}.json").read_text())
         assert r["batch_size"] == b and r["n_sequences"] == 2 and r["match_rate"] == 1.0 and r["exact"] is True
     assert "Exactness is claimed only at the batch sizes measured" in text
+
+
+def test_the_batch_curve_shows_the_controller_and_the_vllm_k_table(run, rendered):
+    """Beside fixed K, the K controller at every batch size (fp32 on a tiny target: its output exact too), and
+    the K it settled on per batch size as vLLM's num_speculative_tokens_per_batch_size, as Chromium renders it."""
+    from pipeline.sweeps import settled_k, vllm_k_schedule
+
+    page, _ = rendered
+    points = []
+    for b in (1, 2):
+        c = json.loads((run / "report" / f"batch-{b}.json").read_text())["controlled"]
+        assert c["exact"] is True and c["match_rate"] == 1.0 and c["k_chosen"] == settled_k(c["k_choices"])
+        assert c["tokens_per_s"] > 0 and 0 <= c["spec_off_fraction"] <= 1
+        points.append((b, c["k_chosen"]))
+    want = json.dumps({"num_speculative_tokens": max(max(k for _, k in points), 1),
+                       "num_speculative_tokens_per_batch_size": vllm_k_schedule(points)})
+    assert want in page.text
+
+
+def test_vllm_k_schedule_obeys_vllms_rules():
+    """vLLM 0.32 (vllm/v1/spec_decode/dynamic/utils.py) wants inclusive [start, end, K] ranges, the first from
+    1, sorted and not overlapping, K >= 0; equal neighbours merge."""
+    from pipeline.sweeps import settled_k, vllm_k_schedule
+
+    assert vllm_k_schedule([(16, 0), (1, 3), (4, 2), (2, 3), (8, 0)]) == [[1, 2, 3], [3, 4, 2], [5, 16, 0]]
+    assert vllm_k_schedule([(4, 1)]) == [[1, 4, 1]]
+    sched = vllm_k_schedule([(1, 4), (2, 2), (32, 1)])
+    assert sched[0][0] == 1 and all(a <= b for a, b, _ in sched)
+    assert all(prev[1] < nxt[0] for prev, nxt in zip(sched, sched[1:])) and all(k >= 0 for *_, k in sched)
+    assert settled_k([0, 0, 0, 4, 4, 2, 2, 1, 2]) == 2 and settled_k([0, 0, 0, 4, 4, 0, 3, 0]) == 0
 
 
 def test_rerun_reads_the_curves_back(run, tmp_path, monkeypatch):
