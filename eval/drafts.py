@@ -109,14 +109,12 @@ class SelfSpecDraft(nn.Module):
     no_grad (no graph through frozen weights), the adapter with gradients, the shared norm and LM head
     with detached weights (so gradients reach the adapter but nothing is accumulated into the
     target's .grad). `trainable_parameters()` lists what an optimizer should update.
-    Decoding: DraftLMProposer(draft, V, d2t=draft.d2t) runs it with LeanLlama (fuse=False: see
-    `lean_fuse`).
+    Decoding: DraftLMProposer(draft, V, d2t=draft.d2t, fuse=False) runs it with LeanLlama, copying none of
+    the shared layers' weights (eval/proposers/kinds.py loads it so).
 
     `train()`/`eval()` switch, and `.to()`/`.float()` convert, the adapter and draft head only: the
     shared modules stay as the target has them (never call the target's conversions through the draft).
     """
-
-    lean_fuse = False  # LeanLlama must not build fused copies of the shared layers' weights
 
     def __init__(self, target, num_layers: int, adapter_rank: int = 64, draft_ids: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32):

@@ -307,10 +307,9 @@ class LeanLlama:
         return self._head(h, logit_idx, taps)  # h: after the final norm
 
 
-def make_runner(model, lean: bool = True, fuse: bool | None = None):
-    """The lean forward where the architecture allows it, else the HF fallback. fuse=None: fuse the
-    projections unless the model says not to (`lean_fuse = False`: its weights are shared with the
-    target, so fused copies would duplicate them)."""
+def make_runner(model, lean: bool = True, fuse: bool = True):
+    """The lean forward where the architecture allows it, else the HF fallback. fuse=False for a model whose
+    layers are the target's (eval.drafts.SelfSpecDraft): fused copies would duplicate their weights."""
     if lean and lean_supported(model):
-        return LeanLlama(model, getattr(model, "lean_fuse", True) if fuse is None else fuse)
+        return LeanLlama(model, fuse)
     return HFFallback(model)

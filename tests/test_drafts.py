@@ -84,7 +84,7 @@ def test_selfspec_shares_the_targets_weights(target, truncated):
     # every draft parameter is either the target's own or trainable; no layer weight was copied
     assert _ptrs(d) <= _ptrs(target) | own and not (own & _ptrs(target))
     # the decoder's runner for the draft fuses nothing (fused q|k|v would be copies)
-    prop = DraftLMProposer(d, V, d2t=d.d2t)
+    prop = DraftLMProposer(d, V, d2t=d.d2t, fuse=False)
     assert isinstance(prop.runner, LeanLlama) and prop.runner.fused == [None, None]
     # train()/eval() and dtype conversions leave the shared modules alone
     d.train()
@@ -101,7 +101,7 @@ def test_selfspec_decode_path_equals_training_forward(target, truncated):
     """LeanLlama over the draft (decode time) computes what the training forward computes."""
     d = selfspec(target, truncated, layers=2)
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
-    runner = DraftLMProposer(d, V, d2t=d.d2t).runner
+    runner = DraftLMProposer(d, V, d2t=d.d2t, fuse=False).runner
     runner.reset(2, 16)
     with torch.no_grad():
         lean, _ = runner(ids, torch.arange(12).expand(2, 12), 12)
@@ -175,7 +175,7 @@ def test_selfspec_trainer_alignment(target, batch):
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("truncated", [False, True])
 def test_selfspec_greedy_exact(target, ref, k, truncated):
-    prop = DraftLMProposer(selfspec(target, truncated), V, d2t=TRUNC if truncated else None)
+    prop = DraftLMProposer(selfspec(target, truncated), V, d2t=TRUNC if truncated else None, fuse=False)
     dec = SpeculativeDecoder(target, prop, k=k)
     for p, r in zip(PROMPTS, ref):
         assert dec.generate([p], max_new_tokens=N_NEW).sequences == [r], (k, truncated, p)
@@ -195,7 +195,7 @@ def test_selfspec_eos_per_row(target, ref):
     eos = ref[0][5]
     want = [r[: r.index(eos) + 1] if eos in r else r for r in ref]
     for truncated in (False, True):
-        prop = DraftLMProposer(selfspec(target, truncated), V, d2t=TRUNC if truncated else None)
+        prop = DraftLMProposer(selfspec(target, truncated), V, d2t=TRUNC if truncated else None, fuse=False)
         res = SpeculativeDecoder(target, prop, k=3).generate(PROMPTS, max_new_tokens=N_NEW, eos_token_id=eos)
         assert res.sequences == want, truncated
 
@@ -236,7 +236,7 @@ def test_int8_greedy_exact(target, ref, int8, k):
 # ------------------------------------------------------------------------------ truncated vocabulary
 
 def test_truncated_proposals_stay_inside_d2t(target, ref):
-    prop = DraftLMProposer(selfspec(target, True), V, d2t=TRUNC)
+    prop = DraftLMProposer(selfspec(target, True), V, d2t=TRUNC, fuse=False)
     seen = []
     orig = prop.propose
 
@@ -292,6 +292,7 @@ def test_load_proposer_new_kinds(tmp_path, target, ref):
     prop = load_proposer(str(tmp_path / "ss"), target)
     assert isinstance(prop, DraftLMProposer) and isinstance(prop.model, SelfSpecDraft)
     assert torch.equal(prop.d2t, TRUNC)
+    assert all(f is None for f in prop.runner.fused)  # the loader declares the shared layers: no fused copies
     assert SpeculativeDecoder(target, prop, k=2).generate(PROMPTS, max_new_tokens=N_NEW).sequences == ref
     assert load_proposer(d, target).d2t is not None  # a draft module passed directly keeps its d2t
     (tmp_path / "q").mkdir()

@@ -21,9 +21,11 @@ class DraftLMProposer(Proposer):
     name = "draft_lm"
     fed_drafts = True  # drafts 1..k-1 of the round are in the draft's cache (False: feed accept()'s tokens all)
 
-    def __init__(self, model, vocab_size: int | None = None, lean: bool = True, d2t: torch.Tensor | None = None):
+    def __init__(self, model, vocab_size: int | None = None, lean: bool = True, d2t: torch.Tensor | None = None,
+                 fuse: bool = True):
+        """fuse=False: the model's layers are the target's (a self_spec draft), so the lean forward copies none."""
         self.model = model.eval()
-        self.runner = make_runner(model, lean)
+        self.runner = make_runner(model, lean, fuse)
         self.vocab_size = vocab_size  # the target's; draft logits beyond it (padding rows) are dropped
         if d2t is not None and vocab_size is None:
             raise ValueError("DraftLMProposer with a truncated vocabulary (d2t) needs the target's vocab_size")

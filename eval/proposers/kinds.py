@@ -75,7 +75,7 @@ def _draft_lm(d, meta, target, dtype):
 
 
 def _self_spec_draft(draft: SelfSpecDraft, target):  # its truncated vocabulary's rows map to target ids by d2t
-    return DraftLMProposer(draft, target.config.vocab_size, d2t=draft.d2t)
+    return DraftLMProposer(draft, target.config.vocab_size, d2t=draft.d2t, fuse=False)  # its layers are the target's
 
 
 def _self_spec(d, meta, target, dtype):  # the adapter alone is stored: rebuilt around `target`, its own target
