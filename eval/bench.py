@@ -419,7 +419,7 @@ def plan(args) -> Plan:
     p = Plan(k, sweep, load_prompts(args.prompts, args.n_prompts), draft_kind(args.draft))
     for spec in args.also:
         src, k_also = _parse_also(spec, k)
-        if draft_kind(src) == "draft_lm":
+        if draft_dir.is_standalone_lm(draft_kind(src)):
             raise BenchError(f"--also {spec}: a draft LM is benchmarked with --draft (its tokenizer is checked there)")
         p.also[f"{src}@{k_also}"] = (src, k_also)
     return p
@@ -434,7 +434,7 @@ def load_models(args, kind: str):
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     tpath = resolve_target(args.target)
     tok = AutoTokenizer.from_pretrained(tpath)
-    if kind == "draft_lm":
+    if draft_dir.is_standalone_lm(kind):
         try:
             dtok = AutoTokenizer.from_pretrained(args.draft)
         except Exception as e:  # noqa: BLE001 - any failure means no usable tokenizer
@@ -444,7 +444,7 @@ def load_models(args, kind: str):
                              f"a draft must share the target's tokenizer")
     target = AutoModelForCausalLM.from_pretrained(tpath, dtype=dtype).to(device).eval()
     draft_model = None
-    if kind == "draft_lm":
+    if draft_dir.is_standalone_lm(kind):
         draft_model = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
     return device, tpath, tok, target, draft_model
 
@@ -498,7 +498,7 @@ def bench_methods(R: Runner, p: Plan, draft_model) -> dict:
     spec = our_decoder(R.args, target, draft_proposer(R.args, target, draft_model), k=p.k)
     methods = {"plain": (functools.partial(R.dec_call, plain), B), "hf_generate": (R.hf_run, B),
                "speculative": (functools.partial(R.dec_call, spec), B)}
-    if p.kind == "draft_lm":
+    if draft_dir.is_standalone_lm(p.kind):
         _assist(draft_model, R.k_int, p.k)
         methods["hf_assisted"] = (functools.partial(R.hf_run, assistant_model=draft_model), 1)
     elif p.kind == "ngram":

@@ -33,6 +33,9 @@ class DraftKind:
     name: str
     stores_weights: bool = True  # False: the directory holds only FILE, and the kind's name alone is a draft
     layer_by_layer: bool = False  # runs the target's own layers in the lean forward (only the families it covers)
+    # an HF causal LM with its own tokenizer: checked against the target's before decoding, and what HF's
+    # assisted generation takes as its assistant_model
+    standalone_lm: bool = False
 
 
 _KINDS: dict[str, DraftKind] = {}
@@ -51,7 +54,7 @@ for _kind in (
         DraftKind("eagle"),  # head.safetensors: an EAGLE head over the target's features
         DraftKind("eagle3"),  # head.safetensors: an EAGLE-3 head over three target layers, speculators' weight names
         DraftKind("medusa"),  # head.safetensors: Medusa heads over the target's features
-        DraftKind("draft_lm"),  # an ordinary HF checkpoint (config.json, model.safetensors, tokenizer); LoRA: adapter/
+        DraftKind("draft_lm", standalone_lm=True),  # an ordinary HF checkpoint (config.json, model.safetensors, tokenizer); LoRA: adapter/
         DraftKind("self_spec", layer_by_layer=True),  # adapter.safetensors: the target's first layers are reused
         DraftKind("int8", stores_weights=False, layer_by_layer=True)):  # nothing: built from the target at load time
     register_kind(_kind)
@@ -64,6 +67,11 @@ def kinds() -> tuple[DraftKind, ...]:
 
 def kind_names() -> tuple[str, ...]:
     return tuple(k.name for k in kinds())
+
+
+def is_standalone_lm(name: str) -> bool:
+    """`name` (a kind, or another form bench and load_proposer take: "ngram", "hybrid") is a standalone LM."""
+    return name in _KINDS and _KINDS[name].standalone_lm
 
 
 def get_kind(name: str) -> DraftKind:

@@ -183,7 +183,7 @@ def check_draft_tokenizers(ckpts: list[Path], tokenizer) -> None:
     """A draft LM must share the target's tokenizer (its ids must mean the same tokens): checked
     before any decoding."""
     for ck in ckpts:
-        if draft_dir.read_meta(ck)["kind"] == "draft_lm":
+        if draft_dir.is_standalone_lm(draft_dir.read_meta(ck)["kind"]):
             from transformers import AutoTokenizer
 
             check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(ck), f"draft {ck}")
