@@ -469,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(getattr(args, "overrides", [])) + extra
+    from .methods import PLUGIN_ERRORS
+
+    if PLUGIN_ERRORS:  # a method the user installed is missing: nothing runs without it
+        print(f"draftsmith: error: {PLUGIN_ERRORS[0]}", file=sys.stderr)
+        return 2
     if args.version or args.cmd is None:
         if not args.version:
             parser.error("a command is required (draftsmith --help lists them)")

@@ -6,8 +6,11 @@ other file of draftsmith edited."""
 
 import dataclasses
 import importlib
+import os
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from pipeline.evaluate import run_evaluate
 from pipeline.models import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
 
 # The eval half: the draft, its proposer, and how a directory of its kind is served (eval/ imports only).
 EVAL_SIDE = '''
@@ -208,3 +212,36 @@ def test_registering_checks_what_it_is_given(toy_package):
         methods.register_method(Warp())
     with pytest.raises(draft_dir.DraftDirError, match="no loader registered"):
         kind_loaders.loader_for("warp")
+
+
+def _installed(root, group_line: str):
+    """A distribution's metadata in `root` (what pip writes), naming one entry point in draftsmith's group."""
+    info = root / "toy_draft-0.1.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-draft\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{methods.PLUGIN_GROUP}]\n{group_line}\n")
+
+
+def _cli(root, *args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(ROOT)])}
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env, capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_an_installed_plugin_is_found_by_its_entry_point(toy_package, tmp_path):
+    """Installed with an entry point in draftsmith.methods, the plugin registers itself when draftsmith starts:
+    the recipe's train.method names it, with no import by the user."""
+    _installed(tmp_path / "plugins", "toy = toy_draft")
+    out = _cli(tmp_path / "plugins", "recipe-help")
+    assert out.returncode == 0, out.stderr
+    assert "'toy' (a low-rank bigram table)" in out.stdout
+
+
+def test_a_broken_plugin_is_one_clear_line(tmp_path):
+    (tmp_path / "broken_plugin.py").write_text("raise RuntimeError('needs torch 9')\n")
+    _installed(tmp_path, "bad = broken_plugin")
+    out = _cli(tmp_path, "recipe-help")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "draftsmith: error: draftsmith plugin 'bad' (broken_plugin) failed to load: RuntimeError: needs torch 9; "
+        "fix it or uninstall its package"]

@@ -8,7 +8,9 @@ To add a method: a module with a DraftMethod subclass (and its options dataclass
 entry in BUILTIN below, beside its kind's entries in eval/draft_dir.py and eval/proposers/kinds.py
 (docs/DESIGN.md, "To add a method"). A plugin calls register_method from its own module, after
 eval.draft_dir.register_kind and eval.proposers.register_loader, and before pipeline.config is imported
-when the method has keys."""
+when the method has keys. An installed plugin names that module in its package's entry points, group
+PLUGIN_GROUP (`[project.entry-points."draftsmith.methods"] toy = "toy_draft"`): it is imported here, after
+the built-in methods, so the recipe, compare and the loaders see it without any import by the user."""
 
 from __future__ import annotations
 
@@ -46,6 +48,29 @@ def register_method(method: DraftMethod) -> DraftMethod:
 BUILTIN = (Eagle(), Eagle3(), Medusa(), DraftLM(), SelfSpec(), Int8())
 for _m in BUILTIN:
     register_method(_m)
+
+PLUGIN_GROUP = "draftsmith.methods"  # entry points naming the modules that register a method
+PLUGIN_ERRORS: list[str] = []  # one line per installed plugin that failed to load (the CLI refuses to run)
+
+
+def load_plugins() -> list[str]:
+    """Import every installed plugin module (entry points in PLUGIN_GROUP), each registering its kind, loader
+    and method -> the names loaded. A plugin that fails is kept out and named in PLUGIN_ERRORS."""
+    from importlib.metadata import entry_points
+
+    loaded = []
+    for ep in entry_points(group=PLUGIN_GROUP):
+        try:
+            ep.load()
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not stop the import of draftsmith itself
+            PLUGIN_ERRORS.append(f"draftsmith plugin {ep.name!r} ({ep.value}) failed to load: {type(e).__name__}: "
+                                 f"{e}; fix it or uninstall its package")
+            continue
+        loaded.append(ep.name)
+    return loaded
+
+
+PLUGINS = load_plugins()
 
 
 def sections() -> dict[str, DraftMethod]:
