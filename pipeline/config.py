@@ -36,7 +36,8 @@ EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 LATER_KEYS = {("evaluate", "compile"): False, ("generate", "engine"): "draftsmith", ("evaluate", "temperature"): 0.0,
               ("evaluate", "top_p"): 1.0, ("evaluate", "top_k"): 0,
               ("data", "heldout_fraction"): 0.1, ("data", "heldout_max"): 200,
-              ("retrain", "min_prompts"): 8, ("retrain", "min_tokens"): 512}
+              ("retrain", "min_prompts"): 8, ("retrain", "min_tokens"): 512,
+              ("train", "temperature"): 1.0}
 
 
 def drop_later_defaults(d: dict) -> dict:
@@ -143,6 +144,10 @@ class _TrainKeys:
                                        "(GKD's lambda; data=onpolicy uses 1).")
     divergence: str = _f("fkl", "Divergence to the target: fkl, rkl, jsd, tv.")
     jsd_beta: float = _f(0.5, "Interpolation weight for divergence=jsd.")
+    temperature: float = _f(1.0, "The temperature the divergence compares the draft and the target at (both "
+                                 "scaled as sampling at it serves them): set it to evaluate.temperature for a "
+                                 "draft served sampled, where divergence=tv is then 1 minus the acceptance of "
+                                 "speculative sampling. 1.0 = the target's distribution as it is.")
     steps: int = _f(900, "Optimizer steps.")
     batch_size: int = _f(8, "Sequences per step over all processes (under `accelerate launch`, each of N "
                             "processes takes batch_size/N: docs/reference/scaling.md).")
@@ -178,11 +183,16 @@ class _TrainKeys:
         _positive("train.draft_vocab_size", self.draft_vocab_size, zero_ok=True)
         if not 0.0 < self.jsd_beta < 1.0:
             raise RecipeError(f"train.jsd_beta={self.jsd_beta} must be in (0, 1)")
+        _positive("train.temperature", self.temperature)
         if self.method == "draft_lm" and self.data == "onpolicy":  # TRL's GKDTrainer (pipeline/gkd.py)
             if self.divergence == "tv":
                 raise RecipeError("train.divergence='tv' is not a generalized JSD, the only loss TRL's GKDTrainer has "
                                   "(train.method=draft_lm, train.data=onpolicy); use fkl, rkl or jsd, or keep tv on "
                                   "our loop with train.data=mix train.onpolicy_fraction=1")
+            if self.temperature != 1.0:
+                raise RecipeError(f"train.temperature={self.temperature} scales our loop's divergence; TRL's "
+                                  f"GKDTrainer (train.method=draft_lm, train.data=onpolicy) has its own: set "
+                                  f"train.temperature=1.0, or use train.data=mix train.onpolicy_fraction=1")
             if self.raw_windows:
                 raise RecipeError(f"train.raw_windows={self.raw_windows} adds target-scored raw text whose stored top-k "
                                   f"TRL's GKDTrainer never reads (train.method=draft_lm, train.data=onpolicy); set "
@@ -219,7 +229,8 @@ def flat_train(tc: TrainConfig) -> dict:
     and train_key are computed over, so run directories made before still resume. The keys of the
     sections declared `flat` are kept for every method (under their `flat_names`); any other section
     only for its own method, as "<section>.<key>" without its `unhashed` keys, so that adding a method
-    changes no other recipe's hash; num_layers is the active method's (1 for a method without one)."""
+    changes no other recipe's hash; num_layers is the active method's (1 for a method without one). Keys
+    added later (LATER_KEYS) are left out at their defaults."""
     d = dataclasses.asdict(tc)
     flat = {k: v for k, v in d.items() if k not in SECTIONS}
     flat["num_layers"] = (d.get(tc.method) or {}).get("num_layers", 1)
@@ -230,7 +241,7 @@ def flat_train(tc: TrainConfig) -> dict:
         for k, v in d[name].items() if m.flat else ():
             if k != "num_layers":
                 flat[m.flat_names.get(k, k)] = v
-    return flat
+    return drop_later_defaults({"train": flat})["train"]
 
 
 @dataclass

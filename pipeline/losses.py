@@ -128,10 +128,34 @@ def total_variation(student_logits, teacher_logits=None, *, topk_ids=None, topk_
 DIVERGENCES = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": jsd, "tv": total_variation}
 
 
-def divergence(name: str, student_logits, teacher_logits=None, *, beta: float = 0.5, **kw):
-    """Dispatch by the recipe's name (fkl, rkl, jsd, tv); `beta` only reaches jsd."""
+def temper_topk(topk_logprobs: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A teacher given by its top-k log-probs [N, k] at temperature T: p_i^(1/T) / Z over the top-k and the
+    tail. The tail's tokens are unknown, each with p <= p_k (the k-th): its tempered mass is taken as
+    tail * p_k^(1/T - 1), exact when the tail sits at p_k (for T < 1 an upper bound, for T > 1 a lower one).
+    -> the tempered top-k log-probs [N, k] (their tail is 1 - their sum)."""
+    lp = topk_logprobs.detach().float()
+    inv = 1.0 / temperature
+    tail = (1.0 - lp.exp().sum(-1, keepdim=True)).clamp(min=_TAIL_FLOOR)  # [N, 1]
+    t_tail = tail.log() + (inv - 1.0) * lp.min(-1, keepdim=True).values  # log of the tail's tempered mass
+    logz = torch.logsumexp(torch.cat([lp * inv, t_tail], -1), -1, keepdim=True)
+    return lp * inv - logz
+
+
+def divergence(name: str, student_logits, teacher_logits=None, *, beta: float = 0.5, temperature: float = 1.0,
+               **kw):
+    """Dispatch by the recipe's name (fkl, rkl, jsd, tv); `beta` only reaches jsd. temperature T != 1: both
+    distributions as sampling at T serves them (student logits / T; the teacher's logits / T, or its top-k
+    by temper_topk), so tv is 1 minus the acceptance of speculative sampling at T."""
     if name not in DIVERGENCES:
         raise ValueError(f"unknown divergence {name!r}; one of {sorted(DIVERGENCES)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
     if name == "jsd":
         kw["beta"] = beta
+    if temperature != 1.0:
+        student_logits = student_logits.float() / temperature
+        if teacher_logits is not None:
+            teacher_logits = teacher_logits.float() / temperature
+        elif kw.get("topk_logprobs") is not None:
+            kw["topk_logprobs"] = temper_topk(kw["topk_logprobs"], temperature)
     return DIVERGENCES[name](student_logits, teacher_logits, **kw)

@@ -43,6 +43,8 @@ def test_overrides_are_typed():
     (["evaluate.tree_budgets=[4, x]"], "evaluate.tree_budgets[1]"),
     (["evaluate.tree_budgets=[]"], "evaluate.tree_budgets"),
     (["evaluate.tree_budgets=[0, 6]"], "evaluate.tree_budgets"),
+    (["train.temperature=0"], "train.temperature"),
+    (["train.method=draft_lm", "train.data=onpolicy", "train.temperature=0.7"], "TRL's GKDTrainer"),
 ])
 def test_bad_keys_and_types_are_named(override, needle):
     with pytest.raises(RecipeError, match=re.escape(needle)):

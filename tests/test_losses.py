@@ -120,3 +120,37 @@ def test_mask_and_reduction():
     assert 0 <= total_variation(s, t) <= 1
     with pytest.raises(ValueError, match="unknown divergence"):
         divergence("xx", s, t)
+
+
+@pytest.mark.parametrize("name", list(DIVERGENCES))
+@pytest.mark.parametrize("T", [0.7, 1.3])
+def test_temperature_compares_the_served_distributions(name, T):
+    """At temperature T both sides are what sampling at T serves: full logits / T, and the top-k with k = V
+    tempered exactly (no tail); tv at T is 1 minus speculative sampling's acceptance at T."""
+    from pipeline.losses import temper_topk
+
+    s, t = _logits(0), _logits(1)
+    want = _ref(name, s / T, t / T)
+    assert torch.allclose(divergence(name, s, t, temperature=T), want, atol=1e-5)
+    lt = F.log_softmax(t, -1)
+    ids = lt.argsort(-1, descending=True)
+    got = divergence(name, s, topk_ids=ids, topk_logprobs=lt.gather(-1, ids), temperature=T)
+    assert torch.allclose(got, want, atol=1e-4)
+    if name == "tv":
+        accept = torch.minimum(F.softmax(s / T, -1), F.softmax(t / T, -1)).sum(-1).mean()
+        assert torch.allclose(1 - got, accept, atol=1e-4)
+    # a real top-k (k < V): tempered over the top-k and a tail taken at the k-th probability
+    k = 4
+    tl = temper_topk(lt.gather(-1, ids[:, :k]), T)
+    tail = 1 - tl.exp().sum(-1)
+    assert (tail > 0).all() and torch.all(tl[:, :-1] >= tl[:, 1:])
+    if T < 1:  # sharper: the top-1 gains, and the tail's tempered mass bounds the true one from above
+        assert torch.all(tl[:, 0] > lt.gather(-1, ids[:, :1])[:, 0])
+        assert torch.all(tail >= F.softmax(t / T, -1).gather(-1, ids[:, k:]).sum(-1) - 1e-6)
+
+
+def test_temperature_one_changes_nothing_and_must_be_positive():
+    s, t = _logits(0), _logits(1)
+    assert torch.equal(divergence("fkl", s, t, temperature=1.0), divergence("fkl", s, t))
+    with pytest.raises(ValueError, match="must be > 0"):
+        divergence("tv", s, t, temperature=0.0)

@@ -92,7 +92,8 @@ def next_token_distillation(tc, batch: dict, hidden: torch.Tensor, head=None, d2
     logits = rows if head is None else head(rows)  # [N, Vd]
     tk_ids = batch["tk_ids"][:, 1:].reshape(B * T, -1)[m]  # [N, k] target ids
     tk_lp = batch["tk_lp"][:, 1:].reshape(B * T, -1)[m]
-    div = divergence(tc.divergence, logits, topk_ids=tk_ids, topk_logprobs=tk_lp, d2t=d2t, beta=tc.jsd_beta)
+    div = divergence(tc.divergence, logits, topk_ids=tk_ids, topk_logprobs=tk_lp, d2t=d2t, beta=tc.jsd_beta,
+                     temperature=tc.temperature)
     with torch.no_grad():
         top = logits.argmax(-1)
         if d2t is not None:

@@ -66,7 +66,7 @@ class EagleTrainer(nn.Module):
             h = head(f_in, emb, pos)  # [B, T, H]
             logits = head.logits(h).reshape(B * T, -1)
             div = divergence(tc.divergence, logits, topk_ids=tk_ids, topk_logprobs=tk_lp, d2t=head.d2t,
-                             beta=tc.jsd_beta, mask=t_mask.reshape(-1))
+                             beta=tc.jsd_beta, temperature=tc.temperature, mask=t_mask.reshape(-1))
             fl = (F.smooth_l1_loss(h.float(), f_true, reduction="none") * f_mask).sum() / (
                 f_mask.sum().clamp(min=1) * h.shape[-1])
             div_total, feat_total = div_total + div, feat_total + fl

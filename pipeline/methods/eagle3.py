@@ -99,7 +99,7 @@ class Eagle3Trainer(nn.Module):
             h = head(hidden, emb, pos)  # [B, T, H] pre-norm
             logits = head.logits(h).reshape(B * T, -1)
             div_total = div_total + divergence(tc.divergence, logits, topk_ids=tk_ids, topk_logprobs=tk_lp, d2t=d2t,
-                                               beta=tc.jsd_beta, mask=t_mask)
+                                               beta=tc.jsd_beta, temperature=tc.temperature, mask=t_mask)
             if w > 0:
                 feat_total = feat_total + (F.smooth_l1_loss(h.float(), f_true, reduction="none") * f_mask).sum() / (
                     f_mask.sum().clamp(min=1) * h.shape[-1])

@@ -104,7 +104,7 @@ class MedusaTrainer(nn.Module):
                 logits = heads.head_logits(feat[:, :T][m], i).float()  # [M, Vd] (bf16 under autocast: the loss in float)
             t_ids, t_lp = tk_ids[:, 2 + i:][m], tk_lp[:, 2 + i:][m]  # [M, k], [M, k]
             div = divergence(tc.divergence, logits, topk_ids=t_ids, topk_logprobs=t_lp, d2t=heads.d2t,
-                             beta=tc.jsd_beta)
+                             beta=tc.jsd_beta, temperature=tc.temperature)
             w = HEAD_DECAY ** i
             total, wsum = total + w * div, wsum + w
             with torch.no_grad():
