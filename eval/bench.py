@@ -581,28 +581,43 @@ def run(args) -> dict:
 
 
 def _sweep(R: Runner, prompts, sizes, proposer, k, target) -> dict:
-    """Plain and speculative decoding at each batch size, in interleaved turns."""
+    """Plain decoding and the draft at each batch size, in interleaved turns: at --k (fixed) and, where --k
+    is fixed, under the K controller too (k="auto", eval/decoder.py KController), so the controller is
+    judged against fixed K on the same turns."""
     res = {"sizes": sizes, "rows": []}
-    plain_dec = our_decoder(R.args, target, None)
-    spec_dec = our_decoder(R.args, target, proposer, k=k)
+    decs = {"plain": our_decoder(R.args, target, None), "speculative": our_decoder(R.args, target, proposer, k=k)}
+    if k != "auto":
+        decs["controlled"] = our_decoder(R.args, target, load_proposer(R.args.draft, target), k="auto")
     for b in sizes:
-        m = R.measure({"plain": (functools.partial(R.dec_call, plain_dec), b),
-                       "speculative": (functools.partial(R.dec_call, spec_dec), b)}, prompts)
-        p, s = m["plain"]["result"], m["speculative"]
-        st = merge_stats(s["stats"])
-        sr = s["result"]
-        res["rows"].append({"batch_size": b, "plain_tokens_per_s": p["tokens_per_s"],
-                            "speculative_tokens_per_s": sr["tokens_per_s"],
-                            "speedup": (sr["tokens_per_s"] / p["tokens_per_s"]) if p["tokens_per_s"] else None,
-                            "alpha": st.get("alpha"), "tau": st.get("tau"), "k": st.get("k"),
-                            # k="auto": share of rounds run plain because speculation would not pay
-                            "spec_off_fraction": st.get("spec_off_fraction")})
-    md = ["| batch | plain tok/s | speculative tok/s | speedup | τ | mean K | rounds plain (auto off) |",
-          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        m = R.measure({n: (functools.partial(R.dec_call, d), b) for n, d in decs.items()}, prompts)
+        p = m["plain"]["result"]
+        row = {"batch_size": b, "plain_tokens_per_s": p["tokens_per_s"]}
+        for name in decs:
+            if name == "plain":
+                continue
+            sr, st = m[name]["result"], merge_stats(m[name]["stats"])
+            pre = "" if name == "speculative" else "controlled_"
+            row |= {f"{pre}speculative_tokens_per_s" if not pre else f"{pre}tokens_per_s": sr["tokens_per_s"],
+                    f"{pre}speedup": (sr["tokens_per_s"] / p["tokens_per_s"]) if p["tokens_per_s"] else None,
+                    f"{pre}alpha": st.get("alpha"), f"{pre}tau": st.get("tau"), f"{pre}k": st.get("k"),
+                    # k="auto": share of rounds run plain because speculation would not pay
+                    f"{pre}spec_off_fraction": st.get("spec_off_fraction")}
+        res["rows"].append(row)
+    head = "| batch | plain tok/s | speculative tok/s | speedup | τ | mean K | rounds plain (auto off) |"
+    rule = "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    if "controlled" in decs:
+        head += " controller tok/s | controller speedup | controller τ | controller mean K | controller rounds plain |"
+        rule += " ---: | ---: | ---: | ---: | ---: |"
+    md = [head, rule]
     for r in res["rows"]:
-        md.append(f"| {r['batch_size']} | {_fmt(r['plain_tokens_per_s'], '.1f')} | "
-                  f"{_fmt(r['speculative_tokens_per_s'], '.1f')} | {_fmt(r['speedup'])}× | {_fmt(r['tau'])} | "
-                  f"{_fmt(r['k'], '.1f')} | {_fmt(r['spec_off_fraction'])} |")
+        line = (f"| {r['batch_size']} | {_fmt(r['plain_tokens_per_s'], '.1f')} | "
+                f"{_fmt(r['speculative_tokens_per_s'], '.1f')} | {_fmt(r['speedup'])}× | {_fmt(r['tau'])} | "
+                f"{_fmt(r['k'], '.1f')} | {_fmt(r['spec_off_fraction'])} |")
+        if "controlled" in decs:
+            line += (f" {_fmt(r['controlled_tokens_per_s'], '.1f')} | {_fmt(r['controlled_speedup'])}× | "
+                     f"{_fmt(r['controlled_tau'])} | {_fmt(r['controlled_k'], '.1f')} | "
+                     f"{_fmt(r['controlled_spec_off_fraction'])} |")
+        md.append(line)
     res["markdown"] = "\n".join(md)
     return res
 

@@ -57,7 +57,9 @@ def test_ngram_writes_required_keys(tiny, tmp_path, capsys):
     sweep = res["batch_sweep"]
     assert [r["batch_size"] for r in sweep["rows"]] == [1, 2]
     assert all(r["plain_tokens_per_s"] > 0 and r["speculative_tokens_per_s"] > 0 for r in sweep["rows"])
-    assert sweep["markdown"].startswith("| batch |")
+    # the K controller in the same turns, beside the fixed K
+    assert all(r["controlled_tokens_per_s"] > 0 and 0 <= r["controlled_spec_off_fraction"] <= 1 for r in sweep["rows"])
+    assert sweep["markdown"].startswith("| batch |") and "controller speedup" in sweep["markdown"]
     out = capsys.readouterr().out
     assert "speculative" in out and "hf_prompt_lookup" in out
 
