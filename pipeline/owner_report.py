@@ -395,6 +395,7 @@ def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: st
         ties = "all near-ties" if r["all_near_ties"] else "NOT all near-ties"
         claim = "exact" if r["exact"] else f"{r['n_divergences']} divergences, {ties}"
         c = r["controlled"]
+        claim += "; controller: " + ("exact" if c["exact"] else f"match rate {c['match_rate']:.4f}")
         out.append([str(r["batch_size"]), str(r["n_sequences"]),
                     num(r["plain_tokens_per_s"], ".1f", "plain_tokens_per_s", src),
                     num(r["tokens_per_s"], ".1f", "tokens_per_s", src), num(r["speedup"], ".2f", "speedup", src, "×"),
