@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from eval import draft_dir
+from eval.datastore import FILE as DATASTORE_FILE
 
 from .formats import FORMATS, HEAD_FILE, SERVE_FORMATS, ExportError, Verifier
 
@@ -34,6 +35,8 @@ def engine_format(meta: dict, engine: str) -> str | None:
 
 
 def kind_problem(meta: dict, fmt: str) -> str | None:
+    if FORMATS[fmt].datastore:  # the draft's datastore, whatever its kind (check_files wants the file)
+        return None
     kind = meta.get("kind")
     mc = meta.get("medusa_config") or {}
     if kind == "medusa" and mc.get("recurrent"):
@@ -119,7 +122,13 @@ def check_verifier(meta: dict, src: Path, v: Verifier) -> None:
                               f"({n} layers); pass the --verifier it was trained for")
 
 
-def check_files(src: Path, meta: dict) -> None:
+def check_files(src: Path, meta: dict, fmt: str) -> None:
+    if FORMATS[fmt].datastore:
+        if not (src / DATASTORE_FILE).is_file():
+            raise ExportError(f"{src} holds no {DATASTORE_FILE}: --format {fmt} exports a draft's datastore (the "
+                              f"target's own outputs); export a checkpoint trained with train.datastore=true "
+                              f"(runs/<domain>/<run>/train/checkpoint-N/; best/ keeps it only when promoted with it)")
+        return
     need = {"eagle3": [HEAD_FILE], "medusa": [HEAD_FILE], "draft_lm": ["config.json"]}[meta["kind"]]
     if meta["kind"] == "draft_lm" and not any(src.glob("*.safetensors")) and not (src / "pytorch_model.bin").exists():
         need.append("model.safetensors")
@@ -145,7 +154,7 @@ def manifest(fmt: str, src: Path, meta: dict, tmp: Path, out: Path, v: Verifier,
          "train_key": meta.get("train_key"), "verifier": v.name_or_path, "k": k,
          "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
          "serve": FORMATS[fmt].serve(out.resolve(), v.name_or_path, k)}
-    if meta.get("proposer") == "hybrid":
+    if meta.get("proposer") == "hybrid" and not FORMATS[fmt].datastore:
         m["note"] = "promoted as a hybrid with n-gram lookups in our decoder; an engine serves the draft alone"
     return m
 
@@ -159,7 +168,7 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
         raise ExportError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     meta = draft_dir.read_meta(src)
     check_kind(meta, fmt, src)
-    check_files(src, meta)
+    check_files(src, meta, fmt)
     check_out(out, force)
     if k is not None and k < 1:
         raise ExportError(f"--k {k}: the speculative tokens per round must be >= 1")

@@ -86,15 +86,17 @@ def test_failed_engine_gives_cause_and_log(monkeypatch, tmp_path):
 
 
 def test_the_engine_drivers_import_nothing_above_them():
-    """pipeline/engines/ is the driver alone (vLLM's and llama.cpp's workers and vllm.py): the commands that
+    """pipeline/engines/ is the driver alone (vLLM's and llama.cpp's workers and vllm.py, and the datastore
+    proposer vLLM imports from a vllm-proposer export): the commands that
     use it (verify_export, vllm_bench, generate_bench, llamacpp_bench) live with the other commands, so no
     arrow climbs from it into a command module; its one import above is the atomic-write leaf."""
     from test_layering import _graph
 
     graph = _graph()
     drivers = sorted(m for m in graph if m.startswith("pipeline.engines"))
-    assert drivers == ["pipeline.engines", "pipeline.engines.llamacpp_worker", "pipeline.engines.vllm",
-                       "pipeline.engines.vllm_worker"]
+    assert drivers == ["pipeline.engines", "pipeline.engines.draftsmith_vllm", "pipeline.engines.draftsmith_vllm.lookup",
+                       "pipeline.engines.draftsmith_vllm.proposer", "pipeline.engines.llamacpp_worker",
+                       "pipeline.engines.vllm", "pipeline.engines.vllm_worker"]
     up = {m: sorted(i for i in graph[m] if not i.startswith("pipeline.engines") and i != "pipeline.atomic")
           for m in drivers}
     assert not {m: i for m, i in up.items() if i}, up
