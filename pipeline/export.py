@@ -91,10 +91,13 @@ def resolve_verifier(verifier: str | None, meta: dict, src: Path) -> Verifier:
     return Verifier(path, config, None)
 
 
-def _draft_shape(meta: dict, src: Path) -> dict:
-    """What the draft was built around, in the verifier config's key names."""
+def _draft_shape(meta: dict, src: Path, weights: bool = True) -> dict:
+    """What the draft was built around, in the verifier config's key names (weights=False: the target it
+    records only, for a format that exports no weights)."""
     shape = {k: v for k, v in (meta.get("target_config") or {}).items()
              if k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}
+    if not weights:
+        return shape
     if meta["kind"] == "eagle3":
         hc = meta["head_config"]
         shape |= {"vocab_size": hc["vocab_size"], "hidden_size": hc.get("target_hidden_size") or hc["hidden_size"]}
@@ -106,15 +109,16 @@ def _draft_shape(meta: dict, src: Path) -> dict:
     return shape
 
 
-def check_verifier(meta: dict, src: Path, v: Verifier) -> None:
-    """The draft was trained for this verifier: every recorded shape equals the verifier's."""
-    for key, want in _draft_shape(meta, src).items():
+def check_verifier(meta: dict, src: Path, v: Verifier, weights: bool = True) -> None:
+    """The draft was trained for this verifier: every recorded shape equals the verifier's (weights=False:
+    a datastore export, whose token ids the writer checks against the verifier's vocabulary)."""
+    for key, want in _draft_shape(meta, src, weights).items():
         have = v.config.get(key)
         if have != want:
             raise ExportError(f"{src} was trained for a target with {key}={want!r}, but verifier "
                               f"{v.name_or_path} has {key}={have!r}; pass the --verifier it was trained for"
                               + (f" ({meta['target']})" if meta.get("target") else ""))
-    if meta["kind"] == "eagle3":
+    if weights and meta["kind"] == "eagle3":
         n = v.config.get("num_hidden_layers")
         bad = [i for i in meta["head_config"]["aux_layers"] if n is not None and not 0 <= i <= n]
         if bad:
@@ -174,7 +178,7 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
         raise ExportError(f"--k {k}: the speculative tokens per round must be >= 1")
     k = DEFAULT_K if k is None else k
     v = resolve_verifier(verifier, meta, src)
-    check_verifier(meta, src, v)
+    check_verifier(meta, src, v, weights=not FORMATS[fmt].datastore)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -255,6 +255,18 @@ def test_export_refuses_a_draft_without_a_datastore_or_for_another_vocabulary(tm
     assert not (tmp_path / "out2").exists()
 
 
+def test_export_reads_no_weights_of_the_draft(tmp_path, target_dir):
+    """A draft LM's checkpoint files are not needed: only its datastore and the target it records."""
+    from pipeline.export import export_draft
+
+    src = tmp_path / "draft"
+    src.mkdir()
+    draft_dir.write_meta(src, {"kind": "draft_lm", "target": str(target_dir)})
+    np.save(src / "datastore.npy", corpus([1, 2, 3]))
+    out = export_draft(src, "vllm-proposer", tmp_path / "out", k=2)
+    assert (out / "datastore.npy").is_file()
+
+
 def test_recipe_export_formats_accepts_it_and_help_says_what_it_holds():
     import dataclasses
 
