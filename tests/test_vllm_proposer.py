@@ -275,3 +275,15 @@ def test_recipe_export_formats_accepts_it_and_help_says_what_it_holds():
     assert ExportConfig(formats=["vllm-proposer"]).formats == ["vllm-proposer"]
     help_ = {f.name: f.metadata["help"] for f in dataclasses.fields(ExportConfig)}["formats"]
     assert "vllm-proposer (any draft's datastore)" in help_
+
+
+def test_evaluate_refuses_the_format_before_decoding_when_train_wrote_no_datastore(tmp_path, target_dir):
+    from pipeline.config import load_recipe
+    from pipeline.evaluate import EvaluateError, check_exports
+
+    ck = datastore_draft(tmp_path / "checkpoint-000001", target_dir)
+    ok = load_recipe(domain="code", overrides=["export.formats=[vllm-proposer]"])
+    check_exports(ok, [ck])  # recurrent Medusa heads: no engine holds them, their datastore yes
+    off = load_recipe(domain="code", overrides=["export.formats=[vllm-proposer]", "train.datastore=false"])
+    with pytest.raises(EvaluateError, match="train.datastore=false wrote none"):
+        check_exports(off, [ck])
