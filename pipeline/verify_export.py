@@ -90,6 +90,8 @@ def plan_export(export_dir, target: str | None = None, k: int | None = None, dra
     if not target:
         raise VerifyError(f"{d}: no target named in {MANIFEST} or config.json; give --target <HF dir>")
     draft = draft or manifest.get("source")
+    if FORMATS[fmt].decoder_proposer is not None and not Path(draft or "").is_dir():
+        draft = None  # the export itself is what our decoder runs: its source draft may stay behind
     if draft and not Path(draft).is_dir():
         raise VerifyError(f"the export's source draft {draft} does not exist; give --draft <draft dir>")
     return ExportPlan(str(d.resolve()), fmt, int(k), str(target), draft)

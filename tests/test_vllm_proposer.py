@@ -232,6 +232,12 @@ def test_export_writes_the_datastore_the_package_and_the_serve_command(tmp_path,
                                   f"--speculative-config '{json.dumps(spec)}'")
     plan = plan_export(out)
     assert plan.format == "vllm-proposer" and plan.k == 4 and plan.speculative_config() == spec
+    assert plan.source_draft == str(src.resolve())
+    moved = tmp_path / "moved"
+    out.rename(moved)  # served elsewhere, without the draft it came from: still verifiable
+    src.rename(tmp_path / "gone")
+    assert plan_export(moved).source_draft is None
+    moved.rename(out)
     assert plan.vllm_load(str(target_dir)) == (str(target_dir), spec)
     assert FORMATS["vllm-proposer"].vllm_python_path(plan.export_dir) == [plan.export_dir]
     job = ev.vllm_job(target_dir, [[1, 2]], 4, speculative_config=spec, python_path=[plan.export_dir])
