@@ -303,7 +303,8 @@ class EvaluateConfig:
 @dataclass
 class ExportConfig:
     formats: list[str] = _f([], "Formats the promoted draft is also written in, each to best/export-<format>/ "
-                                "(pipeline/formats.py): " + ", ".join(f"{f.name} ({' or '.join(f.kinds)} drafts)"
+                                "(pipeline/formats.py): " + ", ".join(f"{f.name} ({' or '.join(f.kinds)} drafts)" if not f.datastore else
+                                                                     f"{f.name} (any draft's datastore)"
                                                                      for f in FORMATS.values())
                                 + " (medusa: independent full-vocabulary heads only). [] = none.")
     k: typing.Optional[int] = _f(None, "Speculative tokens per round written into the exports' serve commands "

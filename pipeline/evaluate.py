@@ -44,6 +44,7 @@ from eval.replay import fit_budget
 from .data import encode_prompt, read_jsonl
 from .export import MANIFEST, SERVE_FORMATS, engine_format, export_draft, kind_problem
 from .faults import kill_point
+from .formats import FORMATS
 from .measure import (MeasurementCache, decode_pairs, decode_together, evaluate_settings, proposer_for,
                       vllm_acceptance)
 from .models import check_tokenizers
@@ -200,6 +201,9 @@ def check_exports(recipe, ckpts: list[Path]) -> None:
         raise EvaluateError(f"evaluate.serve={serve}: this run's {kind} checkpoints cannot be served there ({why}); "
                             f"train a draft {serve} loads or set evaluate.serve=draftsmith")
     for fmt in recipe.export.formats:
+        if FORMATS[fmt].datastore and not recipe.train.datastore:
+            raise EvaluateError(f"export.formats: {fmt!r} exports the run's datastore, and train.datastore=false "
+                                f"wrote none; set train.datastore=true or drop {fmt!r} from export.formats")
         problem = kind_problem(meta, fmt)
         if problem:
             raise EvaluateError(f"export.formats: this run's {kind} checkpoints cannot be exported: {problem}; "
@@ -428,7 +432,10 @@ def write_exports(recipe, run_dir: Path, p: Promotion) -> dict:
         fmts = [engine_format(p.meta, recipe.evaluate.serve)] + fmts
     out = {}
     for fmt in dict.fromkeys(fmts):
-        d = export_draft(run_dir / "best", fmt, run_dir / "best" / f"export-{fmt}",
+        src = run_dir / "best"
+        if FORMATS[fmt].datastore and not (src / DATASTORE_FILE).exists():
+            src = served_as(p.result["source"])[1]  # promoted without it: the checkpoint's (the same corpus)
+        d = export_draft(src, fmt, run_dir / "best" / f"export-{fmt}",
                          recipe.export.verifier or recipe.target, recipe.export.k or recipe.evaluate.k, force=True)
         out[fmt] = {"dir": f"best/export-{fmt}", "serve": json.loads((d / MANIFEST).read_text())["serve"]}
     return out

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from eval import draft_dir
+from eval.datastore import FILE as DATASTORE_FILE
 
 from .formats import FORMATS, HEAD_FILE, SERVE_FORMATS, ExportError, Verifier
 
@@ -34,6 +35,8 @@ def engine_format(meta: dict, engine: str) -> str | None:
 
 
 def kind_problem(meta: dict, fmt: str) -> str | None:
+    if FORMATS[fmt].datastore:  # the draft's datastore, whatever its kind (check_files wants the file)
+        return None
     kind = meta.get("kind")
     mc = meta.get("medusa_config") or {}
     if kind == "medusa" and mc.get("recurrent"):
@@ -88,10 +91,13 @@ def resolve_verifier(verifier: str | None, meta: dict, src: Path) -> Verifier:
     return Verifier(path, config, None)
 
 
-def _draft_shape(meta: dict, src: Path) -> dict:
-    """What the draft was built around, in the verifier config's key names."""
+def _draft_shape(meta: dict, src: Path, weights: bool = True) -> dict:
+    """What the draft was built around, in the verifier config's key names (weights=False: the target it
+    records only, for a format that exports no weights)."""
     shape = {k: v for k, v in (meta.get("target_config") or {}).items()
              if k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}
+    if not weights:
+        return shape
     if meta["kind"] == "eagle3":
         hc = meta["head_config"]
         shape |= {"vocab_size": hc["vocab_size"], "hidden_size": hc.get("target_hidden_size") or hc["hidden_size"]}
@@ -103,15 +109,16 @@ def _draft_shape(meta: dict, src: Path) -> dict:
     return shape
 
 
-def check_verifier(meta: dict, src: Path, v: Verifier) -> None:
-    """The draft was trained for this verifier: every recorded shape equals the verifier's."""
-    for key, want in _draft_shape(meta, src).items():
+def check_verifier(meta: dict, src: Path, v: Verifier, weights: bool = True) -> None:
+    """The draft was trained for this verifier: every recorded shape equals the verifier's (weights=False:
+    a datastore export, whose token ids the writer checks against the verifier's vocabulary)."""
+    for key, want in _draft_shape(meta, src, weights).items():
         have = v.config.get(key)
         if have != want:
             raise ExportError(f"{src} was trained for a target with {key}={want!r}, but verifier "
                               f"{v.name_or_path} has {key}={have!r}; pass the --verifier it was trained for"
                               + (f" ({meta['target']})" if meta.get("target") else ""))
-    if meta["kind"] == "eagle3":
+    if weights and meta["kind"] == "eagle3":
         n = v.config.get("num_hidden_layers")
         bad = [i for i in meta["head_config"]["aux_layers"] if n is not None and not 0 <= i <= n]
         if bad:
@@ -119,7 +126,13 @@ def check_verifier(meta: dict, src: Path, v: Verifier) -> None:
                               f"({n} layers); pass the --verifier it was trained for")
 
 
-def check_files(src: Path, meta: dict) -> None:
+def check_files(src: Path, meta: dict, fmt: str) -> None:
+    if FORMATS[fmt].datastore:
+        if not (src / DATASTORE_FILE).is_file():
+            raise ExportError(f"{src} holds no {DATASTORE_FILE}: --format {fmt} exports a draft's datastore (the "
+                              f"target's own outputs); export a checkpoint trained with train.datastore=true "
+                              f"(runs/<domain>/<run>/train/checkpoint-N/; best/ keeps it only when promoted with it)")
+        return
     need = {"eagle3": [HEAD_FILE], "medusa": [HEAD_FILE], "draft_lm": ["config.json"]}[meta["kind"]]
     if meta["kind"] == "draft_lm" and not any(src.glob("*.safetensors")) and not (src / "pytorch_model.bin").exists():
         need.append("model.safetensors")
@@ -145,7 +158,7 @@ def manifest(fmt: str, src: Path, meta: dict, tmp: Path, out: Path, v: Verifier,
          "train_key": meta.get("train_key"), "verifier": v.name_or_path, "k": k,
          "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
          "serve": FORMATS[fmt].serve(out.resolve(), v.name_or_path, k)}
-    if meta.get("proposer") == "hybrid":
+    if meta.get("proposer") == "hybrid" and not FORMATS[fmt].datastore:
         m["note"] = "promoted as a hybrid with n-gram lookups in our decoder; an engine serves the draft alone"
     return m
 
@@ -159,13 +172,13 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
         raise ExportError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     meta = draft_dir.read_meta(src)
     check_kind(meta, fmt, src)
-    check_files(src, meta)
+    check_files(src, meta, fmt)
     check_out(out, force)
     if k is not None and k < 1:
         raise ExportError(f"--k {k}: the speculative tokens per round must be >= 1")
     k = DEFAULT_K if k is None else k
     v = resolve_verifier(verifier, meta, src)
-    check_verifier(meta, src, v)
+    check_verifier(meta, src, v, weights=not FORMATS[fmt].datastore)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

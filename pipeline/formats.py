@@ -10,6 +10,9 @@ read FORMATS; nothing else lists formats.
                          heads read tokens, which no engine's Medusa does; vLLM 0.32 cannot load
                          truncated LM heads)
   hf           draft_lm  an ordinary HF causal LM with the tokenizer (HF assistant_model, vLLM draft_model)
+  vllm-proposer  any     the draft's datastore (the target's own outputs) with draftsmith's lookup proposer
+                         (pipeline/engines/draftsmith_vllm/), which vLLM loads as method "custom_class" with
+                         the export on PYTHONPATH; no weights
 
 Leaf module: the standard library and eval.draft_dir at import time (config.py imports it); torch,
 safetensors and transformers only inside the writers.
@@ -88,13 +91,24 @@ class ExportFormat:
     self_contained: bool = False  # config.json names the verifier and K: `vllm serve <out>` alone
     sglang_algorithm: str | None = None  # SGLang's --speculative-algorithm, where SGLang loads it
     hf_assistant: bool = False  # HF generate's assistant_model loads it
+    datastore: bool = False  # it holds the draft's datastore.npy, of a draft of any kind, not the draft itself
+    spec_model: str | None = None  # the speculative config's "model" when it is not the export directory
+    python_path: bool = False  # it ships a module vLLM imports: the export directory goes on PYTHONPATH
+    # (export dir) -> our decoder's Proposer serving the export itself, for verify-export; None: the source draft
+    decoder_proposer: Callable | None = None
 
     def vllm_spec(self, out: str | Path, k: int) -> dict:
-        return vllm_speculative_config(self.vllm_method, k, out)
+        return vllm_speculative_config(self.vllm_method, k, self.spec_model or out)
+
+    def vllm_python_path(self, out: str | Path) -> list[str]:
+        """What the vLLM process must have on its Python path to load the export in `out`."""
+        return [str(out)] if self.python_path else []
 
     def serve(self, out: str | Path, verifier: str, k: int) -> dict[str, str]:
         """{engine: the command that serves the export in `out` with `verifier` at K speculative tokens}."""
         cmds = {"vllm": vllm_serve(out) if self.self_contained else vllm_serve(verifier, self.vllm_spec(out, k))}
+        if self.python_path:
+            cmds["vllm"] = f"PYTHONPATH={shlex.quote(str(out))} " + cmds["vllm"]
         if self.sglang_algorithm:
             cmds["sglang"] = sglang_serve(self.sglang_algorithm, verifier, out, k)
         if self.hf_assistant:
@@ -240,9 +254,46 @@ def write_hf(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
         verifier_tok.save_pretrained(tmp)
 
 
+def write_vllm_proposer(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
+    # Written for vllm/v1/spec_decode/custom_class_proposer.py (vLLM 0.32): the proposer package
+    # (pipeline/engines/draftsmith_vllm/, imported by vLLM as draftsmith_vllm.proposer), the draft's datastore
+    # (eval/datastore.py's layout, read by its lookup.py) and config.json with the lookup's settings.
+    import numpy as np
+
+    from .engines import draftsmith_vllm
+    from .engines.draftsmith_vllm import lookup
+
+    arr = np.load(src / lookup.DATASTORE, allow_pickle=False)
+    if arr.ndim != 1 or arr.dtype.kind != "i":
+        raise ExportError(f"{src / lookup.DATASTORE} holds a {arr.dtype} array of shape {arr.shape}, not a 1-D "
+                          f"token-id array; rerun the train stage to write it again")
+    vocab = v.config.get("vocab_size")
+    if vocab is not None and arr.size and int(arr.max()) >= vocab:
+        raise ExportError(f"{src}: its datastore holds token id {int(arr.max())}, but verifier {v.name_or_path} has "
+                          f"vocab_size={vocab}; pass the --verifier it was trained for")
+    np.save(tmp / lookup.DATASTORE, arr.astype(np.int32), allow_pickle=False)
+    pkg = tmp / PROPOSER_PACKAGE
+    pkg.mkdir()
+    for f in sorted(Path(draftsmith_vllm.__file__).parent.glob("*.py")):
+        shutil.copy2(f, pkg / f.name)
+    config = {"architectures": [PROPOSER_ARCH], "model_type": "draftsmith_datastore_proposer",
+              "vocab_size": vocab, "datastore_tokens": int((arr != lookup.SEP).sum()),
+              lookup.CONFIG_KEY: {"class": PROPOSER_CLASS, **lookup.DEFAULTS}}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _lookup_proposer(out):
+    from .datastore_proposer import LookupProposer
+
+    return LookupProposer.from_export(out)
+
+
 # ------------------------------------------------------------------------------- the formats
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+PROPOSER_PACKAGE = "draftsmith_vllm"  # pipeline/engines/draftsmith_vllm/, copied into a vllm-proposer export
+PROPOSER_CLASS = f"{PROPOSER_PACKAGE}.proposer.DatastoreProposer"
+PROPOSER_ARCH = "DraftsmithDatastoreProposer"
 
 
 def _archs(config: dict) -> list[str]:
@@ -265,6 +316,10 @@ FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
                  lambda c: c.get("num_heads")),
     ExportFormat("hf", ("draft_lm",), ("hf",), "draft_model", write_hf,
                  lambda c: any(a.endswith("ForCausalLM") for a in _archs(c)), hf_assistant=True),
+    # served_by=(): it serves the datastore, not the draft, so evaluate.serve never picks it for a kind
+    ExportFormat("vllm-proposer", (), (), "custom_class", write_vllm_proposer,
+                 lambda c: PROPOSER_ARCH in _archs(c), datastore=True, spec_model=PROPOSER_CLASS,
+                 python_path=True, decoder_proposer=_lookup_proposer),
 )}
 
 # {engine: {draft kind: the format that engine serves it in}} (a kind absent here cannot be served there)

@@ -90,6 +90,8 @@ def plan_export(export_dir, target: str | None = None, k: int | None = None, dra
     if not target:
         raise VerifyError(f"{d}: no target named in {MANIFEST} or config.json; give --target <HF dir>")
     draft = draft or manifest.get("source")
+    if FORMATS[fmt].decoder_proposer is not None and not Path(draft or "").is_dir():
+        draft = None  # the export itself is what our decoder runs: its source draft may stay behind
     if draft and not Path(draft).is_dir():
         raise VerifyError(f"the export's source draft {draft} does not exist; give --draft <draft dir>")
     return ExportPlan(str(d.resolve()), fmt, int(k), str(target), draft)
@@ -101,7 +103,8 @@ def vllm_side(plan: ExportPlan, target_dir: str, prompts, max_new_tokens: int, d
     kw = dict(dtype=dtype, eos_token_ids=eos, eager=eager, batch_sizes=BATCH_SIZES)
     plain = run_vllm(vllm_job(target_dir, prompts, max_new_tokens, **kw), "plain", workdir=workdir)
     model, spec_config = plan.vllm_load(target_dir)
-    job = vllm_job(model, prompts, max_new_tokens, speculative_config=spec_config, **kw)
+    job = vllm_job(model, prompts, max_new_tokens, speculative_config=spec_config,
+                   python_path=FORMATS[plan.format].vllm_python_path(plan.export_dir), **kw)
     spec = run_vllm(job, f"{plan.format}-k{plan.k}", workdir=workdir)
     return {"plain": plain, "spec": spec, "spec_job": {k: v for k, v in job.items() if k != "prompts"}}
 
@@ -126,9 +129,15 @@ def chain_form(draft: str, workdir) -> str:
 
 
 def ours_side(plan: ExportPlan, target, prompts, max_new_tokens: int, eos, workdir=None) -> dict:
-    """(c) our decoder: plain and the source draft at K, taking turns per prompt (pipeline.measure)."""
+    """(c) our decoder: plain and the source draft at K (or, for a format that declares one, the export's own
+    proposer in our decoder: vllm-proposer's lookup), taking turns per prompt (pipeline.measure)."""
     from .measure import decode_pairs, proposer_for
 
+    twin = FORMATS[plan.format].decoder_proposer
+    if twin is not None:
+        plain_seqs, plain, seqs, spec = decode_pairs(target, twin(plan.export_dir), prompts, plan.k, max_new_tokens,
+                                                     eos, "ours")
+        return {"plain_seqs": plain_seqs, "plain": plain, "seqs": seqs, "spec": spec}
     if not plan.source_draft:
         raise VerifyError("the export names no source draft (no draftsmith_export.json); give --draft <draft dir>")
     proposer = proposer_for(chain_form(plan.source_draft, workdir), target)
@@ -244,7 +253,7 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
 
     plan = plan_export(export_dir, target, k, draft)
     engine_python()  # a missing engine stops here, before minutes of loading
-    if plan.source_draft is None:
+    if plan.source_draft is None and FORMATS[plan.format].decoder_proposer is None:
         raise VerifyError(f"{export_dir} names no source draft (no {MANIFEST}); give --draft <draft dir>")
     target_dir = resolve_target(plan.target)
     model, tok = load_target(plan.target, dtype, "cpu")

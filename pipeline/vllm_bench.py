@@ -6,8 +6,8 @@ per method (started one after another, never two at once).
 
 Methods: `plain`; `ngram:K` (prompt lookup, n-grams of --ngram-min..--ngram-max tokens); `suffix` (Arctic
 Inference's suffix decoding: needs `pip install arctic-inference` in the engine venv); `FORMAT:K:DIR` for an
-export directory DIR of an export format (pipeline/formats.py: speculators, eagle3, medusa, hf), loaded as
-that format's vLLM speculative config says. Each speculative method's output is compared with plain's,
+export directory DIR of an export format (pipeline/formats.py: speculators, eagle3, medusa, hf,
+vllm-proposer), loaded as that format's vLLM speculative config says. Each speculative method's output is compared with plain's,
 prompt by prompt. `--profile` runs each engine in this process with timers on
 vLLM's step functions (vllm_worker.PROFILED) and adds a table of where an engine step's time goes.
 """
@@ -40,6 +40,12 @@ def speculative_config(method: str, ngram_min: int, ngram_max: int) -> dict | No
                       f"({', '.join(FORMATS)})")
 
 
+def python_path(method: str) -> list[str]:
+    """What vLLM must import for `method`: an export that ships its proposer's module (vllm-proposer)."""
+    name, *rest = method.split(":", 2)
+    return FORMATS[name].vllm_python_path(Path(rest[1]).resolve()) if name in FORMATS and len(rest) == 2 else []
+
+
 def step_profile(run: dict) -> dict | None:
     """A profiled run's timers -> per engine step: tokens and milliseconds in each part. The parts nest:
     engine step = execute_model (input preparation + target forward + logits) + sample_tokens (sample or
@@ -68,7 +74,7 @@ def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], 
     for method in ["plain"] + [m for m in methods if m != "plain"]:
         spec = speculative_config(method, ngram_min, ngram_max)
         job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=spec, batch_sizes=batch_sizes,
-                       dtype=dtype, eos_token_ids=eos, profile=profile)
+                       dtype=dtype, eos_token_ids=eos, profile=profile, python_path=python_path(method))
         try:
             res = run_vllm(job, method.replace(":", "-").replace("/", "_"), workdir=workdir)
         except EngineError as e:

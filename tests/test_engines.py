@@ -86,15 +86,17 @@ def test_failed_engine_gives_cause_and_log(monkeypatch, tmp_path):
 
 
 def test_the_engine_drivers_import_nothing_above_them():
-    """pipeline/engines/ is the driver alone (vLLM's and llama.cpp's workers and vllm.py): the commands that
+    """pipeline/engines/ is the driver alone (vLLM's and llama.cpp's workers and vllm.py, and the datastore
+    proposer vLLM imports from a vllm-proposer export): the commands that
     use it (verify_export, vllm_bench, generate_bench, llamacpp_bench) live with the other commands, so no
     arrow climbs from it into a command module; its one import above is the atomic-write leaf."""
     from test_layering import _graph
 
     graph = _graph()
     drivers = sorted(m for m in graph if m.startswith("pipeline.engines"))
-    assert drivers == ["pipeline.engines", "pipeline.engines.llamacpp_worker", "pipeline.engines.vllm",
-                       "pipeline.engines.vllm_worker"]
+    assert drivers == ["pipeline.engines", "pipeline.engines.draftsmith_vllm", "pipeline.engines.draftsmith_vllm.lookup",
+                       "pipeline.engines.draftsmith_vllm.proposer", "pipeline.engines.llamacpp_worker",
+                       "pipeline.engines.vllm", "pipeline.engines.vllm_worker"]
     up = {m: sorted(i for i in graph[m] if not i.startswith("pipeline.engines") and i != "pipeline.atomic")
           for m in drivers}
     assert not {m: i for m, i in up.items() if i}, up
@@ -560,6 +562,52 @@ def test_verify_export_loads_every_production_format_in_vllm(engine, tiny, tmp_p
         assert v[b]["mean_acceptance_length"] == pytest.approx(o["mean_acceptance_length"], rel=0.1)
     saved = json.loads((tmp_path / "v.json").read_text())
     assert saved["ok"] and saved["plan"]["format"] == fmt
+
+
+@engines
+def test_verify_export_runs_the_datastore_proposer_in_vllm(engine, tiny, tmp_path):
+    """`--format vllm-proposer`: a datastore holding the tiny target's own greedy outputs, exported with the
+    proposer package, loaded by vLLM as a custom_class proposer (the export on the engine's Python path) and
+    measured by the whole verify-export command in fp32 against our decoder's twin of it (the same lookup):
+    every output equals our plain greedy output and vLLM accepts as our decoder does."""
+    import numpy as np
+
+    from eval import draft_dir
+    from pipeline.export import export_draft
+    from pipeline.verify_export import verify_export
+
+    from transformers import AutoModelForCausalLM
+
+    d, prompts = tiny
+    m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    store = []  # the target's own greedy outputs, as generate stores them: the first 12 tokens of each
+    for p in prompts:
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(12):
+                ids.append(int(m(torch.tensor([ids])).logits[0, -1].argmax()))
+        store += ids[len(p):] + [-1]
+    src = tmp_path / "draft"
+    src.mkdir()
+    draft_dir.write_meta(src, {"kind": "draft_lm", "target": str(d)})
+    np.save(src / "datastore.npy", np.asarray(store, dtype=np.int32))
+    exp = export_draft(src, "vllm-proposer", tmp_path / "export", verifier=str(d), k=3)
+    tok = word_tokenizer()
+    pj = tmp_path / "prompts.jsonl"
+    pj.write_text("".join(json.dumps({"prompt": tok.decode(p)}) + "\n" for p in prompts))
+    s = verify_export(exp, prompts_path=pj, n=4, max_new_tokens=24, dtype="float32", json_out=tmp_path / "v.json",
+                      workdir=tmp_path / "work", eager=True)
+    assert s["ok"] and s["problems"] == [] and s["exactness_rule"] == "exact", s["problems"]
+    assert all(c["identical"] == 4 for c in s["outputs"].values()), s["outputs"]
+    job = json.loads((tmp_path / "work" / "vllm-proposer-k3.job.json").read_text())
+    assert job["speculative_config"] == {"method": "custom_class", "num_speculative_tokens": 3,
+                                         "model": "draftsmith_vllm.proposer.DatastoreProposer"}
+    assert job["python_path"] == [str(exp.resolve())]
+    v, o = s["vllm_batches"], s["ours"]
+    assert v["1"]["counters"]["num_drafts"] > 0 and o["mean_acceptance_length"] > 1.5  # the store is accepted
+    for b in ("1", "4"):
+        assert v[b]["mean_acceptance_length"] == pytest.approx(o["mean_acceptance_length"], rel=0.1)
+    assert v["1"]["acceptance_per_pos"] == pytest.approx(o["acceptance_per_pos"], abs=0.05)
 
 
 @engines

@@ -372,7 +372,7 @@ def test_a_format_is_one_object_that_export_and_verify_export_both_read(tmp_path
         medusa_draft(src, target_dir)
     else:
         src, verifier = eagle3_draft(tmp_path / "draft", target_dir)[0], target_dir
-    assert FORMATS is objects and list(FORMATS) == ["speculators", "eagle3", "medusa", "hf"]
+    assert FORMATS is objects and list(FORMATS) == ["speculators", "eagle3", "medusa", "hf", "vllm-proposer"]
     out = export_draft(src, fmt, tmp_path / "out", verifier=str(verifier), k=2)
     assert infer_format(json.loads((out / "config.json").read_text())) == fmt  # read without the manifest
     m = json.loads((out / MANIFEST).read_text())

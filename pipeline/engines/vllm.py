@@ -46,7 +46,7 @@ def vllm_job(model, prompts: list[list[int]], max_tokens: int, *, speculative_co
              batch_sizes=(1,), dtype: str = "bfloat16", logprobs: int = 0, seed: int = 0,
              eos_token_ids=None, ignore_eos: bool = False, max_model_len: int | None = None,
              max_num_seqs: int | None = None, seeds: list[int] | None = None, temperature: float = 0.0,
-             eager: bool = False, profile: bool = False) -> dict:
+             eager: bool = False, profile: bool = False, python_path: list[str] | None = None) -> dict:
     """A worker job (see vllm_worker.py), checked here so that a bad one fails before vLLM's minutes of startup."""
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise EngineError("a vLLM job needs a non-empty list of prompts, each a non-empty list of token ids")
@@ -60,7 +60,8 @@ def vllm_job(model, prompts: list[list[int]], max_tokens: int, *, speculative_co
             "seed": seed, "seeds": seeds, "logprobs": logprobs,
             "eos_token_ids": sorted(eos_token_ids) if eos_token_ids else None, "ignore_eos": ignore_eos,
             "max_model_len": max_model_len or max(len(p) for p in prompts) + max_tokens + 16,
-            "max_num_seqs": max_num_seqs, "enforce_eager": eager, "profile": profile}
+            "max_num_seqs": max_num_seqs, "enforce_eager": eager, "profile": profile,
+            "python_path": [str(p) for p in python_path or []]}
 
 
 def read_result(result: dict, job: dict) -> dict:

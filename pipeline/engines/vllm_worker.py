@@ -9,7 +9,8 @@ Job keys: model (HF dir, or a speculators dir), dtype, speculative_config (dict 
 lists), max_tokens, batch_sizes (each one decodes every prompt in groups of that size), seed, logprobs (k > 0:
 the top-k log-probs of each generated token), temperature (0: greedy), seeds (one per prompt, or null: seed),
 ignore_eos, eos_token_ids (stop tokens besides the model's), max_model_len, max_num_seqs, kv_cache_gib,
-warmup, profile (true: time vLLM's own step functions, see PROFILED). Result keys: vllm_version, startup_s and
+warmup, profile (true: time vLLM's own step functions, see PROFILED), python_path (folders put first on
+sys.path before vLLM starts: an export that ships the module a custom_class proposer names). Result keys: vllm_version, startup_s and
 one entry of `runs` per batch size: outputs (generated ids per prompt), wall_s, new_tokens, tokens_per_s, spec
 (vLLM's own spec-decode counters over that run, or null without speculation), with logprobs
 topk_ids/topk_logprobs per prompt ([len][k]) and, with profile, `profile`: {part: {"s": seconds, "calls": n}}.
@@ -151,6 +152,8 @@ def decode(llm, job, batch_size, k):
 
 
 def run(job):
+    for p in reversed(job.get("python_path") or []):  # the engine core inherits sys.path (fork and spawn)
+        sys.path.insert(0, p)
     if job.get("profile"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, where the timers are
         install_timers()
