@@ -192,6 +192,16 @@ def render_bench(rec: dict, machines: dict) -> str:
                     _num(r.get("tau"), ".2f"), _num(r.get("alpha"), ".3f"),
                     "–" if r.get("k") is None else str(r["k"]), _num(r.get("match_rate"), ".3f")]
                    for r in f["rows"]])
+    if f.get("batch_sweep"):
+        out += ["", "Batch sweep: plain decoding, the fixed K and the K controller (k=auto) taking turns batch by batch:",
+                ""]
+        out += _table(["batch", "plain tok/s", "fixed K tok/s", "fixed K speedup", "fixed K τ", "controller tok/s",
+                       "controller speedup", "controller mean K", "controller rounds plain"],
+                      [[str(r["batch_size"]), _num(r.get("plain_tokens_per_s"), ".1f"),
+                        _num(r.get("speculative_tokens_per_s"), ".1f"), _x(r.get("speedup")), _num(r.get("tau"), ".2f"),
+                        _num(r.get("controlled_tokens_per_s"), ".1f"), _x(r.get("controlled_speedup")),
+                        _num(r.get("controlled_k"), ".1f"), _num(r.get("controlled_spec_off_fraction"), ".2f")]
+                       for r in f["batch_sweep"]])
     return "\n".join(out)
 
 
@@ -324,6 +334,12 @@ def run_record(run_dir: Path, machine: str, *, command=None, wall_s=None, commit
             "target": m.get("target"), "figures": figures}
 
 
+# a batch sweep's row (`draftsmith bench --batch-sweep`): plain, the fixed K and the K controller in one run
+SWEEP_KEYS = ("batch_size", "plain_tokens_per_s", "speculative_tokens_per_s", "speedup", "tau", "k",
+              "controlled_tokens_per_s", "controlled_speedup", "controlled_tau", "controlled_k",
+              "controlled_spec_off_fraction")
+
+
 def bench_record(bench: dict, machine: str, *, command=None, commit=None, serving_rev=None, title=None,
                  date=None, headline=False) -> dict:
     """A bench result from `draftsmith bench --json`: every method's row, the speculative one as summary."""
@@ -347,7 +363,9 @@ def bench_record(bench: dict, machine: str, *, command=None, commit=None, servin
                         "speedup": bench["speculative"].get("speedup"), "tau": bench["speculative"].get("tau"),
                         "ngram_speedup": ngram, "greedy_exact": bench.get("greedy_exact"),
                         "versions": {"torch": bench.get("torch"), "transformers": bench.get("transformers")},
-                        "device_name": bench.get("device_name"), "rows": rows}}
+                        "device_name": bench.get("device_name"), "rows": rows}
+            | ({"batch_sweep": [{k: r.get(k) for k in SWEEP_KEYS} for r in bench["batch_sweep"]["rows"]]}
+               if bench.get("batch_sweep") else {})}
 
 
 def _compare_row(r: dict, label: str | None = None) -> dict:

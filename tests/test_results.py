@@ -84,6 +84,14 @@ def test_bench_import_takes_every_row(tmp_path):
     assert [r["method"] for r in rec["figures"]["rows"]] == ["plain", "hf_generate", "speculative", "hybrid:d@2"]
     assert rec["command"] == "draftsmith bench --draft ngram --n-prompts 4 --k 8 --also hybrid:d@2"
     assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1] == "| hybrid:d@2 | 100.0 | 2.00× | 3.00 | – | 2 | – |"
+    # a batch sweep: plain, fixed K and the controller, one row per batch size
+    bench["batch_sweep"] = {"rows": [{"batch_size": 16, "plain_tokens_per_s": 300.0, "speculative_tokens_per_s": 250.0,
+                                      "speedup": 0.8333, "tau": 2.2, "k": 8, "controlled_tokens_per_s": 303.0,
+                                      "controlled_speedup": 1.01, "controlled_tau": 1.1, "controlled_k": 1.0,
+                                      "controlled_spec_off_fraction": 0.9}]}
+    rec = results.bench_record(bench, "box", commit="abc", serving_rev="r", date="2026-01-04")
+    assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1] == \
+        "| 16 | 300.0 | 250.0 | 0.83× | 2.20 | 303.0 | 1.01× | 1.0 | 0.90 |"
 
 
 def test_parse_wall():
