@@ -10,7 +10,8 @@ bottom: `stream` is the loop (prefill, then a chain or tree round and its update
 the tree's, `KController` the k="auto" choice, `_Stats` the
 counters.
 
-Host syncs: one per round (`.tolist()` of the accept decision, the drafts and the bonus token),
+Host syncs: one per round (`.tolist()` of the accept decision, the drafts and the bonus token; a
+sampled tree round: one per child tried, at most its node count, and the bonus token),
 plus whatever a proposer needs (the n-gram proposer lives on the host; the draft LM reads one int).
 
 Statistics (GenerationResult.stats), counted over active rows only:
