@@ -9,7 +9,8 @@ Methods (greedy by default; every method gets a warm-up run that is not timed):
                      adaptive schedule: "heuristic" from K=4 and its default confidence early-stop;
                      HF runs it at batch 1)
 - `hf_prompt_lookup` HF prompt-lookup decoding with K tokens (--draft ngram only; batch 1)
-- `speculative`      our SpeculativeDecoder(target, proposer, k)
+- `speculative`      our SpeculativeDecoder(target, proposer, k); with --chain it verifies chains only
+                     (tree=False), to compare with the same draft's trees in --also
 
 Tokens/s counts the tokens each method actually produced (every method stops at EOS), divided by
 the summed wall time of its timed calls (CUDA synchronised around each call). `--device` picks CUDA or
@@ -339,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch.compile our decoders' chain step (SpeculativeDecoder(compile=True); Llama-family "
                          "targets): inductor on CUDA, or on CPU where it was slower than eager "
                          "(docs/reference/gpu.md)")
+    ap.add_argument("--chain", action="store_true",
+                    help="--draft's decoder verifies chains only (SpeculativeDecoder(tree=False)); --also drafts "
+                         "keep their trees, so `--draft hybrid:DIR --chain --also hybrid:DIR` pairs chains with trees")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--batch-sweep", default=None, help="comma-separated batch sizes, e.g. 1,2,4,8,16")
     ap.add_argument("--also", action="append", default=[], metavar="DRAFT[@K]",
@@ -465,7 +469,7 @@ def _header(args, device, tpath: str, kind: str, n_prompts: int) -> dict:
         "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
         "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "n_prompts": n_prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "batch_size": args.batch_size, "k_arg": args.k, "compile": args.compile,
+        "batch_size": args.batch_size, "k_arg": args.k, "compile": args.compile, "chain": args.chain,
         **(cpu_path().summary() if device.type == "cpu" else {}),
     }
 
@@ -482,10 +486,10 @@ def _assist(draft_model, k_int: int, k) -> None:
         gc.assistant_confidence_threshold = 0.0  # no early stop: exactly K draft tokens per step
 
 
-def our_decoder(args, target, proposer, k=4) -> SpeculativeDecoder:
+def our_decoder(args, target, proposer, k=4, tree=True) -> SpeculativeDecoder:
     """Our decoder as --compile asks; a target the compiled step cannot run is a BenchError."""
     try:
-        return SpeculativeDecoder(target, proposer, k=k, compile=args.compile)
+        return SpeculativeDecoder(target, proposer, k=k, compile=args.compile, tree=tree)
     except ValueError as e:
         raise BenchError(f"--compile: {e}") from None
 
@@ -495,7 +499,7 @@ def bench_methods(R: Runner, p: Plan, draft_model) -> dict:
     assisted and prompt lookup run at batch 1 only (transformers refuses larger batches)."""
     B, target = R.args.batch_size, R.target
     plain = our_decoder(R.args, target, None)
-    spec = our_decoder(R.args, target, draft_proposer(R.args, target, draft_model), k=p.k)
+    spec = our_decoder(R.args, target, draft_proposer(R.args, target, draft_model), k=p.k, tree=not R.args.chain)
     methods = {"plain": (functools.partial(R.dec_call, plain), B), "hf_generate": (R.hf_run, B),
                "speculative": (functools.partial(R.dec_call, spec), B)}
     if draft_dir.is_standalone_lm(p.kind):
@@ -585,9 +589,11 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target) -> dict:
     is fixed, under the K controller too (k="auto", eval/decoder.py KController), so the controller is
     judged against fixed K on the same turns."""
     res = {"sizes": sizes, "rows": []}
-    decs = {"plain": our_decoder(R.args, target, None), "speculative": our_decoder(R.args, target, proposer, k=k)}
+    decs = {"plain": our_decoder(R.args, target, None),
+            "speculative": our_decoder(R.args, target, proposer, k=k, tree=not R.args.chain)}
     if k != "auto":
-        decs["controlled"] = our_decoder(R.args, target, load_proposer(R.args.draft, target), k="auto")
+        decs["controlled"] = our_decoder(R.args, target, load_proposer(R.args.draft, target), k="auto",
+                                         tree=not R.args.chain)
     for b in sizes:
         m = R.measure({n: (functools.partial(R.dec_call, d), b) for n, d in decs.items()}, prompts)
         p = m["plain"]["result"]

@@ -6,10 +6,12 @@ acceptance statistics, each row of a batch accepting its own number of drafts pe
 position-indexed KV cache (rejected drafts are overwritten, never cropped), EAGLE heads that read
 the target's features, and timings split into draft and verify. It is written to be read top to
 bottom: `stream` is the loop (prefill, then a chain or tree round and its update, per round),
-`verify_greedy` / `verify_sample` the accept rules, `KController` the k="auto" choice, `_Stats` the
+`verify_greedy` / `verify_sample` the chain's accept rules, `Tree.accept_greedy` / `verify_tree_sample`
+the tree's, `KController` the k="auto" choice, `_Stats` the
 counters.
 
-Host syncs: one per round (`.tolist()` of the accept decision, the drafts and the bonus token),
+Host syncs: one per round (`.tolist()` of the accept decision, the drafts and the bonus token; a
+sampled tree round: one per child tried, at most its node count, and the bonus token),
 plus whatever a proposer needs (the n-gram proposer lives on the host; the draft LM reads one int).
 
 Statistics (GenerationResult.stats), counted over active rows only:
@@ -24,6 +26,9 @@ Statistics (GenerationResult.stats), counted over active rows only:
   predicted_speedup (1 - a^(K+1)) / ((1 - a)(K c + 1)) with a = alpha_hat, K = mean K; with token
                    trees (tree_rounds > 0: K is the tree's depth, a the acceptance per depth) an
                    upper bound, since a verify of many nodes costs more than one plain step
+  tree_rounds      rounds verified as token trees, greedy or sampled (verify_tree_sample); sampled,
+                   the code heads' hybrid tree against its chain: 1.31x vs 0.93x plain at T=0.7,
+                   0.92x vs 1.04x at T=1.0 (docs/reference/trees.md#sampling-t--0)
   k_choices        k="auto": the K chosen for each round (0: a plain step); spec_off_fraction the
                    share of zeros, expected_speedup the last estimate behind the on/off decision
   row_invariant    every verify forward rounded each row like a one-token step (eval/kernels.py)
@@ -45,7 +50,7 @@ from .target import make_runner
 from .tree import Tree
 
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
-SERVING_REV = "fused-3"
+SERVING_REV = "tree-sample-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
 CONTROLLER_REV = "measured-rates-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
@@ -98,6 +103,47 @@ def verify_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
     return n_acc, nxt
 
 
+def verify_tree_sample(p: torch.Tensor, tree: Tree, sampling: Sampling) -> list[tuple[int, int, int]]:
+    """Lossless speculative sampling over a token tree of deterministic branches (each child a draft
+    distribution with all its mass on its token): SpecInfer's multi-round rejection sampling (Miao et
+    al., 2024) with one-hot drafts. p [B, N+1, V] the target's (warped) probabilities at every node.
+    Per row, down from the root with p_res = p at the node: its children are tried in the trie's order,
+    child c accepted with probability p_res(c), else p_res <- residual(p_res, onehot(c)) (so p_res(c)
+    is 0 after, and a sibling with the same token is never accepted); an accepted child becomes the
+    node (p_res = p there); when every child was rejected, or there is none, the token after the node
+    is sampled from p_res. -> per row (deepest accepted node, its depth, the token after it), as
+    Tree.accept_greedy. The rows walk together: one host sync per child tried (at most N)."""
+    B, _, V = p.shape
+    dev = p.device
+    kids = tree.children()  # per row: node -> its children, in order
+    node, depth, tried = [0] * B, [0] * B, [0] * B  # per row: where the walk is, and children tried there
+    p_res = p[:, 0].clone()  # [B, V]
+    while True:
+        rows, child = [], []
+        for b in range(B):
+            ch = kids[b].get(node[b], ())
+            if tried[b] < len(ch):
+                rows.append(b)
+                child.append(ch[tried[b]])
+        if not rows:
+            break
+        r = torch.tensor(rows, device=dev)  # [R]
+        j = torch.tensor(child, device=dev)  # [R] the child tried in each of these rows
+        tok = tree.tokens[r, j - 1]  # [R]
+        u = torch.rand(len(rows), device=dev, generator=sampling.generator)  # [R]
+        pr = p_res[r]  # [R, V]
+        ok = u < pr.gather(1, tok[:, None])[:, 0]  # [R]: accept with probability p_res(token)
+        rejected = residual(pr, torch.zeros_like(pr).scatter_(1, tok[:, None], 1.0))  # [R, V]
+        p_res[r] = torch.where(ok[:, None], p[r, j], rejected)
+        for b, c, a in zip(rows, child, ok.tolist()):  # host sync: the accept decisions
+            if a:
+                node[b], depth[b], tried[b] = c, depth[b] + 1, 0
+            else:
+                tried[b] += 1
+    nxt = sampling.sample(p_res).tolist()  # [B] host sync: the token after each row's node
+    return list(zip(node, depth, nxt))
+
+
 class SpeculativeDecoder:
     def __init__(self, target, proposer: Proposer | str | None = None, k: int | str = 4,
                  lean: bool = True, compile: bool = False, tree: bool = True):
@@ -124,8 +170,8 @@ class SpeculativeDecoder:
             if refusal:
                 raise ValueError(refusal)
             self._fwd = torch.compile(self._static_step, dynamic=False)
-        # Token trees (eval/tree.py) for proposers that offer them, under greedy decoding: they need
-        # the runner's slots/mask/move, and their shapes vary, so not with the compiled step.
+        # Token trees (eval/tree.py) for proposers that offer them, greedy or sampled: they need the
+        # runner's slots/mask/move, and their shapes vary, so not with the compiled step.
         self.tree = tree and self.runner.trees and not self.static
 
     def _static_step(self, tokens, pos, s_len):
@@ -166,7 +212,7 @@ class SpeculativeDecoder:
                 self._resync(s, ctl)
             active = [not d for d in s.done]
             t_round = time.perf_counter()  # this round's wall time (resyncs excluded) for k="auto"
-            if k > 0 and s.sampling.greedy and self.tree and prop.trees:
+            if k > 0 and self.tree and prop.trees:
                 r = self._tree_round(s, k)
             else:
                 r = self._chain_round(s, k)
@@ -306,7 +352,10 @@ class SpeculativeDecoder:
         logits, feats = self.runner(inp, n[:, None] + tree.depth, s_len, slots=slots,
                                     mask=tree.mask(n, s_len))  # [B, N+1, V], [B, N+1, H]
         st.max_verify = max(st.max_verify, N1)
-        dec = tree.accept_greedy(greedy_argmax(logits).tolist())  # host sync: the argmax at every node
+        if s.sampling.greedy:
+            dec = tree.accept_greedy(greedy_argmax(logits).tolist())  # host sync: the argmax at every node
+        else:
+            dec = verify_tree_sample(s.sampling.probs(logits), tree, s.sampling)  # [B, N+1, V] -> host
         D = max(a for _, a, _ in dec)
         paths = [tree.path(b, bst) for b, (bst, _, _) in enumerate(dec)]
         paths = [p + [p[-1]] * (D + 1 - len(p)) for p in paths]  # pad: junk beyond each row's path

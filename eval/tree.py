@@ -1,4 +1,4 @@
-"""Token trees: several draft continuations verified in ONE target forward (greedy decoding).
+"""Token trees: several draft continuations verified in ONE target forward (greedy or sampled).
 
 SpecInfer (Miao et al., 2024) and Medusa (Cai et al., 2024) verify a tree of candidates instead of one
 chain: the candidates share their common prefixes, every node attends to the committed prefix and to
@@ -15,8 +15,10 @@ Layout of one round, per row b (node 0 is the current token, at position n_b):
 Every node gets its own cache slot n_b + j; after the round the accepted path's K/V move to the
 consecutive slots n_b + 1..n_b + a (the runner's `move`), so the cache stays position-indexed.
 
-Only greedy decoding verifies trees: lossless sampling over a tree needs multi-draft rejection
-(SpecInfer's), which the chain decoder's `verify_sample` does not cover; sampling uses chains.
+Sampling verifies trees too, losslessly: eval.decoder.verify_tree_sample walks the same tree with
+SpecInfer's multi-round rejection sampling, every branch deterministic (a one-hot draft distribution:
+n-gram and datastore lookups, and the hybrid's model drafting its argmax chain and runner-ups in a
+tree round). `children()` gives it each node's children in the trie's order.
 """
 
 from __future__ import annotations
@@ -102,6 +104,16 @@ class Tree:
             while (node, gb[node]) in kids:
                 node, depth = kids[(node, gb[node])], depth + 1
             out.append((node, depth, gb[node]))
+        return out
+
+    def children(self) -> list[dict[int, list[int]]]:
+        """Per row, node -> its children's node indices in insertion (priority) order, on the host."""
+        out = []
+        for par in self.parents_host:
+            kids: dict[int, list[int]] = {}
+            for j, p in enumerate(par, start=1):
+                kids.setdefault(p, []).append(j)
+            out.append(kids)
         return out
 
     def path(self, b: int, best: int) -> list[int]:

@@ -284,34 +284,27 @@ def served_candidates(cfg, best_ck: dict, fit: dict | None) -> list[Candidate]:
     return cands
 
 
-def sampled_candidates(cfg, best_ck: dict) -> list[Candidate]:
-    """Step 3b's candidates, measured at the serving temperature: the best checkpoint bare and served as a
-    hybrid, and the n-gram baseline. Sampling verifies chains, never trees, so the hybrid proposes the
-    lookup or the model's chain and never reads its datastore or node budget: with and without the
-    datastore it samples the same drafts and is measured once (sampled_twin). Only the best checkpoint:
-    measuring every one again would double evaluate's time, and greedy τ already ordered them."""
-    cands = [Candidate(best_ck["name"], best_ck["source"], cfg.k, CHECKPOINT)]
-    if cfg.hybrid:
-        suffix, src = served_sources(best_ck["source"])[0]
-        cands.append(Candidate(f"{best_ck['name']}{suffix}", src, cfg.k, SERVED))
-    if cfg.baselines:
-        cands.append(Candidate("ngram", "ngram", cfg.ngram_k, BASELINE))
-    return cands
+def sampled_candidates(cfg, best_ck: dict, fit: dict | None) -> list[Candidate]:
+    """Step 3b's candidates, measured at the serving temperature: the best checkpoint bare, its served forms
+    at their fitted budgets (served_candidates'), and the n-gram baseline. Sampling verifies the hybrid's
+    token tree as greedy decoding does (eval.decoder.verify_tree_sample), so its datastore and node budget
+    count and each form is measured. Only the best checkpoint: measuring every one again would double
+    evaluate's time, and greedy τ already ordered them. The budget is greedy's fit (a node costs the same
+    when sampling; what it earns is less)."""
+    return [Candidate(best_ck["name"], best_ck["source"], cfg.k, CHECKPOINT)] + served_candidates(cfg, best_ck, fit)
 
 
-def measure_sampled(held: HeldOut, best_ck: dict) -> dict[str, dict]:
+def measure_sampled(held: HeldOut, best_ck: dict, fit: dict | None) -> dict[str, dict]:
     """Step 3b: {name: sampled result} at the serving temperature; {} when the recipe serves greedy."""
     sampling = held.sampling
-    return held.measure(sampled_candidates(held.cfg, best_ck), sampling) if sampling else {}
+    return held.measure(sampled_candidates(held.cfg, best_ck, fit), sampling) if sampling else {}
 
 
 def sampled_twin(r: dict, sampled: dict[str, dict]) -> dict | None:
-    """The sampled measurement that stands for greedy result `r`: the same draft directory served the same
-    way (bare, or as a hybrid with or without its datastore: the same drafts when sampling); None if none."""
-    how, directory = served_as(r["source"])
+    """The sampled measurement of greedy result `r`: the same draft directory served the same way (bare, or
+    as a hybrid with or without its datastore); None if none."""
     for s in sampled.values():
-        how_s, dir_s = served_as(s["source"])
-        if s["source"] != "ngram" and dir_s == directory and (how_s is None) == (how is None):
+        if s["source"] != "ngram" and served_as(s["source"]) == served_as(r["source"]):
             return s
     return None
 
@@ -402,7 +395,7 @@ class Promotion:
 def pick_best(results: list[dict], serve: str, sampled: dict[str, dict] | None = None) -> dict:
     """The result to promote: the best measured speedup among those `serve` allows. With a serving
     temperature (`sampled` measured), the best speedup at it, since that is the speed the recipe's traffic
-    gets; greedy speedup breaks ties between forms that sample the same drafts."""
+    gets; greedy speedup breaks ties."""
     pool = promotable(results, serve)
     if not sampled:
         return max(pool, key=lambda r: r["speedup"])
@@ -466,7 +459,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     baseline = measured.get("ngram")
     every = results + ([baseline] if baseline else [])
     log_results(tracker, every)
-    sampled = measure_sampled(held, best_ck)
+    sampled = measure_sampled(held, best_ck, fit)
     log_results(tracker, list(sampled.values()), "eval/sampled")
 
     promoted = promote(held, results, every, run_dir, recipe.dtype, cfg.serve, sampled)

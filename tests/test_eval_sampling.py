@@ -50,7 +50,8 @@ def test_sampled_block_is_the_counters_of_the_sampled_measurements(sampled_run):
     m = _metrics(sampled_run)
     s = m["sampled"]
     assert (s["temperature"], s["top_p"], s["top_k"], s["seed"], s["n_prompts"]) == (0.7, 0.9, 2, 0, 2)
-    assert [c["name"] for c in s["candidates"]] == [m["checkpoints"][0]["name"], m["checkpoints"][0]["name"] + "+ngram"]
+    ck = m["checkpoints"][0]["name"]
+    assert [c["name"] for c in s["candidates"]] == [ck, ck + "+ngram", ck + "+ngram-nostore"]
     for block, name in ((s["draft"], s["draft"]["name"]), (s["ngram_baseline"], "ngram")):
         r = _sampled_file(sampled_run, name)
         st, hist = r["stats"], r["stats"]["accept_len_hist"]
@@ -63,24 +64,25 @@ def test_sampled_block_is_the_counters_of_the_sampled_measurements(sampled_run):
         assert (block["alpha"], block["tau"], block["speedup"]) == (st["alpha"], st["tau"], r["speedup"])
         assert block["speedup"] == st["tokens_per_s"] / r["plain_stats"]["tokens_per_s"]
     assert _sampled_file(sampled_run, "ngram")["stats"]["k"] == 8
-    hybrid = s["candidates"][1]["name"]  # sampling verifies chains: the hybrid's token trees are greedy only
-    assert _sampled_file(sampled_run, hybrid)["stats"]["tree_rounds"] == 0
-    assert json.loads((sampled_run / "eval" / f"{hybrid}.json").read_text())["stats"]["tree_rounds"] > 0
+    for hybrid in (c["name"] for c in s["candidates"][1:]):  # sampling verifies the hybrid's token trees too
+        sampled = _sampled_file(sampled_run, hybrid)
+        assert sampled["stats"]["tree_rounds"] > 0
+        greedy = json.loads((sampled_run / "eval" / f"{hybrid}.json").read_text())
+        assert greedy["stats"]["tree_rounds"] > 0 and sampled["key"]["max_nodes"] == greedy["key"]["max_nodes"]
 
 
 def test_promoted_by_its_speedup_at_the_serving_temperature(sampled_run):
-    """The recipe serves at T=0.7, so the candidate with the best sampled speedup is promoted (greedy speedup
-    breaking the tie between the hybrid with and without its datastore, which sample the same drafts); its
-    greedy output is still checked exact in fp32."""
+    """The recipe serves at T=0.7, so the candidate with the best sampled speedup is promoted (each served
+    form measured at it: the hybrid with and without its datastore verify different trees); its greedy output
+    is still checked exact in fp32."""
     m = _metrics(sampled_run)
     s = m["sampled"]
     by_t = {c["name"]: c["speedup"] for c in s["candidates"]}
-    twin = {c["name"]: c["name"].removesuffix("-nostore") for c in m["checkpoints"]}
-    pool = [c for c in m["checkpoints"] if twin[c["name"]] in by_t]
+    pool = [c for c in m["checkpoints"] if c["name"] in by_t]
     assert len(pool) == 3  # the checkpoint, its hybrid, the hybrid without datastore
-    best = max(pool, key=lambda c: (by_t[twin[c["name"]]], c["speedup"]))
+    best = max(pool, key=lambda c: (by_t[c["name"]], c["speedup"]))
     assert m["promoted_by"] == "sampled" and m["checkpoint"] == best["name"]
-    assert s["draft"]["name"] == twin[m["checkpoint"]]
+    assert s["draft"]["name"] == m["checkpoint"]
     assert m["fp32_exact"] is True and m["greedy_exact"] is True
     # the gate admitted it on the same sampled measurements, paired with the sampled n-gram baseline's
     gate = json.loads((sampled_run / "gate.json").read_text())["figures"]
@@ -175,7 +177,7 @@ def test_sampling_settings_are_checked(overrides, message):
 
 def test_pick_best_promotes_by_the_sampled_speedup():
     """Greedy, the hybrid is faster (its token trees); sampled, the bare checkpoint is: at a serving
-    temperature the bare one is promoted. The hybrid without datastore samples as the hybrid does."""
+    temperature the bare one is promoted. A form with no sampled measurement is not promoted."""
     from pipeline.evaluate import pick_best
 
     ck = "/r/train/checkpoint-000002"

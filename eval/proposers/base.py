@@ -16,9 +16,13 @@ One small interface (`Proposer`), driven by `eval.decoder.SpeculativeDecoder`:
         row b kept tokens[b, :n_acc[b]+1] and then the target produced `bonus[b]`, the new current
         token at position start + n_acc + 1. n_acc == -1 marks a finished row (nothing changed).
 
-A proposer may also offer token trees for greedy rounds (eval/tree.py), declared by `trees`:
+A proposer may also offer token trees (eval/tree.py), declared by `trees`:
     propose_tree(k) -> per row (tokens, parents) from eval.tree.build_trie, at most `max_nodes` nodes
-and then accept() receives the accepted path in the chain layout above.
+and then accept() receives the accepted path in the chain layout above. Trees are verified greedy or
+sampled; under sampling every branch must be deterministic (a function of the verified tokens, not of
+a draw), since eval.decoder.verify_tree_sample treats each child as a one-hot draft. A model proposer
+keeps begin()'s `sampling` as `self.sampling` and drafts by its `greedy`: the hybrid swaps in a greedy
+one for its tree's model branches.
 
 Positions are absolute token positions in each row; caches are position-indexed, so a rejected
 draft's slot is overwritten by a later write and never needs cropping.
@@ -85,7 +89,7 @@ class Proposer:
       feature_layers with uses_features: the target layer ids whose entering residual streams, concatenated
                      [.., n*H], are passed instead of the final features (EAGLE-3); None: the final ones
       max_k          > 0: may propose up to this many tokens even when asked for fewer
-      trees          propose_tree() gives a token tree per row (greedy rounds verify it at once)
+      trees          propose_tree() gives a token tree per row (verified at once, greedy or sampled)
       max_nodes      with trees: the tree's node budget over the batch (a serving setting)
       has_alternatives  alternatives(m) gives m runner-up paths after the last chain (Medusa's sparse tree)
       with_alternatives  set by a caller that will ask for alternatives() every greedy round (a hint)

@@ -1,10 +1,10 @@
 """The hybrid proposer: prompt and datastore lookups next to a model proposer, as one token tree per
-greedy round (eval/tree.py)."""
+round (eval/tree.py), greedy or sampled."""
 
 from __future__ import annotations
 
 from ..tree import build_trie
-from .base import Proposer
+from .base import Proposer, Sampling
 from .ngram import NgramProposer
 
 
@@ -12,7 +12,7 @@ class HybridProposer(Proposer):
     """n-gram prompt lookup and a model proposer together. Code repeats its prompt and itself, where a
     lookup proposes long runs for free; the model covers what has not been seen yet.
 
-    Greedy decoding (tree rounds, eval/tree.py): one tree per round over, in priority order, lookups
+    Tree rounds (eval/tree.py), greedy or sampled: one tree per round over, in priority order, lookups
     matching >= `min_match` tokens (of up to `k_ngram` tokens), the model's chain of k, its runner-up
     paths (`alt_branches`, for a model with alternatives: Medusa's sparse tree), the datastore's most
     frequent continuations (`store_branches`), then shorter matches; at most `max_nodes` nodes over
@@ -20,7 +20,11 @@ class HybridProposer(Proposer):
     When every row's suffix recurs >= `strong_match` tokens (matches ranked up to `long_ngram`), the
     round is lookups alone: up to `strong_branches` continuations as long as the budget, no model
     call (SuffixDecoding's rule, Oliaro et al., 2024; 0 turns it off).
-    Sampling (chains only): the lookup when it matches >= `min_match` tokens for every row, else the model.
+    Every branch of a tree is deterministic: under sampling the model drafts its argmax chain and
+    runner-ups for the tree (its `sampling` swapped for greedy during the call), so each branch is a
+    one-hot proposal, which eval.decoder.verify_tree_sample accepts exactly.
+    Chain rounds (SpeculativeDecoder(tree=False)): the lookup when it matches >= `min_match` tokens
+    for every row, else the model's chain (sampled from its q under sampling).
 
     The model sees every verified token whoever proposed it (accept() always runs), so its cache and
     features stay in sync. Why these defaults, and how `max_nodes` is fitted per machine
@@ -76,9 +80,8 @@ class HybridProposer(Proposer):
             return [build_trie([c for c, n in f if n >= self.strong_match][:self.strong_branches]
                                + [c for c, _ in st] + [c[:kn] for c, n in f if n < self.strong_match], budget)
                     for f, st in zip(found, stored)]
-        drafts, _ = self.model.propose(k)  # [B, k]
+        drafts, alts = self._model_branches(k, B)  # [B, k], per row its runner-up paths
         self.model.drafted_elsewhere()  # the accepted path may be a lookup's
-        alts = self.model.alternatives(self.alt_branches) if self.alt_branches else [[]] * B
         rows = []
         # host sync: the model's chain joins the host-built tree
         for f, st, chain, alt in zip(found, stored, drafts.tolist(), alts):
@@ -88,7 +91,25 @@ class HybridProposer(Proposer):
             rows.append(build_trie(cands, budget))
         return rows
 
+    def _model_branches(self, k: int, B: int):
+        """The model's chain of k [B, k] and its runner-up paths, deterministic however the round samples:
+        under sampling the model drafts greedily for this call. A sampled branch would need its draft
+        distribution q in the accept rule, and its token merged with a lookup's node would lose q's
+        residual step, so the tree holds one-hot proposals only."""
+        m, sampling = self.model, self.sampling
+        m.sampling = self._greedy
+        try:
+            drafts, q = m.propose(k)
+            alts = m.alternatives(self.alt_branches) if self.alt_branches else [[]] * B
+        finally:
+            m.sampling = sampling
+        if q is not None:
+            raise RuntimeError(f"{type(m).__name__}.propose sampled its drafts under a greedy `sampling`: a tree "
+                               f"round needs deterministic branches (Proposer.sampling)")
+        return drafts, alts
+
     def begin(self, prompts, first, max_len, sampling, features=None):
+        self.sampling, self._greedy = sampling, Sampling(0.0)
         self.ngram.begin(prompts, first, max_len, sampling)
         self.model.begin(prompts, first, max_len, sampling, features)
 

@@ -1,0 +1,189 @@
+"""Lossless speculative sampling over token trees (eval.decoder.verify_tree_sample): the decoder's output
+distribution equals plain sampling's when the hybrid's tree is verified at temperature > 0.
+
+As tests/test_sampling.py does for chains, with chi-square goodness-of-fit tests of >= 10^4 draws:
+- the accept rule alone, on fixed per-node distributions, over a tree with duplicated sibling tokens
+  and a branch outside the nucleus;
+- end to end through SpeculativeDecoder on a tiny model, at T = 0.7 and 1.0 with top-p < 1: the first
+  three generated tokens' marginals against the target's exact ones (token 3 is reached through
+  depth-2 nodes), with trees of deterministic branches (duplicated siblings included), and the hybrid
+  over a draft LM, whose model branches are drafted greedily for the tree;
+and the same tests FAIL when the residual after a rejection is dropped (p_res left unchanged).
+"""
+
+import pytest
+import torch
+
+import eval.decoder as D
+from eval.decoder import SpeculativeDecoder, verify_tree_sample
+from eval.proposers import DraftLMProposer, HybridProposer, Proposer, Sampling
+from eval.tree import Tree
+from helpers import SAMPLING_PROMPT as PROMPT, SAMPLING_V as V, chi2_pvalue, wrong_residual
+from helpers import sampling_llama as tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WARPS = {"t0.7": dict(temperature=0.7, top_p=0.9), "t1.0": dict(temperature=1.0, top_p=0.8, top_k=16)}
+
+
+# ---------------------------------------------------------------- the accept rule alone
+
+# Nodes 1..9 under the root 0: root children 1 (a), 2 (b), 3 (a again: a duplicated sibling), 4 (c);
+# under node 1: 5 (x), 6 (x again), 7 (y); under node 2: 8 (x); under node 5: 9 (z).
+RULE_PARENTS = [0, 0, 0, 0, 1, 1, 1, 2, 5]
+
+
+def _rule_case(warp, seed=0):
+    """Per-node target distributions p [N+1, Vs] (a node's p is its path's: duplicated nodes share it) and
+    the tree's tokens: a and x the modes of their parents' p, b the runner-up, c and y outside the nucleus."""
+    g = torch.Generator().manual_seed(seed)
+    Vs = 8
+    s = Sampling(**warp)
+    logits = torch.randn(10, Vs, generator=g) * 1.5
+    logits[3], logits[6] = logits[1], logits[5]  # duplicated nodes: the same context, the same p
+    p = s.probs(logits)  # [N+1, Vs]
+    order = lambda i: p[i].argsort(descending=True).tolist()  # noqa: E731
+    a, b, c = order(0)[0], order(0)[1], order(0)[-1]
+    x, y = order(1)[0], order(1)[-1]
+    z = order(5)[0]
+    tokens = [a, b, a, c, x, x, y, order(2)[0], z]
+    assert p[0, c] == 0 and p[1, y] == 0  # cut by top-p/top-k: never accepted
+    return p, tokens
+
+
+def _rule_pvalues(warp, n=20000):
+    p, tokens = _rule_case(warp)
+    tree = Tree.from_lists([(tokens, RULE_PARENTS)] * n, "cpu")
+    s = Sampling(**warp, generator=torch.Generator().manual_seed(1))
+    dec = verify_tree_sample(p.expand(n, -1, -1), tree, s)
+    # the emitted tokens: the accepted path's, then the token after it
+    emitted = [[tokens[j - 1] for j in tree.path(0, node)[1:]] + [nxt] for node, _, nxt in dec]
+    first = torch.tensor([e[0] for e in emitted])
+    pv = [chi2_pvalue(first, p[0])]
+    # given the first token was a child's token, the second one follows that child's p
+    for node in (1, 2):
+        second = torch.tensor([e[1] for e in emitted if len(e) > 1 and e[0] == tokens[node - 1]])
+        assert second.numel() > 500
+        pv.append(chi2_pvalue(second, p[node]))
+    third = torch.tensor([e[2] for e in emitted if len(e) > 2 and e[:2] == [tokens[0], tokens[4]]])
+    assert third.numel() > 500
+    pv.append(chi2_pvalue(third, p[5]))
+    depths = [d for _, d, _ in dec]
+    assert 0 in depths and 3 in depths  # rejections at the root and walks to the deepest node
+    return pv
+
+
+@pytest.mark.parametrize("warp", list(WARPS))
+def test_tree_accept_rule_matches_target(warp):
+    assert min(_rule_pvalues(WARPS[warp])) > 1e-4
+
+
+@pytest.mark.parametrize("warp", list(WARPS))
+def test_tree_accept_rule_without_the_residual_fails(warp, monkeypatch):
+    monkeypatch.setattr(D, "residual", wrong_residual)  # p_res left unchanged after a rejection
+    assert min(_rule_pvalues(WARPS[warp])) < 1e-6
+
+
+# ---------------------------------------------------------------- end to end
+
+class OracleBranches(Proposer):
+    """Deterministic trees from the target's own ranking at the row's history (a function of the verified
+    tokens only, so lossless to verify as one-hot drafts): root children [2nd, 1st, 2nd again, last];
+    under the 1st: [its 1st, its 1st again, its 2nd]; under the 2nd: [the token before the current one]
+    (a lookup-like guess). Duplicated siblings, a branch outside the nucleus, accepts at depth 1 and 2."""
+
+    trees = True
+    max_nodes = 8
+
+    def __init__(self, target):
+        self.target = target
+
+    def begin(self, prompts, first, max_len, sampling, features=None):
+        self.hist = [p + [t] for p, t in zip(prompts, first.tolist())]
+
+    def _ranked(self, seqs):
+        """[n] token lists -> [n, V] token ids, most likely next first (the target's logits after each)."""
+        L = torch.tensor([len(x) for x in seqs])
+        ids = torch.zeros(len(seqs), int(L.max()), dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, : len(x)] = torch.tensor(x)  # right padding: causal, the last real position is unaffected
+        logits = self.target(ids).logits[torch.arange(len(seqs)), L - 1]  # [n, V]
+        return logits.argsort(-1, descending=True)
+
+    def propose_tree(self, k):
+        r0 = self._ranked(self.hist).tolist()
+        r1 = self._ranked([h + [r[0]] for h, r in zip(self.hist, r0)]).tolist()
+        rows = []
+        for h, a, b in zip(self.hist, r0, r1):
+            tokens = [a[1], a[0], a[1], a[-1], b[0], b[0], b[1], h[-2]]
+            rows.append((tokens, [0, 0, 0, 0, 2, 2, 2, 1]))
+        return rows
+
+    def propose(self, k):
+        raise AssertionError("a tree proposer in a tree decoder: every round is a tree round")
+
+    def accept(self, tokens, start, n_acc, bonus, features=None):
+        for h, row, a, bn in zip(self.hist, tokens.tolist(), n_acc.tolist(), bonus.tolist()):
+            if a >= 0:
+                h.extend(row[1:a + 1] + [bn])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny(0)
+
+
+def exact_marginals3(target, s: Sampling):
+    """p(x1), p(x2), p(x3) of the warped target after PROMPT, summed over the paths before them [V] each."""
+    P = torch.tensor(PROMPT)
+    with torch.no_grad():
+        p1 = s.probs(target(P[None]).logits[0, -1])  # [V]
+        ctx1 = torch.cat([P.expand(V, -1), torch.arange(V)[:, None]], 1)  # [V, L+1]
+        p2c = s.probs(target(ctx1).logits[:, -1])  # [V(x1), V(x2)]
+        ctx2 = torch.cat([ctx1.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], 1)  # [V*V, L+2]
+        p3c = s.probs(target(ctx2).logits[:, -1]).view(V, V, V)  # [x1, x2, x3]
+    joint12 = p1[:, None] * p2c  # [V, V]
+    return p1, joint12.sum(0), (joint12[..., None] * p3c).sum((0, 1))
+
+
+def e2e3_pvalues(target, proposer, warp, draws=10000, calls=2):
+    """Chi-square p-values of the first three sampled tokens against the exact marginals."""
+    dec = SpeculativeDecoder(target, proposer, k=2)
+    outs = []
+    for seed in range(calls):
+        res = dec.generate([PROMPT] * (draws // calls), max_new_tokens=3, seed=seed, **warp)
+        outs.append(torch.tensor(res.sequences))
+        assert res.stats["tree_rounds"] == res.stats["rounds"] > 0, res.stats  # sampled, through trees
+    out = torch.cat(outs)  # [draws, 3]
+    ps = exact_marginals3(target, Sampling(**warp))
+    return [chi2_pvalue(out[:, i], ps[i]) for i in range(3)], res.stats
+
+
+def tree_proposer(kind, target):
+    if kind == "oracle":
+        return OracleBranches(target)
+    # lookups over the prompt's 3 7 3 7 repeats, the draft LM's argmax chain: one trie per round
+    return HybridProposer(DraftLMProposer(tiny(1, layers=1, init=0.3), V), min_match=1)
+
+
+@pytest.mark.parametrize("kind", ["oracle", "hybrid"])
+@pytest.mark.parametrize("warp", list(WARPS))
+def test_tree_sampling_matches_target(target, kind, warp):
+    pv, stats = e2e3_pvalues(target, tree_proposer(kind, target), WARPS[warp])
+    assert 0 < stats["alpha"] < 1, stats  # drafts were both accepted and rejected
+    if kind == "oracle":
+        assert stats["accept_len_hist"][2] > 0, stats  # ... down to depth 2
+    assert min(pv) > 1e-4, pv
+
+
+def test_tree_sampling_without_the_residual_fails(target, monkeypatch):
+    monkeypatch.setattr(D, "residual", wrong_residual)
+    pv, _ = e2e3_pvalues(target, tree_proposer("oracle", target), WARPS["t0.7"])
+    assert min(pv) < 1e-6, pv
+
+
+def test_tree_sampling_is_seeded(target):
+    dec = SpeculativeDecoder(target, tree_proposer("oracle", target), k=2)
+    a, b, c = (dec.generate([PROMPT] * 4, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=sd).sequences
+               for sd in (5, 5, 6))
+    assert a == b and a != c
