@@ -52,7 +52,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "tree-sample-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "measured-rates-1"
+CONTROLLER_REV = "measured-rates-2"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 K_WARMUP = 4  # k="auto": the K of the rounds that first measure alpha and c
@@ -160,6 +160,7 @@ class SpeculativeDecoder:
         # Shapes: T in {1, k+1} (more where a proposer's runs vary in length: each compiles once), and
         # s_len is the whole cache (a power of two, never shrinking), so the shapes stay static across
         # rounds and calls.
+        self.controllers: dict[int, KController] = {}  # k="auto": per batch size, kept across calls
         self.static = bool(compile)
         self.static_len = 0  # compile=True: the cache length of every call so far
         if self.static:
@@ -199,8 +200,7 @@ class SpeculativeDecoder:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         s = self._setup(prompts, max_new_tokens, Sampling(temperature, top_k, top_p, gen), eos_token_id)
         prop = self.proposer
-        ctl = KController(K_MAX_AUTO, WARMUP_PLAIN, K_WARMUP, PROBE_EVERY) \
-            if self.k == "auto" and prop is not None else None
+        ctl = self._controller(len(prompts)) if self.k == "auto" and prop is not None else None
 
         first, feats = self._prefill(s)  # [B] host ints, [B, T, H]
         yield s.emit([[t] for t in first])
@@ -225,6 +225,16 @@ class SpeculativeDecoder:
         self.last_stats = self._finish(s, ctl)
 
     # ------------------------------------------------------------------ the steps of stream()
+    def _controller(self, batch: int) -> "KController":
+        """k="auto"'s controller for this batch size: what earlier calls at it measured carries over (a round's
+        cost is the machine's and the batch's, not the prompt's), so only the first call pays the warm-up."""
+        ctl = self.controllers.get(batch)
+        if ctl is None:
+            ctl = self.controllers[batch] = KController(K_MAX_AUTO, WARMUP_PLAIN, K_WARMUP, PROBE_EVERY)
+        else:
+            ctl.next_call()
+        return ctl
+
     def _setup(self, prompts, max_new_tokens, sampling, eos_token_id) -> "_Batch":
         """Size the position-indexed KV cache for the longest row and reset it; start the stats."""
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -465,14 +475,18 @@ class KController:
     (docs/reference/k-auto.md).
 
     First `warmup` plain steps (the first one untimed), then rounds at `k_warmup` until two
-    speculative rounds ran and some draft position was reached. From then on each K is scored by
+    speculative rounds ran and some draft position was reached (once per decoder and batch size: a
+    later call at the same batch size starts from what the earlier ones measured, `next_call`). From then
+    on each K is scored by
     tokens per row-round over seconds per round, both as this call measured them at that K (recent
     rounds weigh most). A K not measured yet is modelled from its nearest measured one: its tokens by
     the geometric acceptance model at alpha_hat (eval.speedup), its time on the line through the
     measured rounds' times against K, so a verify that grows with the batch (the forward stops being
     bandwidth-bound) prices long drafts out, and K = 0 wins where no K pays. Every `probe_every`
     rounds the best K's neighbour runs once, to keep the scores fresh; while off, the best K runs once
-    as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). One K for the whole batch: a
+    as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). Turning
+    speculation back on re-prefills the proposer (a resync): it is switched on only when the time the
+    best K saves over the next `probe_every` rounds exceeds the resyncs' measured cost. One K for the whole batch: a
     round's verify pads every row to the longest draft, so a shorter K for some rows saves no work."""
 
     DECAY = 0.8  # weight of a K's older rounds in its scores, per newer round at that K
@@ -488,18 +502,26 @@ class KController:
         self.arms: dict[int, list[float]] = {}
         self.gap = probe_every  # rounds from one probe to the next while off (doubles while probes lose)
         self.next_probe = warmup + probe_every  # the choice index of the next probe while off
-        self.pending = 0.0  # seconds charged to the next speculative round (a resync before it)
+        self.resync_s = 0.0  # the measured cost of turning speculation back on (decayed mean of resyncs)
         self.last_k = 0
+        self.ready = False  # warmed up: every later choice is scored
+        self.call_rounds = 0  # rounds of the current call (its first, after the prefill, is not timed)
+        self.alpha = 0.0  # the last measured per-token acceptance (a new call's own starts unmeasured)
         self.plain_wall = self.spec_wall = 0.0  # seconds of plain and of speculative rounds (all, undecayed)
         self.plain_toks = self.spec_toks = 0  # ... and the tokens they produced
 
     def choose(self, alpha_hat: float, c: float, measured: bool = True) -> int:
         """The next round's K, from what the rounds so far measured; alpha_hat (the per-token
         acceptance) models the K not measured yet (measured: some draft position was reached)."""
-        if self.rounds < self.warmup:
-            return self._pick(0)
-        if self.spec_rounds < 2 or not measured:
-            return self._pick(self.k_warmup)
+        if not self.ready:
+            if self.rounds < self.warmup:
+                return self._pick(0)
+            if self.spec_rounds < 2 or not measured:
+                return self._pick(self.k_warmup)
+            self.ready = True
+        if measured:
+            self.alpha = alpha_hat
+        alpha_hat = self.alpha
         if 0 not in self.arms:  # no plain step timed (warmup <= 1): the model's own estimate decides
             K, v = best_k(alpha_hat, c, self.k_max)
             self.expected_speedup = v
@@ -508,6 +530,9 @@ class KController:
         spec = max(range(1, self.k_max + 1), key=lambda k: (rate[k], -k))  # ties go to the shorter draft
         self.expected_speedup = rate[spec] / rate[0] if rate[0] > 0 else None
         K = spec if rate[spec] > rate[0] else 0
+        if K and self.last_k == 0 and self.resync_s > 0:  # back on costs a resync: worth it over probe_every rounds?
+            saved = self.probe_every * self._tokens(K, alpha_hat) * (1 / rate[0] - 1 / rate[K])
+            K = K if saved > self.resync_s else 0
         n = len(self.choices)
         if K == 0:  # off: a probe of the best K when due, each losing probe doubling the wait for the next
             self.off_rounds += 1
@@ -553,12 +578,12 @@ class KController:
     def observe(self, k: int, tokens: int, seconds: float, rows: int = 1):
         """A round ran: k drafts proposed (0: a plain step), `tokens` new over its `rows` active rows."""
         self.rounds += 1
+        self.call_rounds += 1
         self.spec_rounds += k > 0
         self.last_k = k
-        if self.rounds == 1:  # the first round after prefill runs slow: left out
+        if self.call_rounds == 1:  # the first round after prefill runs slow: left out
             return
         if k > 0:
-            seconds, self.pending = seconds + self.pending, 0.0
             self.spec_wall, self.spec_toks = self.spec_wall + seconds, self.spec_toks + tokens
         else:
             self.plain_wall, self.plain_toks = self.plain_wall + seconds, self.plain_toks + tokens
@@ -567,13 +592,21 @@ class KController:
             w[i] = self.DECAY * w[i] + x
 
     def charge(self, seconds: float, resync: bool = False):
-        """Speculation's cost outside a round: the proposer's accept() after the last round, or a resync
-        (after plain rounds) before the next speculative one."""
+        """Speculation's cost outside a round: the proposer's accept() after the last round (counted in that
+        round's seconds), or a resync (after plain rounds) before the next speculative one (what turning
+        speculation back on costs)."""
         self.spec_wall += seconds
         if resync:
-            self.pending += seconds
+            self.resync_s = seconds if not self.resync_s else self.DECAY * self.resync_s + (1 - self.DECAY) * seconds
         elif self.last_k in self.arms and self.last_k > 0:
             self.arms[self.last_k][2] += seconds
+
+    def next_call(self):
+        """A new stream() at the same batch size: the scores carry over, the call's own counters start afresh."""
+        self.choices, self.call_rounds, self.off_rounds = [], 0, 0
+        self.plain_wall = self.spec_wall = 0.0
+        self.plain_toks = self.spec_toks = 0
+        self.last_k, self.next_probe = -1, self.warmup + self.gap  # -1: no round yet (a fresh proposer, no resync)
 
 
 def _geometric(a: float, k: int) -> float:

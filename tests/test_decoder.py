@@ -251,15 +251,30 @@ def test_controller_charges_speculation_for_the_proposers_accept():
     assert 0 not in win[D.WARMUP_PLAIN:] and lose[D.WARMUP_PLAIN + 2:] == [0] * (10 - D.WARMUP_PLAIN - 2)
 
 
-def test_controller_charges_a_resync_to_the_round_after_it():
-    """Turning speculation back on re-prefills the proposer: that time counts in the next speculative
-    round's score, not in the plain rounds'."""
+def test_controller_turns_back_on_only_when_it_repays_the_resync():
+    """Turning speculation back on re-prefills the proposer: K goes back on only when what it saves over the
+    next probe_every rounds exceeds the resync's measured cost."""
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=16)
-    _run(ctl, 5, plain_s=0.010, spec_s=0.012)
-    before = ctl.arms[4][2]
-    ctl.charge(0.5, resync=True)
-    ctl.observe(4, 4, 0.012)
-    assert ctl.arms[4][2] == pytest.approx(KController.DECAY * before + 0.512) and ctl.pending == 0
+    _run(ctl, 5, plain_s=0.010, spec_s=0.012)  # K=4: 4 tokens in 12 ms, 3.3x plain's rate
+    ctl.choose(0.8, 0.1)
+    ctl.observe(0, 1, 0.010)  # a plain round: the proposer is behind
+    ctl.charge(10.0, resync=True)  # a resync dearer than 16 rounds save (~0.45 s)
+    assert ctl.choose(0.8, 0.1) == 0
+    ctl.resync_s = 0.001
+    assert ctl.choose(0.8, 0.1) > 0
+
+
+def test_k_auto_keeps_what_it_measured_across_calls(target, draft):
+    """A second call at the same batch size starts from the first call's scores: no warm-up again, output exact."""
+    dec = SpeculativeDecoder(target, DraftLMProposer(draft, V), k="auto")
+    ref = SpeculativeDecoder(target, None).generate(PROMPTS, max_new_tokens=N_NEW).sequences
+    assert dec.generate(PROMPTS, max_new_tokens=N_NEW).sequences == ref
+    ctl = dec.controllers[len(PROMPTS)]
+    assert ctl.ready and ctl.arms
+    res = dec.generate(PROMPTS, max_new_tokens=N_NEW)
+    assert res.sequences == ref and dec.controllers[len(PROMPTS)] is ctl and len(dec.controllers) == 1
+    assert len(res.stats["k_choices"]) == res.stats["rounds"]
+    assert res.stats["k_choices"][:D.WARMUP_PLAIN + 2] != [0] * D.WARMUP_PLAIN + [D.K_WARMUP] * 2
 
 
 def test_controller_without_plain_timings_trusts_the_model():
