@@ -52,7 +52,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "tree-sample-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "measured-rates-2"
+CONTROLLER_REV = "measured-rates-3"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 K_WARMUP = 4  # k="auto": the K of the rounds that first measure alpha and c
@@ -540,8 +540,10 @@ class KController:
                 self.next_probe = n + self.gap
                 self.gap = min(2 * self.gap, PROBE_BACKOFF * self.probe_every)
                 K = spec
-        else:
-            self.gap, self.next_probe = self.probe_every, n + self.probe_every
+        else:  # on: the probe wait starts over once speculation stayed on past one winning probe
+            if self.last_k > 0:
+                self.gap = self.probe_every
+            self.next_probe = n + self.gap
             if (n - self.warmup) % self.probe_every == self.probe_every - 1:  # the best K's neighbour, once
                 K = min(K + 1, self.k_max) if ((n - self.warmup) // self.probe_every) % 2 else max(K - 1, 1)
         return self._pick(K)
