@@ -310,7 +310,7 @@ def medusa_tc(divergence="fkl"):
     """The part of a TrainConfig the Medusa trainer reads."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(divergence=divergence, jsd_beta=0.5)
+    return SimpleNamespace(divergence=divergence, jsd_beta=0.5, temperature=1.0)
 
 
 def frozen_embedding(target):

@@ -134,7 +134,7 @@ def test_selfspec_training_moves_only_the_adapter(target, batch, truncated):
     # truncated: the ids the batch uses (its completions are the teacher's top-1s), as draft_vocab picks
     draft = SelfSpecDraft(target, 1, adapter_rank=8, draft_ids=batch["ids"].unique() if truncated else None)
     draft.train()
-    trainer = SelfSpecTrainer(draft, SimpleNamespace(divergence="fkl", jsd_beta=0.5))
+    trainer = SelfSpecTrainer(draft, SimpleNamespace(divergence="fkl", jsd_beta=0.5, temperature=1.0))
     opt = torch.optim.AdamW(trainable_parameters(draft), lr=1e-2)
     losses = []
     for _ in range(25):
@@ -157,7 +157,7 @@ def test_selfspec_trainer_alignment(target, batch):
     from pipeline.losses import divergence
 
     d = selfspec(target, True)
-    loss, metrics = SelfSpecTrainer(d, SimpleNamespace(divergence="jsd", jsd_beta=0.3))(batch)
+    loss, metrics = SelfSpecTrainer(d, SimpleNamespace(divergence="jsd", jsd_beta=0.3, temperature=1.0))(batch)
     with torch.no_grad():
         lg = d(batch["ids"], batch["valid"].long())
     rows = [(b, p) for b in range(lg.shape[0]) for p in range(lg.shape[1] - 1) if batch["has_t"][b, p + 1]]
