@@ -11,10 +11,15 @@ from __future__ import annotations
 A_MAX = 0.999  # a = 1 divides by zero; the formula is flat this close to it
 
 
+def tokens_per_round(alpha: float, k: float) -> float:
+    """(1 - a^(K+1)) / (1 - a): a chain round's expected tokens, a = alpha clamped to [0, A_MAX]."""
+    a = min(max(alpha, 0.0), A_MAX)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
 def expected_speedup(alpha: float, k: float, c: float) -> float:
     """(1 - a^(K+1)) / ((1 - a)(K c + 1)) with a = alpha clamped to [0, A_MAX]."""
-    a = min(max(alpha, 0.0), A_MAX)
-    return (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
+    return tokens_per_round(alpha, k) / (k * c + 1)
 
 
 def best_k(alpha: float, c: float, k_max: int = 8) -> tuple[int, float]:
