@@ -44,7 +44,7 @@ import torch
 
 from .proposers import Proposer, Sampling, load_proposer
 from .kernels import MAX_ROWS
-from .speedup import best_k, expected_speedup
+from .speedup import best_k, expected_speedup, tokens_per_round
 from .cpu import cpu_gemv, greedy_argmax, inductor_refusal
 from .target import make_runner
 from .tree import Tree
@@ -415,7 +415,9 @@ class SpeculativeDecoder:
         # greedy output must then equal plain decoding's bit for bit, in bf16 too.
         row_invariant = self.runner.row_invariant and s.stats.max_verify <= MAX_ROWS
         choices, expected = (ctl.choices, ctl.expected_speedup) if ctl is not None else ([], None)
-        return s.stats.finish(s.out, self.k, self.device, choices, expected) | {"row_invariant": row_invariant}
+        warm = ctl.warm_choices if ctl is not None else 0  # the first `warm` of k_choices were the warm-up's
+        stats = s.stats.finish(s.out, self.k, self.device, choices, expected)
+        return stats | {"row_invariant": row_invariant, "k_warmup_choices": warm}
 
 
 @dataclass
@@ -507,17 +509,15 @@ class KController:
         self.ready = False  # warmed up: every later choice is scored
         self.call_rounds = 0  # rounds of the current call (its first, after the prefill, is not timed)
         self.alpha = 0.0  # the last measured per-token acceptance (a new call's own starts unmeasured)
-        self.plain_wall = self.spec_wall = 0.0  # seconds of plain and of speculative rounds (all, undecayed)
-        self.plain_toks = self.spec_toks = 0  # ... and the tokens they produced
+        self.warm_choices = 0  # choices of the current call made during the warm-up
 
     def choose(self, alpha_hat: float, c: float, measured: bool = True) -> int:
         """The next round's K, from what the rounds so far measured; alpha_hat (the per-token
         acceptance) models the K not measured yet (measured: some draft position was reached)."""
         if not self.ready:
-            if self.rounds < self.warmup:
-                return self._pick(0)
-            if self.spec_rounds < 2 or not measured:
-                return self._pick(self.k_warmup)
+            if self.rounds < self.warmup or self.spec_rounds < 2 or not measured:
+                self.warm_choices += 1
+                return self._pick(0 if self.rounds < self.warmup else self.k_warmup)
             self.ready = True
         if measured:
             self.alpha = alpha_hat
@@ -526,7 +526,8 @@ class KController:
             K, v = best_k(alpha_hat, c, self.k_max)
             self.expected_speedup = v
             return self._pick(K if v >= 1.0 else 0)
-        rate = {k: self.rate(k, alpha_hat) for k in range(self.k_max + 1)}
+        line = self._cost_line()
+        rate = {k: self.rate(k, alpha_hat, line) for k in range(self.k_max + 1)}
         spec = max(range(1, self.k_max + 1), key=lambda k: (rate[k], -k))  # ties go to the shorter draft
         self.expected_speedup = rate[spec] / rate[0] if rate[0] > 0 else None
         K = spec if rate[spec] > rate[0] else 0
@@ -548,9 +549,10 @@ class KController:
                 K = min(K + 1, self.k_max) if ((n - self.warmup) // self.probe_every) % 2 else max(K - 1, 1)
         return self._pick(K)
 
-    def rate(self, k: int, alpha_hat: float) -> float:
-        """Tokens per row per second at K = k: measured there, or modelled from the nearest measured K."""
-        tok, sec = self._tokens(k, alpha_hat), self._seconds(k)
+    def rate(self, k: int, alpha_hat: float, line: tuple[float, float, float]) -> float:
+        """Tokens per row per second at K = k: measured there, or modelled from the nearest measured K and
+        the cost line (_cost_line)."""
+        tok, sec = self._tokens(k, alpha_hat), self._seconds(k, line)
         return tok / sec if sec > 0 else 0.0
 
     def _mean(self, k: int, i: int) -> float:
@@ -561,16 +563,22 @@ class KController:
         if k in self.arms:
             return self._mean(k, 1)
         near = min((j for j in self.arms if j > 0), key=lambda j: (abs(j - k), j))
-        return self._mean(near, 1) * _geometric(alpha_hat, k) / _geometric(alpha_hat, near)
+        return self._mean(near, 1) * tokens_per_round(alpha_hat, k) / tokens_per_round(alpha_hat, near)
 
-    def _seconds(self, k: int) -> float:
-        if k in self.arms:
-            return self._mean(k, 2)
-        pts = [(j, self._mean(j, 2)) for j in self.arms]  # plain and measured K: a least-squares line
+    def _cost_line(self) -> tuple[float, float, float]:
+        """The least-squares line of a round's seconds against K over plain and the measured K ->
+        (mean K, mean seconds, slope >= 0)."""
+        pts = [(j, self._mean(j, 2)) for j in self.arms]
         kbar = sum(j for j, _ in pts) / len(pts)
         tbar = sum(t for _, t in pts) / len(pts)
         var = sum((j - kbar) ** 2 for j, _ in pts)
         slope = max(sum((j - kbar) * (t - tbar) for j, t in pts) / var, 0.0) if var else 0.0
+        return kbar, tbar, slope
+
+    def _seconds(self, k: int, line: tuple[float, float, float]) -> float:
+        if k in self.arms:
+            return self._mean(k, 2)
+        kbar, tbar, slope = line
         return max(tbar + slope * (k - kbar), self._mean(0, 2))  # a draft never costs less than none
 
     def _pick(self, k: int) -> int:
@@ -585,10 +593,6 @@ class KController:
         self.last_k = k
         if self.call_rounds == 1:  # the first round after prefill runs slow: left out
             return
-        if k > 0:
-            self.spec_wall, self.spec_toks = self.spec_wall + seconds, self.spec_toks + tokens
-        else:
-            self.plain_wall, self.plain_toks = self.plain_wall + seconds, self.plain_toks + tokens
         w = self.arms.setdefault(k, [0.0, 0.0, 0.0])
         for i, x in enumerate((1.0, tokens / max(rows, 1), seconds)):
             w[i] = self.DECAY * w[i] + x
@@ -597,7 +601,6 @@ class KController:
         """Speculation's cost outside a round: the proposer's accept() after the last round (counted in that
         round's seconds), or a resync (after plain rounds) before the next speculative one (what turning
         speculation back on costs)."""
-        self.spec_wall += seconds
         if resync:
             self.resync_s = seconds if not self.resync_s else self.DECAY * self.resync_s + (1 - self.DECAY) * seconds
         elif self.last_k in self.arms and self.last_k > 0:
@@ -605,16 +608,8 @@ class KController:
 
     def next_call(self):
         """A new stream() at the same batch size: the scores carry over, the call's own counters start afresh."""
-        self.choices, self.call_rounds, self.off_rounds = [], 0, 0
-        self.plain_wall = self.spec_wall = 0.0
-        self.plain_toks = self.spec_toks = 0
+        self.choices, self.call_rounds, self.off_rounds, self.warm_choices = [], 0, 0, 0
         self.last_k, self.next_probe = -1, self.warmup + self.gap  # -1: no round yet (a fresh proposer, no resync)
-
-
-def _geometric(a: float, k: int) -> float:
-    """Tokens a chain round of k drafts yields at per-token acceptance a: (1 - a^(k+1)) / (1 - a)."""
-    a = min(max(a, 0.0), 0.999)
-    return (1 - a ** (k + 1)) / (1 - a)
 
 
 class _Stats:

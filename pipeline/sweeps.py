@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eval import draft_dir
-from eval.decoder import CONTROLLER_REV, WARMUP_PLAIN, SpeculativeDecoder
+from eval.decoder import CONTROLLER_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy, exactness_rule
 from eval.prompt_file import PromptFileError, read_prompt_rows
 
@@ -150,6 +150,7 @@ class Sweeps:
             match = compare_greedy(self.target, prompts, seqs[0], seqs[1], tol=self.near_tie_tol)
             m_auto = compare_greedy(self.target, prompts, seqs[0], seqs[2], tol=self.near_tie_tol)
             choices = [k for s in stats[2] for k in s["k_choices"]]
+            warm = stats[2][0]["k_warmup_choices"]  # a later call at this batch size starts warmed up
             return _row(spec, plain) | {
                 "batch_size": b, "n_sequences": len(prompts), "dtype": self.dtype,
                 "row_invariant": spec.get("row_invariant", False), "match_rate": match["match_rate"],
@@ -157,7 +158,7 @@ class Sweeps:
                 "max_divergence_margin": max((d["margin"] for d in match["divergences"]), default=None),
                 "all_near_ties": bool(match["all_near_ties"]), "divergences": match["divergences"],
                 "controlled": _row(auto, plain) | {
-                    "k_chosen": settled_k(choices), "k_choices": choices,
+                    "k_chosen": settled_k(choices, warm), "k_choices": choices, "k_warmup_choices": warm,
                     "spec_off_fraction": choices.count(0) / len(choices) if choices else 0.0,
                     "match_rate": m_auto["match_rate"], "exact": bool(m_auto["exact"]),
                     "n_divergences": len(m_auto["divergences"])}}
@@ -182,9 +183,10 @@ class Sweeps:
                 "temperature": [self.temperature_point(float(t)) for t in self.cfg.temperatures]}
 
 
-def settled_k(choices: list[int]) -> int:
-    """The K the controller settled on: the one it chose most after its warm-up (ties: the smaller K)."""
-    after = choices[WARMUP_PLAIN + 2:] or choices
+def settled_k(choices: list[int], warm: int) -> int:
+    """The K the controller settled on: the one it chose most after its `warm` warm-up choices (ties: the
+    smaller K)."""
+    after = choices[warm:] or choices
     return min(set(after), key=lambda k: (-after.count(k), k)) if after else 0
 
 

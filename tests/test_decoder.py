@@ -213,8 +213,10 @@ def test_controller_warms_up_plain_then_measures_at_k_warmup():
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=16)
     ks = _run(ctl, 5, plain_s=0.010, spec_s=0.012)
     assert ks == [0, 0, 0, 4, 4] and ctl.expected_speedup is None
-    assert ctl.plain_wall == pytest.approx(0.020)  # the first round (after prefill) is left out
-    assert ctl.spec_wall == pytest.approx(0.024) and ctl.spec_toks == 2 * round(1 + 0.8 * 4)
+    two = 1 + KController.DECAY  # the weight of two rounds: the first round (after prefill) is left out
+    assert ctl.arms[0] == pytest.approx([two, two, 0.010 * two])
+    assert ctl.arms[4] == pytest.approx([two, two * round(1 + 0.8 * 4), 0.012 * two]) and set(ctl.arms) == {0, 4}
+    assert ctl.warm_choices == 5
 
 
 @pytest.mark.parametrize("draft_s,alpha", [(0.0005, 0.8), (0.005, 0.6), (0.002, 0.7), (0.02, 0.5)])
@@ -281,7 +283,7 @@ def test_controller_without_plain_timings_trusts_the_model():
     """No plain round measured yet (warmup=1: only the untimed first one): best_k's own estimate decides."""
     ctl = KController(k_max=8, warmup=1, k_warmup=4, probe_every=16)
     _run(ctl, 4, plain_s=0.010, spec_s=1.0, alpha=0.8, c=0.1)
-    assert ctl.plain_wall == 0 and ctl.choices[-1] == best_k(0.8, 0.1, 8)[0]
+    assert 0 not in ctl.arms and ctl.choices[-1] == best_k(0.8, 0.1, 8)[0]
     assert ctl.expected_speedup == best_k(0.8, 0.1, 8)[1]
 
 

@@ -187,7 +187,7 @@ def test_the_batch_curve_shows_the_controller_and_the_vllm_k_table(run, rendered
     points = []
     for b in (1, 2):
         c = json.loads((run / "report" / f"batch-{b}.json").read_text())["controlled"]
-        assert c["exact"] is True and c["match_rate"] == 1.0 and c["k_chosen"] == settled_k(c["k_choices"])
+        assert c["exact"] is True and c["match_rate"] == 1.0 and c["k_chosen"] == settled_k(c["k_choices"], c["k_warmup_choices"])
         assert c["tokens_per_s"] > 0 and 0 <= c["spec_off_fraction"] <= 1
         points.append((b, c["k_chosen"]))
     want = json.dumps({"num_speculative_tokens": max(max(k for _, k in points), 1),
@@ -205,7 +205,7 @@ def test_vllm_k_schedule_obeys_vllms_rules():
     sched = vllm_k_schedule([(1, 4), (2, 2), (32, 1)])
     assert sched[0][0] == 1 and all(a <= b for a, b, _ in sched)
     assert all(prev[1] < nxt[0] for prev, nxt in zip(sched, sched[1:])) and all(k >= 0 for *_, k in sched)
-    assert settled_k([0, 0, 0, 4, 4, 2, 2, 1, 2]) == 2 and settled_k([0, 0, 0, 4, 4, 0, 3, 0]) == 0
+    assert settled_k([0, 0, 0, 4, 4, 2, 2, 1, 2], 5) == 2 and settled_k([0, 0, 0, 4, 4, 0, 3, 0], 5) == 0
 
 
 def test_rerun_reads_the_curves_back(run, tmp_path, monkeypatch):
