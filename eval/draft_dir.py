@@ -2,8 +2,10 @@
 
 Every draft draftsmith writes (a training checkpoint, best/, a compare variant) is a directory holding
 FILE, a JSON object whose "kind" is a registered DraftKind (the built-in ones below, with the files each
-holds; a plugin's from its own module with register_kind), plus that kind's files. How the decoder
-serves a kind is registered beside its proposer (eval/proposers/kinds.py).
+holds; a plugin's from its own module with register_kind), plus that kind's files. A kind is declared
+once, with everything the decoder and the exporter need of it: its flags, the function that serves a
+directory of it (load_proposer calls it), the in-memory model class it serves, and the export formats
+that hold it (pipeline/formats.py reads `exports`).
 
 Optional keys: "step", "train_key" (the training inputs' hash, pipeline/checkpoints.py), "proposer":
 "hybrid" (promoted as a hybrid with n-gram lookups), "serve" (SERVE_KEYS settings fixed at
@@ -13,9 +15,11 @@ This module is the one reader and writer of FILE, and holds the registry of draf
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 FILE = "draftsmith_draft.json"
 SERVED_AS = ("hybrid", "hybrid-nostore", "datastore")  # "<how>:<draft dir>": a directory served another way
@@ -36,6 +40,37 @@ class DraftKind:
     # an HF causal LM with its own tokenizer: checked against the target's before decoding, and what HF's
     # assisted generation takes as its assistant_model
     standalone_lm: bool = False
+    # How the decoder serves it. Each is a callable or "module:attribute" (the built-in kinds name their
+    # proposer modules so, since those import this one): load(directory, meta, target, dtype) -> Proposer
+    # (directory None for a kind that stores no weights); an in-memory `module` instance (a trained head)
+    # is served by wrap(module, target) -> Proposer.
+    load: str | Callable | None = None
+    module: str | type | None = None
+    wrap: str | Callable | None = None
+    exports: tuple[str, ...] = ()  # the export formats (pipeline/formats.py) that hold a draft of this kind
+
+    def __post_init__(self):
+        if self.load is None:
+            raise ValueError(f"draft kind {self.name!r}: give `load`, the function that serves a directory of it")
+        if (self.module is None) != (self.wrap is None):
+            raise ValueError(f"draft kind {self.name!r}: give both `module` and `wrap`, or neither")
+
+    def loader(self) -> Callable:
+        return resolve(self.load)
+
+    def module_class(self) -> type | None:
+        return None if self.module is None else resolve(self.module)
+
+    def wrapper(self) -> Callable | None:
+        return None if self.wrap is None else resolve(self.wrap)
+
+
+def resolve(ref):
+    """A "module:attribute" reference -> that attribute (imported now); anything else -> itself."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 _KINDS: dict[str, DraftKind] = {}
@@ -49,14 +84,23 @@ def register_kind(kind: DraftKind) -> DraftKind:
     return kind
 
 
-# The built-in kinds, each with the files it holds beside FILE.
+# The built-in kinds, each with the files it holds beside FILE, how it is served and the formats that export it.
 for _kind in (
-        DraftKind("eagle"),  # head.safetensors: an EAGLE head over the target's features
-        DraftKind("eagle3"),  # head.safetensors: an EAGLE-3 head over three target layers, speculators' weight names
-        DraftKind("medusa"),  # head.safetensors: Medusa heads over the target's features
-        DraftKind("draft_lm", standalone_lm=True),  # an ordinary HF checkpoint (config.json, model.safetensors, tokenizer); LoRA: adapter/
-        DraftKind("self_spec", layer_by_layer=True),  # adapter.safetensors: the target's first layers are reused
-        DraftKind("int8", stores_weights=False, layer_by_layer=True)):  # nothing: built from the target at load time
+        # head.safetensors: an EAGLE head over the target's features
+        DraftKind("eagle", load="eval.proposers.eagle:load", module="eval.heads:EagleHead",
+                  wrap="eval.proposers.eagle:EagleProposer"),
+        # head.safetensors: an EAGLE-3 head over three target layers, speculators' weight names
+        DraftKind("eagle3", load="eval.proposers.eagle3:load", module="eval.heads:Eagle3Head",
+                  wrap="eval.proposers.eagle3:Eagle3Proposer", exports=("speculators", "eagle3")),
+        # head.safetensors: Medusa heads over the target's features
+        DraftKind("medusa", load="eval.proposers.medusa:load", exports=("medusa",)),
+        # an ordinary HF checkpoint (config.json, model.safetensors, tokenizer); LoRA: adapter/
+        DraftKind("draft_lm", standalone_lm=True, load="eval.proposers.draft_lm:load", exports=("hf",)),
+        # adapter.safetensors: the target's first layers are reused
+        DraftKind("self_spec", layer_by_layer=True, load="eval.proposers.draft_lm:load_self_spec",
+                  module="eval.drafts:SelfSpecDraft", wrap="eval.proposers.draft_lm:serve_self_spec"),
+        # nothing: built from the target at load time
+        DraftKind("int8", stores_weights=False, layer_by_layer=True, load="eval.proposers.draft_lm:load_int8")):
     register_kind(_kind)
 
 

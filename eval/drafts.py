@@ -110,7 +110,7 @@ class SelfSpecDraft(nn.Module):
     with detached weights (so gradients reach the adapter but nothing is accumulated into the
     target's .grad). `trainable_parameters()` lists what an optimizer should update.
     Decoding: DraftLMProposer(draft, V, d2t=draft.d2t, fuse=False) runs it with LeanLlama, copying none of
-    the shared layers' weights (eval/proposers/kinds.py loads it so).
+    the shared layers' weights (eval/proposers/draft_lm.py load_self_spec loads it so).
 
     `train()`/`eval()` switch, and `.to()`/`.float()` convert, the adapter and draft head only: the
     shared modules stay as the target has them (never call the target's conversions through the draft).

@@ -42,7 +42,7 @@ from eval.proposers import load_proposer
 from eval.replay import fit_budget
 
 from .data import encode_prompt, read_jsonl
-from .export import MANIFEST, SERVE_FORMATS, engine_format, export_draft, kind_problem
+from .export import MANIFEST, engine_format, export_draft, kind_problem, serve_formats
 from .faults import kill_point
 from .formats import FORMATS
 from .measure import (MeasurementCache, decode_pairs, decode_together, evaluate_settings, proposer_for,
@@ -196,8 +196,8 @@ def check_exports(recipe, ckpts: list[Path]) -> None:
     meta, serve = draft_dir.read_meta(ckpts[-1]), recipe.evaluate.serve
     kind = meta["kind"]
     if serve != "draftsmith" and engine_format(meta, serve) is None:
-        fmt = SERVE_FORMATS[serve].get(kind)
-        why = kind_problem(meta, fmt) if fmt else f"{serve} loads {' or '.join(SERVE_FORMATS[serve])} drafts"
+        fmt = serve_formats()[serve].get(kind)
+        why = kind_problem(meta, fmt) if fmt else f"{serve} loads {' or '.join(serve_formats()[serve])} drafts"
         raise EvaluateError(f"evaluate.serve={serve}: this run's {kind} checkpoints cannot be served there ({why}); "
                             f"train a draft {serve} loads or set evaluate.serve=draftsmith")
     for fmt in recipe.export.formats:
@@ -228,7 +228,7 @@ def promotable(results: list[dict], serve: str) -> list[dict]:
 def best_exportable(results: list[dict]) -> dict:
     """{engine: (the fastest candidate it can serve: name, format, speedup, τ) or None}, for the report."""
     out = {}
-    for engine in SERVE_FORMATS:
+    for engine in serve_formats():
         pool = promotable(results, engine)
         b = max(pool, key=lambda r: r["speedup"]) if pool else None
         out[engine] = None if b is None else {"name": b["name"], "source": b["source"], "speedup": b["speedup"],

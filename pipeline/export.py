@@ -20,7 +20,7 @@ from pathlib import Path
 from eval import draft_dir
 from eval.datastore import FILE as DATASTORE_FILE
 
-from .formats import FORMATS, HEAD_FILE, SERVE_FORMATS, ExportError, Verifier
+from .formats import FORMATS, HEAD_FILE, ExportError, Verifier, serve_formats
 
 MANIFEST = "draftsmith_export.json"
 DEFAULT_K = 2  # evaluate.k's default: the speculative tokens per round when --k is not given
@@ -30,7 +30,7 @@ DEFAULT_K = 2  # evaluate.k's default: the speculative tokens per round when --k
 
 def engine_format(meta: dict, engine: str) -> str | None:
     """The format `engine` loads a draft of this metadata in, None when it cannot serve it."""
-    fmt = SERVE_FORMATS.get(engine, {}).get(meta.get("kind"))
+    fmt = serve_formats().get(engine, {}).get(meta.get("kind"))
     return None if fmt is None or kind_problem(meta, fmt) else fmt
 
 
@@ -48,9 +48,9 @@ def kind_problem(meta: dict, fmt: str) -> str | None:
                 f"(vocab_parallel_embedding.py weight_loader); train them with train.draft_vocab_size=0")
     if kind not in FORMATS[fmt].kinds:
         holders = [f.name for f in FORMATS.values() if kind in f.kinds]
+        exportable = [f"{k.name} ({' or '.join(k.exports)})" for k in draft_dir.kinds() if k.exports]
         fix = (f"use --format {' or '.join(holders)}" if holders else
-               "no engine format holds this kind; train train.method=eagle3 (vLLM, SGLang), medusa with "
-               "train.medusa.recurrent=false (vLLM) or draft_lm (HF, vLLM)")
+               f"no engine format holds this kind; train train.method={', '.join(exportable)}")
         return f"--format {fmt} holds {' or '.join(FORMATS[fmt].kinds)} drafts, not {kind!r}: {fix}"
     return None
 

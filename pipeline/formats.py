@@ -1,7 +1,8 @@
-"""The export formats, one object each: the draft kinds it holds, its writer, the engine's speculative config,
+"""The export formats, one object each: its writer, the engine's speculative config,
 the serve commands and how verify-export loads it in vLLM. `draftsmith export` (pipeline/export.py), the
 recipe's export.formats check (config.py), evaluate.serve, verify-export, the owner report and vLLM bench
-read FORMATS; nothing else lists formats.
+read FORMATS; nothing else lists formats. Which draft kinds a format holds is declared by each kind
+(eval/draft_dir.py DraftKind.exports), so a new method exports to an existing format without an edit here.
 
   speculators  eagle3    vLLM's native format: `vllm serve <out>` alone (verifier and K in config.json)
   eagle3       eagle3    the EAGLE-3 checkpoint layout (LlamaForCausalLMEagle3, midlayer.*) that SGLang
@@ -82,7 +83,6 @@ def hf_assistant_serve(verifier: str, out: str | Path, k: int) -> str:
 @dataclass(frozen=True)
 class ExportFormat:
     name: str
-    kinds: tuple[str, ...]  # the draft kinds (eval/draft_dir.py) it holds
     served_by: tuple[str, ...]  # the engines that serve a draft of its kind in this format (evaluate.serve)
     vllm_method: str  # vLLM's speculative_config "method" for it
     writer: Callable  # (src, meta, tmp, verifier, k): the files into tmp
@@ -96,6 +96,11 @@ class ExportFormat:
     python_path: bool = False  # it ships a module vLLM imports: the export directory goes on PYTHONPATH
     # (export dir) -> our decoder's Proposer serving the export itself, for verify-export; None: the source draft
     decoder_proposer: Callable | None = None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The draft kinds it holds: those that name it in their `exports` (eval/draft_dir.py)."""
+        return tuple(k.name for k in draft_dir.kinds() if self.name in k.exports)
 
     def vllm_spec(self, out: str | Path, k: int) -> dict:
         return vllm_speculative_config(self.vllm_method, k, self.spec_model or out)
@@ -307,20 +312,30 @@ def _speculators_k(config: dict) -> int | None:
 
 # In detection order: the first whose `recognizes` holds names an export's format (verify-export).
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
-    ExportFormat("speculators", ("eagle3",), ("vllm",), "eagle3", write_speculators,
+    ExportFormat("speculators", ("vllm",), "eagle3", write_speculators,
                  lambda c: bool(c.get("speculators_model_type")), _speculators_k, self_contained=True),
-    ExportFormat("eagle3", ("eagle3",), ("sglang",), "eagle3", write_eagle3,
+    ExportFormat("eagle3", ("sglang",), "eagle3", write_eagle3,
                  lambda c: any(a in EAGLE3_ARCHS for a in _archs(c)), sglang_algorithm="EAGLE3"),
-    ExportFormat("medusa", ("medusa",), ("vllm",), "medusa", write_medusa,
+    ExportFormat("medusa", ("vllm",), "medusa", write_medusa,
                  lambda c: c.get("model_type") == "medusa" or "MedusaModel" in _archs(c),
                  lambda c: c.get("num_heads")),
-    ExportFormat("hf", ("draft_lm",), ("hf",), "draft_model", write_hf,
+    ExportFormat("hf", ("hf",), "draft_model", write_hf,
                  lambda c: any(a.endswith("ForCausalLM") for a in _archs(c)), hf_assistant=True),
     # served_by=(): it serves the datastore, not the draft, so evaluate.serve never picks it for a kind
-    ExportFormat("vllm-proposer", (), (), "custom_class", write_vllm_proposer,
+    ExportFormat("vllm-proposer", (), "custom_class", write_vllm_proposer,
                  lambda c: PROPOSER_ARCH in _archs(c), datastore=True, spec_model=PROPOSER_CLASS,
                  python_path=True, decoder_proposer=_lookup_proposer),
 )}
 
-# {engine: {draft kind: the format that engine serves it in}} (a kind absent here cannot be served there)
-SERVE_FORMATS = {e: {kind: f.name for f in FORMATS.values() if e in f.served_by for kind in f.kinds} for e in ENGINES}
+def serve_formats() -> dict[str, dict[str, str]]:
+    """{engine: {draft kind: the format that engine serves it in}} (a kind absent cannot be served there), read
+    when asked, so a kind registered after this import (a plugin's) is in it."""
+    return {e: {kind: f.name for f in FORMATS.values() if e in f.served_by for kind in f.kinds} for e in ENGINES}
+
+
+def check_exports(kind: draft_dir.DraftKind) -> None:
+    """A kind may name only formats that exist (pipeline.methods.register_method checks each method's)."""
+    unknown = [f for f in kind.exports if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"draft kind {kind.name!r} exports to {unknown[0]!r}, which is not an export format "
+                         f"({', '.join(FORMATS)})")

@@ -582,7 +582,7 @@ def history_section(reg: dict, figs: Figures) -> str:
 def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, verify: list) -> str:
     from eval import draft_dir
 
-    from .export import SERVE_FORMATS, engine_format, kind_problem
+    from .export import engine_format, kind_problem, serve_formats
     from .formats import FORMATS, vllm_serve, vllm_speculative_config
 
     k = k_best or v.figures.get("k") or m.get("k")
@@ -603,8 +603,8 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
         if fmt is None and cand:
             fmt = cand["format"]
         if fmt is None:
-            want = SERVE_FORMATS[engine].get(meta.get("kind"))
-            why = kind_problem(meta, want) if want else f"{engine} loads {' or '.join(SERVE_FORMATS[engine])} drafts"
+            want = serve_formats()[engine].get(meta.get("kind"))
+            why = kind_problem(meta, want) if want else f"{engine} loads {' or '.join(serve_formats()[engine])} drafts"
             lines.append(f"# {engine}: this draft ({meta.get('kind', '?')}) cannot be served there: {why}")
             continue
         out = str(run_dir / exports[fmt]["dir"]) if fmt in exports else "EXPORT_DIR"

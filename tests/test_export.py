@@ -271,7 +271,7 @@ def test_refuses_a_kind_the_format_cannot_hold(tmp_path, target_dir, capsys):
         d = tmp_path / kind
         draft_dir.write_meta(d, {"kind": kind, "target": str(target_dir)})
         refused(capsys, ["export", "--draft", str(d), "--format", "eagle3", "--out", str(out)],
-                out, rf"not '{kind}': no engine format holds this kind; train train.method=eagle3")
+                out, rf"not '{kind}': no engine format holds this kind; train train.method=eagle3 \(speculators or eagle3\), medusa \(medusa\), draft_lm \(hf\)")
 
 
 def test_refuses_recurrent_medusa_naming_independent_heads(tmp_path, target_dir, capsys):

@@ -1,8 +1,8 @@
 """A draft method is one registration: a package of its own (written here into tmp_path, never imported
-by draftsmith) registers a toy method, a low-rank bigram draft, into both registries from its own
-modules (the draft kind and its loader in eval's, the trainer in pipeline's), and then runs through
-the pipeline's own stages, generate -> train -> evaluate, and loads back with load_proposer, with no
-other file of draftsmith edited."""
+by draftsmith) registers a toy method, a low-rank bigram draft, with one register_method call whose
+method declares its draft kind (files, loader, export formats), and then runs through the pipeline's own
+stages, generate -> train -> evaluate, and loads back with load_proposer, with no other file of draftsmith
+edited."""
 
 import dataclasses
 import importlib
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from eval import draft_dir
-from eval.proposers import kinds as kind_loaders
 from eval.proposers import load_proposer
 from pipeline import methods
 from pipeline.cli import stage_generate, stage_train
@@ -28,14 +27,14 @@ from pipeline.models import load_target
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
 
-# The eval half: the draft, its proposer, and how a directory of its kind is served (eval/ imports only).
+# The eval half: the draft and its proposer (eval/ imports only).
 EVAL_SIDE = '''
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from eval import draft_dir
-from eval.proposers import KindLoader, Proposer, register_loader
+from eval.proposers import Proposer
 from eval.proposers.base import draw
 
 FILE = "toy.safetensors"
@@ -82,18 +81,19 @@ class BigramProposer(Proposer):
         self.cur = bonus.clone()
 
 
-draft_dir.register_kind(draft_dir.DraftKind("toy"))  # holds toy.safetensors, a low-rank bigram table
-register_loader(KindLoader("toy", lambda d, meta, target, dtype: BigramProposer(Bigram.load(d))))
+def load(directory, meta, target, dtype):
+    return BigramProposer(Bigram.load(directory))
 '''
 
-# The pipeline half: the trainer, registered as a method.
+# The pipeline half: the trainer and the kind of draft it saves, registered as a method in one call.
 PIPELINE_SIDE = '''
 import torch.nn as nn
 
+from eval.draft_dir import DraftKind
 from pipeline.methods import register_method
 from pipeline.methods.base import DraftMethod, next_token_distillation
 
-from .draft import Bigram
+from .draft import Bigram, load
 
 
 class ToyTrainer(nn.Module):
@@ -107,6 +107,7 @@ class ToyTrainer(nn.Module):
 
 class Toy(DraftMethod):
     name = "toy"
+    kind = DraftKind("toy", load=load)  # holds toy.safetensors, a low-rank bigram table; no engine format
     help = "a low-rank bigram table"
     variants = {"toy": {}}
 
@@ -139,13 +140,13 @@ BUDGET = ["data.max_prompts=12", "data.max_prompt_tokens=48", "generate.max_new_
 
 @pytest.fixture
 def toy_package(tmp_path, monkeypatch):
-    """tmp_path/toy_draft, imported; afterwards the three registries are as they were."""
+    """tmp_path/toy_draft, imported; afterwards the two registries are as they were."""
     pkg = tmp_path / "plugins" / "toy_draft"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("from . import draft, method  # each half registers itself\n")
     (pkg / "draft.py").write_text(textwrap.dedent(EVAL_SIDE))
     (pkg / "method.py").write_text(textwrap.dedent(PIPELINE_SIDE))
-    registries = (methods.METHODS, draft_dir._KINDS, kind_loaders._LOADERS)
+    registries = (methods.METHODS, draft_dir._KINDS)
     before = [dict(r) for r in registries]
     monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
     try:
@@ -187,31 +188,47 @@ def test_a_plugin_method_trains_evaluates_and_loads(toy_package, tiny_target, tm
 
 
 def test_registering_checks_what_it_is_given(toy_package):
-    """A kind or method registered twice, a method whose kind is unknown, and a method with recipe keys after
-    the recipe's sections were built are refused; a loader needs a declared kind."""
+    """A kind or method registered twice, a kind nothing serves, a method whose kind is unknown or another
+    name's, one exporting to a format that does not exist, and a method with recipe keys after the recipe's
+    sections were built are refused; a kind that names a format is in that format's kinds at once."""
+    serve = toy_package.draft.load
     with pytest.raises(ValueError, match="taken"):
-        draft_dir.register_kind(draft_dir.DraftKind("toy"))
+        draft_dir.register_kind(draft_dir.DraftKind("toy", load=serve))
     with pytest.raises(ValueError, match="registered already"):
         methods.register_method(toy_package.method.Toy())
-    with pytest.raises(draft_dir.DraftDirError, match="'warp' is not one of"):
-        kind_loaders.register_loader(kind_loaders.KindLoader("warp", lambda *a: None))
+    with pytest.raises(ValueError, match="give `load`"):
+        draft_dir.DraftKind("warp")
 
     class Warp(toy_package.method.Toy):
-        name = "warp"
+        name, kind, variants = "warp", None, {}
 
     with pytest.raises(draft_dir.DraftDirError, match="'warp' is not one of"):
         methods.register_method(Warp())
-    draft_dir.register_kind(draft_dir.DraftKind("warp"))
+    Warp.kind = draft_dir.DraftKind("weft", load=serve)
+    with pytest.raises(ValueError, match="declares the kind 'weft'"):
+        methods.register_method(Warp())
+    Warp.kind = draft_dir.DraftKind("warp", load=serve, exports=("onnx",))
+    with pytest.raises(ValueError, match="'onnx', which is not an export format"):
+        methods.register_method(Warp())
+    assert "warp" not in draft_dir.kind_names()  # a refused method leaves no kind behind
+    Warp.kind = draft_dir.DraftKind("warp", load=serve, exports=("medusa",))
+    methods.register_method(Warp())
+    from pipeline.export import kind_problem
+    from pipeline.formats import FORMATS, serve_formats
+
+    assert FORMATS["medusa"].kinds == ("medusa", "warp") and serve_formats()["vllm"]["warp"] == "medusa"
+    assert kind_problem({"kind": "warp"}, "medusa") is None
+    assert "use --format medusa" in kind_problem({"kind": "warp"}, "hf")
+    methods.METHODS.pop("warp")
 
     @dataclasses.dataclass
     class WarpOptions:
         width: int = 1
 
     Warp.config = WarpOptions
+    Warp.kind = None  # the kind "warp" is registered now
     with pytest.raises(ValueError, match="before pipeline.config is imported"):
         methods.register_method(Warp())
-    with pytest.raises(draft_dir.DraftDirError, match="no loader registered"):
-        kind_loaders.loader_for("warp")
 
 
 def _installed(root, group_line: str):

@@ -211,7 +211,7 @@ def target_dir(tmp_path_factory):
 def test_export_writes_the_datastore_the_package_and_the_serve_command(tmp_path, target_dir):
     from pipeline.engines import vllm as ev
     from pipeline.export import MANIFEST, export_draft
-    from pipeline.formats import FORMATS, SERVE_FORMATS
+    from pipeline.formats import FORMATS, serve_formats
     from pipeline.verify_export import infer_format, plan_export
     from pipeline.vllm_bench import python_path, speculative_config
 
@@ -244,7 +244,7 @@ def test_export_writes_the_datastore_the_package_and_the_serve_command(tmp_path,
     assert job["python_path"] == [plan.export_dir]
     assert speculative_config(f"vllm-proposer:4:{out}", 2, 4) == spec
     assert python_path(f"vllm-proposer:4:{out}") == [str(out.resolve())] and python_path("ngram:4") == []
-    assert all("vllm-proposer" not in by_kind.values() for by_kind in SERVE_FORMATS.values())  # never evaluate.serve's
+    assert all("vllm-proposer" not in by_kind.values() for by_kind in serve_formats().values())  # never evaluate.serve's
 
 
 def test_export_refuses_a_draft_without_a_datastore_or_for_another_vocabulary(tmp_path, target_dir):

@@ -6,11 +6,10 @@
   eagle.py     an EAGLE head over the features    medusa.py    Medusa heads over the features
   eagle3.py    an EAGLE-3 head over three target layers
   hybrid.py    lookups and a model as one token tree per round
-  kinds.py     how each draft kind becomes its proposer (the registry load_proposer reads)
   loader.py    load_proposer (a draft directory, module or name -> its proposer), serve_with
 
-A new proposer subclasses `Proposer`, declares the abilities it has, and is returned by the loader
-registered for the draft kind it serves (kinds.register_loader), which load_proposer calls.
+A new proposer subclasses `Proposer`, declares the abilities it has, and is returned by the `load`
+function of the draft kind it serves (eval/draft_dir.py DraftKind), which load_proposer calls.
 """
 
 from ..draft_dir import SERVE_KEYS, SERVED_AS
@@ -19,11 +18,10 @@ from .draft_lm import DraftLMProposer
 from .eagle import EagleProposer
 from .eagle3 import Eagle3Proposer
 from .hybrid import HybridProposer
-from .kinds import KindLoader, register_loader
 from .loader import load_proposer, serve_with
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
 
 __all__ = ["SERVE_KEYS", "SERVED_AS", "DraftLMProposer", "Eagle3Proposer", "EagleProposer", "HybridProposer",
-           "KindLoader", "MedusaProposer", "NgramProposer", "NoDraft", "Proposer", "Sampling", "check_sampling", "draw",
-           "load_proposer", "register_loader", "serve_with", "to_target_vocab", "verified_input"]
+           "MedusaProposer", "NgramProposer", "NoDraft", "Proposer", "Sampling", "check_sampling", "draw",
+           "load_proposer", "serve_with", "to_target_vocab", "verified_input"]

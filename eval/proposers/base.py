@@ -142,6 +142,11 @@ class NoDraft(Proposer):
         pass
 
 
+def target_device(target) -> torch.device:
+    """Where a draft loaded for `target` goes: beside its LM head."""
+    return target.get_output_embeddings().weight.device
+
+
 def prefill_input(prompts: list[list[int]], first: torch.Tensor):
     """A feature-reading head's prefill input: each prompt shifted by one with the first generated token
     after it, so column t holds the token at position t + 1 (it reads the target feature at t).

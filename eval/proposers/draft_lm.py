@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..target import make_runner
-from .base import Proposer, draw, to_target_vocab, verified_input
+from ..drafts import SelfSpecDraft, int8_draft
+from .base import target_device, Proposer, draw, to_target_vocab, verified_input
 
 
 class DraftLMProposer(Proposer):
@@ -103,3 +104,27 @@ class DraftLMProposer(Proposer):
         self.next_logits = self._logits(toks, pos, int(pos.max()) + 1, idx)  # [B, V]
         self.pos = start + n_acc + 1
         self.fed_drafts = True
+
+
+def load(directory, meta, target, dtype) -> DraftLMProposer:
+    """The draft kind "draft_lm"'s loader (eval/draft_dir.py): an ordinary HF checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).to(target_device(target))
+    return DraftLMProposer(model, target.config.vocab_size)
+
+
+def serve_self_spec(draft: SelfSpecDraft, target) -> DraftLMProposer:
+    """A self_spec draft: its truncated vocabulary's rows map to target ids by d2t, and its layers are the
+    target's, so the lean forward's fused runner is not built for it."""
+    return DraftLMProposer(draft, target.config.vocab_size, d2t=draft.d2t, fuse=False)
+
+
+def load_self_spec(directory, meta, target, dtype) -> DraftLMProposer:
+    """The draft kind "self_spec"'s loader: the adapter alone is stored, rebuilt around `target` (its own target)."""
+    return serve_self_spec(SelfSpecDraft.load(directory, target, dtype=dtype, device=target_device(target)), target)
+
+
+def load_int8(directory, meta, target, dtype) -> DraftLMProposer:
+    """The draft kind "int8"'s loader: nothing is stored, the int8 copy is built from the target now."""
+    return DraftLMProposer(int8_draft(target), target.config.vocab_size)

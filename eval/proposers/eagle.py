@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..heads import EagleHead
-from .base import Proposer, draw, prefill_input, to_target_vocab, verified_input
+from .base import target_device, Proposer, draw, prefill_input, to_target_vocab, verified_input
 
 
 class EagleProposer(Proposer):
@@ -77,3 +77,8 @@ class EagleProposer(Proposer):
         prev = self.prev_feat  # [B, 1, H] feature at start - 1
         feats = torch.cat([prev, features.to(prev.dtype)], 1)  # [B, T + 1, H]: feature at pos - 1
         self._run(toks, feats, pos, idx)
+
+
+def load(directory, meta, target, dtype) -> EagleProposer:
+    """The draft kind 'eagle''s loader (eval/draft_dir.py): its head.safetensors, served over `target`."""
+    return EagleProposer(EagleHead.load(directory, dtype=dtype, device=target_device(target)), target)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..heads import Eagle3Head
-from .base import Proposer, draw, prefill_input, to_target_vocab, verified_input
+from .base import target_device, Proposer, draw, prefill_input, to_target_vocab, verified_input
 
 
 class Eagle3Proposer(Proposer):
@@ -74,3 +74,8 @@ class Eagle3Proposer(Proposer):
         toks, pos, idx = verified_input(tokens, start, n_acc, bonus)  # [B, T + 1], [B, T + 1], [B]
         hidden = torch.cat([self.prev, self._fuse(features)], 1)  # [B, T + 1, H]
         self._run(toks, hidden, pos, idx)
+
+
+def load(directory, meta, target, dtype) -> Eagle3Proposer:
+    """The draft kind 'eagle3''s loader (eval/draft_dir.py): its head.safetensors, served over `target`."""
+    return Eagle3Proposer(Eagle3Head.load(directory, dtype=dtype, device=target_device(target)), target)

@@ -12,36 +12,36 @@ from ..draft_dir import SERVE_KEYS
 from .base import NoDraft, Proposer
 from .draft_lm import DraftLMProposer
 from .hybrid import HybridProposer
-from .kinds import loader_for, loaders
 from .ngram import NgramProposer
 
 
 def load_proposer(path_or_kind, target, dtype=None) -> Proposer:
     """The proposer for a draft, however it is given:
       a Proposer                -> itself
-      a registered loader's module -> its `wrap` (an EagleHead -> EagleProposer, an Eagle3Head ->
-                                   Eagle3Proposer, a SelfSpecDraft -> DraftLMProposer with its d2t: kinds.py)
+      a draft kind's `module`   -> its `wrap` (an EagleHead -> EagleProposer, an Eagle3Head ->
+                                   Eagle3Proposer, a SelfSpecDraft -> DraftLMProposer with its d2t: draft_dir.py)
       another module            -> DraftLMProposer (an HF model, the int8 draft)
       "ngram"                   -> NgramProposer()
       a kind that stores no weights, by name ("int8") -> its proposer, built now from the target
       "hybrid:<draft dir>"      -> HybridProposer over that draft (and its datastore.npy, if any)
       "hybrid-nostore:<dir>"    -> the same without the datastore
       "datastore:<draft dir>"   -> n-gram and datastore lookups alone, no draft (NoDraft)
-      a draft directory         -> its kind's registered `load` (kinds.py); a hybrid with its fitted
+      a draft directory         -> its kind's `load` (eval/draft_dir.py); a hybrid with its fitted
                                    "serve" settings when it was promoted as one
     A self_spec directory holds only the adapter: it is rebuilt around `target`, which must be its own
     target."""
     if isinstance(path_or_kind, Proposer):
         return path_or_kind
     if isinstance(path_or_kind, torch.nn.Module):
-        for kl in loaders():
-            if kl.module is not None and isinstance(path_or_kind, kl.module):
-                return kl.wrap(path_or_kind, target)
+        for kind in draft_dir.kinds():
+            cls = kind.module_class()
+            if cls is not None and isinstance(path_or_kind, cls):
+                return kind.wrapper()(path_or_kind, target)
         return DraftLMProposer(path_or_kind, target.config.vocab_size)
     if path_or_kind == "ngram":
         return NgramProposer()
     if isinstance(path_or_kind, str) and path_or_kind in _by_name():
-        return loader_for(path_or_kind).load(None, {}, target, dtype)
+        return draft_dir.get_kind(path_or_kind).loader()(None, {}, target, dtype)
     how, src = draft_dir.served_form(path_or_kind) if isinstance(path_or_kind, str) else (None, None)
     if how:
         return _served(how, src, target, dtype)
@@ -96,4 +96,4 @@ def _by_name() -> set[str]:
 
 
 def _model_proposer(d: Path, meta: dict, target, dtype) -> Proposer:
-    return loader_for(meta["kind"]).load(d, meta, target, dtype)
+    return draft_dir.get_kind(meta["kind"]).loader()(d, meta, target, dtype)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..heads import MedusaHeads
 from ..int8 import Int8Linear
 from ..cpu import packed_linear
-from .base import Proposer, Sampling, to_target_vocab
+from .base import target_device, Proposer, Sampling, to_target_vocab
 
 
 def _int8_copy(weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -169,3 +169,8 @@ class MedusaProposer(Proposer):
         new = features[rows, n_acc.clamp(min=0)].to(self.dtype)  # [B, H]
         self.cur_feat = torch.where((n_acc >= 0)[:, None], new, self.cur_feat)
         self.cur_tok = torch.where(n_acc >= 0, bonus, self.cur_tok)  # the bonus token follows that feature
+
+
+def load(directory, meta, target, dtype) -> MedusaProposer:
+    """The draft kind 'medusa''s loader (eval/draft_dir.py): its head.safetensors, served over `target`."""
+    return MedusaProposer(MedusaHeads.load(directory, dtype=dtype, device=target_device(target)), target)

@@ -1,14 +1,14 @@
 """The draft methods, one module each, behind the `DraftMethod` interface (base.py). This registry is
 the one list of them: the recipe's train.method, its help, its per-method sections (train.<name>), the
 recipe hash's layout of them, `draftsmith compare`'s variants and the train loop read it. Each method
-declares these on its class; the draft kind it saves declares its files (eval/draft_dir.py) and how
-it is served (eval/proposers/kinds.py).
+declares these on its class; the draft kind it saves (eval/draft_dir.py DraftKind) declares its files,
+how the decoder serves it and the export formats that hold it.
 
-To add a method: a module with a DraftMethod subclass (and its options dataclass, if it has keys) and one
-entry in BUILTIN below, beside its kind's entries in eval/draft_dir.py and eval/proposers/kinds.py
-(docs/DESIGN.md, "To add a method"). A plugin calls register_method from its own module, after
-eval.draft_dir.register_kind and eval.proposers.register_loader, and before pipeline.config is imported
-when the method has keys. An installed plugin names that module in its package's entry points, group
+To add a built-in method: a module with a DraftMethod subclass (and its options dataclass, if it has keys)
+and one entry in BUILTIN below; its draft kind is one entry in eval/draft_dir.py, since eval/ serves drafts
+without importing pipeline/ (docs/DESIGN.md, "To add a method"). A plugin makes one call, register_method,
+with the method's `kind` set to its DraftKind, from its own module, before pipeline.config is imported when
+the method has keys. An installed plugin names that module in its package's entry points, group
 PLUGIN_GROUP (`[project.entry-points."draftsmith.methods"] toy = "toy_draft"`): it is imported here, after
 the built-in methods, so the recipe, compare and the loaders see it without any import by the user."""
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from eval import draft_dir
 
+from ..formats import check_exports
 from .base import DraftMethod
 from .draft_lm import DraftLM, DraftLMOptions
 from .eagle import Eagle, EagleOptions
@@ -29,18 +30,24 @@ _sections_read = False  # set once the recipe's sections were built from METHODS
 
 
 def register_method(method: DraftMethod) -> DraftMethod:
-    """Add a draft method. Its name must be a registered draft kind (eval.draft_dir.register_kind), so
-    that what it saves can be loaded and served; a method with keys must come before the recipe's
-    sections are built, since train.<name> is a field of the recipe."""
+    """Add a draft method, and its draft kind when it declares one (`kind`, a plugin's); otherwise its name
+    must be a registered kind (eval/draft_dir.py), so that what it saves can be loaded and served. A method
+    with keys must come before the recipe's sections are built, since train.<name> is a field of the recipe."""
     if method.name in METHODS:
         raise ValueError(f"draft method {method.name!r} is registered already")
-    draft_dir.get_kind(method.name)
+    if method.kind is not None and method.kind.name != method.name:
+        raise ValueError(f"draft method {method.name!r} declares the kind {method.kind.name!r}; a method saves "
+                         f"the kind of its own name")
+    kind = method.kind if method.kind is not None else draft_dir.get_kind(method.name)
+    check_exports(kind)
     if method.config is not None and _sections_read:
         raise ValueError(f"draft method {method.name!r} has recipe keys (train.{method.name}), so it must be "
                          f"registered before pipeline.config is imported")
     taken = [v for v in method.variants if any(v in m.variants for m in METHODS.values())]
     if taken:
         raise ValueError(f"draft method {method.name!r}: compare variant {taken[0]!r} is another method's")
+    if method.kind is not None:
+        draft_dir.register_kind(method.kind)
     METHODS[method.name] = method
     return method
 

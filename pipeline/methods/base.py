@@ -22,6 +22,9 @@ class DraftMethod:
     sample continuations (data=onpolicy/mix)."""
 
     name: str = ""  # also the draft kind it saves (eval/draft_dir.py), which says how the decoder serves it
+    # that kind, declared with the method (a plugin's: register_method registers it); None: the built-in kind
+    # of its name, declared in eval/draft_dir.py, since eval/ serves drafts without importing pipeline/
+    kind: draft_dir.DraftKind | None = None
     config: type | None = None  # the dataclass of its recipe section, train.<name>; None: no keys
     help: str = ""  # what it is, in train.method's `draftsmith recipe-help` line
     variants: dict = {}  # `draftsmith compare`'s variants of it: name -> train overrides; {}: not compared
