@@ -91,7 +91,7 @@ def aggregate(per: list[dict]) -> dict:
     """Sum counters over batch-1 runs; rates are recomputed from the sums, not averaged."""
     n_tokens, wall = _sum(per, "n_tokens"), _sum(per, "wall_s")
     out = {"n_tokens": n_tokens, "wall_s": wall, "tokens_per_s": n_tokens / wall if wall else 0.0}
-    for key in ("target_forwards", "proposed", "accepted", "tree_rounds", "draft_time_s", "verify_time_s"):
+    for key in ("target_forwards", "proposed", "accepted", "rounds", "tree_rounds", "draft_time_s", "verify_time_s"):
         out[key] = _sum(per, key)
     out["peak_mem_bytes"] = max((s.get("peak_mem_bytes") or 0) for s in per)
     out["row_invariant"] = bool(per) and all(s.get("row_invariant", False) for s in per)

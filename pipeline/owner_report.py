@@ -458,7 +458,8 @@ def temperature_section(curves: dict | None, sw: Sweeps | None, figs: Figures, o
         out.append([f"{r['temperature']:g}", num(r["speedup"], ".2f", "speedup", src, "×"),
                     num(r["alpha"], ".3f", "alpha", src),
                     num(r["mean_acceptance_length"], ".3f", "mean_acceptance_length", src),
-                    num(r["draft_acceptance_rate"], ".3f", "draft_acceptance_rate", src)])
+                    num(r["draft_acceptance_rate"], ".3f", "draft_acceptance_rate", src),
+                    num(r.get("tree_share"), ".2f", "tree_share", src)])  # None: a point cached before it was kept
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     ts = [r["temperature"] for r in rows]
@@ -470,8 +471,11 @@ def temperature_section(curves: dict | None, sw: Sweeps | None, figs: Figures, o
     ax.legend(fontsize=7)
     seed = sw.seed if sw else 0
     body = (f"<p>Lossless speculative sampling against plain sampled decoding, taking turns on each prompt; "
-            f"prompt i draws with seed {seed} + i (temperature 0: greedy). Top-p 1, top-k off.</p>"
-            + table(["temperature", "speedup", "α", "mean_acceptance_length", "draft_acceptance_rate"], out, "tcurve")
+            f"prompt i draws with seed {seed} + i (temperature 0: greedy). Top-p 1, top-k off. A draft served as a "
+            f"hybrid verifies token trees (its lookups, datastore and model branches) at every temperature; "
+            f"&ldquo;rounds as trees&rdquo; is the share of its rounds that did.</p>"
+            + table(["temperature", "speedup", "α", "mean_acceptance_length", "draft_acceptance_rate",
+                     "rounds as trees"], out, "tcurve")
             + figs(fig, "Speedup and acceptance against temperature", **_curve_caption(sw)))
     return section("temperature-curve", body)
 

@@ -166,14 +166,17 @@ class Sweeps:
 
     def temperature_point(self, t: float) -> dict:
         """The draft at the recipe's K against plain decoding at temperature `t` (lossless speculative
-        sampling, prompt i seeded seed + i; greedy at 0)."""
+        sampling, prompt i seeded seed + i; greedy at 0), with the share of its rounds verified as token trees
+        (a hybrid's, greedy or sampled; chains otherwise)."""
         sampling = None if t == 0 else {"temperature": t, "top_p": 1.0, "top_k": 0, "seed": self.seed}
 
         def measure():
             _, plain, outs = decode_together(self.target, {"draft": (proposer_for(self.source, self.target), self.k)},
                                              self.prompts, self.max_new_tokens, self.eos, f"report: T={t:g}",
                                              self.compile, sampling)
-            return _row(outs["draft"][1], plain) | {"temperature": t, "sampling": sampling}
+            st = outs["draft"][1]
+            return _row(st, plain) | {"temperature": t, "sampling": sampling,
+                                      "tree_share": st["tree_rounds"] / st["rounds"] if st["rounds"] else 0.0}
         return self._cached(f"temperature-{t:g}", {"temperature": t, "k": self.k}, measure)
 
     def curves(self) -> dict:

@@ -208,6 +208,30 @@ def test_vllm_k_schedule_obeys_vllms_rules():
     assert settled_k([0, 0, 0, 4, 4, 2, 2, 1, 2], 5) == 2 and settled_k([0, 0, 0, 4, 4, 0, 3, 0], 5) == 0
 
 
+def test_the_temperature_curve_of_a_hybrid_verifies_trees(run, chromium, tmp_path):
+    """A draft served as a hybrid verifies token trees when sampling too (issue 33): its temperature curve says
+    which share of rounds did, from the decoder's own count, as Chromium renders it; a bare draft's says none."""
+    from eval import draft_dir
+
+    ckpt = run / "train" / json.loads((run / "train" / "manifest.json").read_text())["checkpoints"][0]
+    hybrid = tmp_path / "hybrid"
+    shutil.copytree(ckpt, hybrid)
+    draft_dir.write_meta(hybrid, draft_dir.read_meta(hybrid) | {"proposer": "hybrid"})  # as evaluate promotes one
+    out = tmp_path / "hybrid.html"
+    assert main(["report", "--domain", "code", "--run-dir", str(run), "--draft", str(hybrid), "--out", str(out),
+                 "report.ks=[1]", "report.batch_sizes=[1]", "report.temperatures=[1.0]"]) == 0
+    cached = list((run / "report").glob("custom-*/temperature-1.json"))  # this draft's curves, beside the run's
+    assert len(cached) == 1
+    point = json.loads(cached[0].read_text())
+    assert point["temperature"] == 1.0 and point["sampling"]["temperature"] == 1.0 and point["tree_share"] > 0
+    dom = _chromium(chromium, tmp_path, "--dump-dom", out.as_uri())
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    shares = [n for n in Page(dom.stdout).numbers if n.get("data-key") == "tree_share"]
+    assert [json.loads(n["data-value"]) for n in shares] == [point["tree_share"]]
+    bare = [json.loads((run / "report" / f"temperature-{t}.json").read_text()) for t in ("0", "1")]
+    assert all(p["tree_share"] == 0 for p in bare)  # the fixture's draft is promoted bare (evaluate.hybrid=false)
+
+
 def test_rerun_reads_the_curves_back(run, tmp_path, monkeypatch):
     """The report written again measures nothing: every curve point is read back from run_dir/report/."""
     import pipeline.sweeps as sweeps
@@ -240,11 +264,13 @@ def test_report_cli_on_other_prompts_with_categories(run, tmp_path):
     assert "&lt;b&gt;bold&lt;/b&gt;" in text
     for c in ("docstrings", "arithmetic", "chat"):
         assert f"category {c}" in text
-    main_json = next((run / "report").glob("custom-*/main.json"))
-    measured = json.loads(main_json.read_text())
     page = Page(text)
     speed = [n for n in page.numbers if n.get("data-key") == "draft.speedup"]
-    assert speed and json.loads(speed[0]["data-value"]) == measured["draft"]["speedup"]
+    assert speed
+    main_json = run / speed[0]["data-src"]  # this draft and prompt set's own directory, beside the run's curves
+    assert main_json.parent.name.startswith("custom-") and main_json.parent.parent == run / "report"
+    measured = json.loads(main_json.read_text())
+    assert json.loads(speed[0]["data-value"]) == measured["draft"]["speedup"]
     assert len(measured["draft"]["stats"]["per_prompt"]) == 3 and measured["draft"]["source"] == str(ckpt)
     assert f"{ckpt}" in Page(text).figures[0]["caption"]["draft"]
 
