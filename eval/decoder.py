@@ -104,15 +104,18 @@ def verify_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
 
 
 def verify_tree_sample(p: torch.Tensor, tree: Tree, sampling: Sampling) -> list[tuple[int, int, int]]:
-    """Lossless speculative sampling over a token tree of deterministic branches (each child a draft
-    distribution with all its mass on its token): SpecInfer's multi-round rejection sampling (Miao et
-    al., 2024) with one-hot drafts. p [B, N+1, V] the target's (warped) probabilities at every node.
-    Per row, down from the root with p_res = p at the node: its children are tried in the trie's order,
-    child c accepted with probability p_res(c), else p_res <- residual(p_res, onehot(c)) (so p_res(c)
-    is 0 after, and a sibling with the same token is never accepted); an accepted child becomes the
-    node (p_res = p there); when every child was rejected, or there is none, the token after the node
-    is sampled from p_res. -> per row (deepest accepted node, its depth, the token after it), as
-    Tree.accept_greedy. The rows walk together: one host sync per child tried (at most N)."""
+    """Lossless speculative sampling over a token tree: SpecInfer's multi-round rejection sampling (Miao et
+    al., 2024). Each child is a draft distribution q_c: one-hot on its token for a deterministic branch
+    (a lookup, an argmax chain), or the q its token was sampled from (tree.q_host: a sampled chain).
+    p [B, N+1, V] the target's (warped) probabilities at every node.
+    Per row, down from the root with p_res = p at the node: its children are tried in Tree.children's
+    order (a sampled child first, while p_res is still the node's p), child c accepted with probability
+    min(1, p_res(c) / q_c(c)), else p_res <- residual(p_res, q_c) (one-hot: p_res(c) is 0 after, so a
+    sibling with the same token is never accepted; sampled: p_res(c) is 0 too, as a rejection means
+    p(c) < q_c(c)); an accepted child becomes the node (p_res = p there); when every child was rejected,
+    or there is none, the token after the node is sampled from p_res. -> per row (deepest accepted node,
+    its depth, the token after it), as Tree.accept_greedy. The rows walk together: one host sync per
+    child tried (at most N)."""
     B, _, V = p.shape
     dev = p.device
     kids = tree.children()  # per row: node -> its children, in order
@@ -132,8 +135,13 @@ def verify_tree_sample(p: torch.Tensor, tree: Tree, sampling: Sampling) -> list[
         tok = tree.tokens[r, j - 1]  # [R]
         u = torch.rand(len(rows), device=dev, generator=sampling.generator)  # [R]
         pr = p_res[r]  # [R, V]
-        ok = u < pr.gather(1, tok[:, None])[:, 0]  # [R]: accept with probability p_res(token)
-        rejected = residual(pr, torch.zeros_like(pr).scatter_(1, tok[:, None], 1.0))  # [R, V]
+        q = torch.zeros_like(pr).scatter_(1, tok[:, None], 1.0)  # [R, V]: one-hot drafts ...
+        for i, (b, c) in enumerate(zip(rows, child)):  # ... and the sampled ones' own q
+            if tree.q_host and c in tree.q_host[b]:
+                q[i] = tree.q_host[b][c]
+        # accept with probability min(1, p_res(token) / q(token)): p_res(token) for a one-hot draft
+        ok = u * q.gather(1, tok[:, None])[:, 0] < pr.gather(1, tok[:, None])[:, 0]  # [R]
+        rejected = residual(pr, q)  # [R, V]
         p_res[r] = torch.where(ok[:, None], p[r, j], rejected)
         for b, c, a in zip(rows, child, ok.tolist()):  # host sync: the accept decisions
             if a:

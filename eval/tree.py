@@ -16,9 +16,11 @@ Every node gets its own cache slot n_b + j; after the round the accepted path's 
 consecutive slots n_b + 1..n_b + a (the runner's `move`), so the cache stays position-indexed.
 
 Sampling verifies trees too, losslessly: eval.decoder.verify_tree_sample walks the same tree with
-SpecInfer's multi-round rejection sampling, every branch deterministic (a one-hot draft distribution:
-n-gram and datastore lookups, and the hybrid's model drafting its argmax chain and runner-ups in a
-tree round). `children()` gives it each node's children in the trie's order.
+SpecInfer's multi-round rejection sampling. A branch is deterministic (a one-hot draft distribution:
+n-gram and datastore lookups, a model's argmax chain and runner-ups) or sampled: a model's chain drawn
+from its q, each of whose nodes carries q (`q_host`) and is tried first among its siblings, where the
+rule's min(1, p/q) and residual need the node's p untouched by other siblings' rejections.
+`children()` gives each node's children in that order.
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ def build_trie(candidates: list[list[int]], max_nodes: int) -> tuple[list[int], 
     return tokens, parents
 
 
+def trie_path(tokens: list[int], parents: list[int], cand: list[int]) -> list[int]:
+    """The nodes (1..N) that candidate `cand` runs through in a trie from build_trie, as far as it got in."""
+    kids = {(p, t): j for j, (p, t) in enumerate(zip(parents, tokens), start=1)}
+    out, node = [], 0
+    for tok in cand:
+        node = kids.get((node, tok))
+        if node is None:
+            break
+        out.append(node)
+    return out
+
+
 @dataclass
 class Tree:
     tokens: torch.Tensor  # [B, N] long (padding nodes: 0)
@@ -57,10 +71,15 @@ class Tree:
     parents_host: list[list[int]]  # per row, its own nodes' parents (no padding)
     tokens_host: list[list[int]]  # per row, its own nodes' tokens (no padding)
     max_depth: int  # host int
+    # per row, node -> the draft distribution q [V] it was sampled from (a sampled branch's nodes); else one-hot
+    q_host: list[dict[int, torch.Tensor]] | None = None
 
     @classmethod
-    def from_lists(cls, rows: list[tuple[list[int], list[int]]], device) -> "Tree":
-        """rows: per batch row, (tokens, parents) from build_trie; rows are padded to one N."""
+    def from_lists(cls, rows: list[tuple], device) -> "Tree":
+        """rows: per batch row, (tokens, parents) from build_trie, or (tokens, parents, {node: q [V]}) with a
+        sampled branch's nodes; rows are padded to one N."""
+        qs = [r[2] if len(r) > 2 else {} for r in rows]
+        rows = [(r[0], r[1]) for r in rows]
         # Built as host lists and turned into tensors once: per-node tensor ops cost more than the
         # whole tree is worth at these sizes (tens of nodes).
         N = max((len(t) for t, _ in rows), default=0)
@@ -79,7 +98,7 @@ class Tree:
         md = max((max(d) for d in depths), default=0) if N else 0
         as_t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
         return cls(as_t(toks, torch.long).view(len(rows), N), as_t(depths, torch.long), as_t(ancs, torch.bool),
-                   [p for _, p in rows], [t for t, _ in rows], md)
+                   [p for _, p in rows], [t for t, _ in rows], md, qs if any(qs) else None)
 
     def mask(self, n: torch.Tensor, s_len: int) -> torch.Tensor:
         """n [B] the current token's position -> attention mask [B, 1, N+1, s_len]: node j of row b
@@ -107,13 +126,15 @@ class Tree:
         return out
 
     def children(self) -> list[dict[int, list[int]]]:
-        """Per row, node -> its children's node indices in insertion (priority) order, on the host."""
+        """Per row, node -> its children's node indices, on the host: a sampled child first (a node has at
+        most one: a trie merges equal tokens), then the others in insertion (priority) order."""
         out = []
-        for par in self.parents_host:
+        for b, par in enumerate(self.parents_host):
+            sampled = self.q_host[b] if self.q_host else {}
             kids: dict[int, list[int]] = {}
             for j, p in enumerate(par, start=1):
                 kids.setdefault(p, []).append(j)
-            out.append(kids)
+            out.append({p: sorted(ch, key=lambda j: j not in sampled) for p, ch in kids.items()})
         return out
 
     def path(self, b: int, best: int) -> list[int]:

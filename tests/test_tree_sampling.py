@@ -7,8 +7,10 @@ As tests/test_sampling.py does for chains, with chi-square goodness-of-fit tests
 - end to end through SpeculativeDecoder on a tiny model, at T = 0.7 and 1.0 with top-p < 1: the first
   three generated tokens' marginals against the target's exact ones (token 3 is reached through
   depth-2 nodes), with trees of deterministic branches (duplicated siblings included), and the hybrid
-  over a draft LM, whose model branches are drafted greedily for the tree;
-and the same tests FAIL when the residual after a rejection is dropped (p_res left unchanged).
+  over a draft LM, whose model branches are drafted greedily for the tree or sampled from its q;
+- the accept rule with a sampled chain among lookups (merged into their nodes where the tokens agree);
+and the same tests FAIL when the residual after a rejection is dropped (p_res left unchanged). A sampled
+chain verified with its q accepts deeper than the same tokens verified as one-hot drafts (both lossless).
 """
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 import eval.decoder as D
 from eval.decoder import SpeculativeDecoder, verify_tree_sample
 from eval.proposers import DraftLMProposer, HybridProposer, Proposer, Sampling
-from eval.tree import Tree
+from eval.tree import Tree, build_trie, trie_path
 from helpers import SAMPLING_PROMPT as PROMPT, SAMPLING_V as V, chi2_pvalue, wrong_residual
 from helpers import sampling_llama as tiny
 
@@ -82,6 +84,70 @@ def test_tree_accept_rule_matches_target(warp):
 def test_tree_accept_rule_without_the_residual_fails(warp, monkeypatch):
     monkeypatch.setattr(D, "residual", wrong_residual)  # p_res left unchanged after a rejection
     assert min(_rule_pvalues(WARPS[warp])) < 1e-6
+
+
+# A sampled chain among one-hot lookups: per draw, x1 ~ q1 and x2 ~ q2[x1] (draft distributions unlike the
+# target's p1, p2[x1]) joined by build_trie with a lookup [a, y] before it and [b] after it, so x1 often
+# merges into a lookup's node; the chain's nodes carry their q (Tree.q_host).
+
+def _sampled_case(warp, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Vs, s = 8, Sampling(**warp)
+    p1 = s.probs(torch.randn(Vs, generator=g) * 1.5)  # [Vs] the target after the prompt
+    p2 = s.probs(torch.randn(Vs, Vs, generator=g) * 1.5)  # [Vs(x1), Vs] the target after x1
+    q1 = torch.softmax(torch.randn(Vs, generator=g), -1)  # the draft: full support, unlike p
+    q2 = torch.softmax(torch.randn(Vs, Vs, generator=g), -1)
+    a, b = p1.argsort(descending=True)[:2].tolist()
+    x1 = torch.multinomial(q1, n, replacement=True, generator=g)  # [n]
+    x2 = torch.multinomial(q2[x1], 1, generator=g)[:, 0]  # [n]
+    rows, ps = [], []
+    for u, v in zip(x1.tolist(), x2.tolist()):
+        toks, pars = build_trie([[a, p2[a].argmax().item()], [u, v], [b]], 8)
+        nodes = trie_path(toks, pars, [u, v])
+        rows.append((toks, pars, {nodes[0]: q1, nodes[1]: q2[u]}))
+        # the target at each node: its path's distribution (depth-2 nodes: any, the check stops at token 2)
+        ps.append(torch.stack([p1] + [p2[t] if par == 0 else torch.full((Vs,), 1 / Vs)
+                                      for t, par in zip(toks, pars)] + [p1] * (5 - len(toks))))  # padded to 5 nodes
+    return p1, p2, rows, torch.stack(ps)
+
+
+def _sampled_pvalues(warp, n=20000):
+    p1, p2, rows, p = _sampled_case(warp, n)
+    tree = Tree.from_lists(rows, "cpu")
+    s = Sampling(**warp, generator=torch.Generator().manual_seed(1))
+    dec = verify_tree_sample(p, tree, s)
+    emitted = [[rows[i][0][j - 1] for j in tree.path(i, node)[1:]] + [nxt] for i, (node, _, nxt) in enumerate(dec)]
+    pv = [chi2_pvalue(torch.tensor([e[0] for e in emitted]), p1)]
+    for t in p1.argsort(descending=True)[:2].tolist():  # the second token, given the first
+        second = torch.tensor([e[1] for e in emitted if len(e) > 1 and e[0] == t])  # t is a child: accepted
+        assert second.numel() > 500
+        pv.append(chi2_pvalue(second, p2[t]))
+    assert {d for _, d, _ in dec} == {0, 1, 2}
+    return pv
+
+
+@pytest.mark.parametrize("warp", list(WARPS))
+def test_tree_accept_rule_with_a_sampled_chain_matches_target(warp):
+    assert min(_sampled_pvalues(WARPS[warp])) > 1e-4
+
+
+@pytest.mark.parametrize("warp", list(WARPS))
+def test_a_sampled_chains_q_raises_acceptance(warp):
+    """A sampled token verified as a one-hot draft is lossless too (any token chosen apart from the
+    verifier's draws is), but accepted with p(x) instead of min(1, p(x)/q(x)): with its q the tree accepts
+    deeper on the same draws."""
+    _, _, rows, p = _sampled_case(WARPS[warp], 20000)
+    depth = {}
+    for name, rr in (("q", rows), ("one-hot", [r[:2] for r in rows])):
+        s = Sampling(**WARPS[warp], generator=torch.Generator().manual_seed(1))
+        dec = verify_tree_sample(p, Tree.from_lists(rr, "cpu"), s)
+        depth[name] = sum(d for _, d, _ in dec) / len(dec)
+    assert depth["q"] > depth["one-hot"] + 0.05, depth
+
+
+def test_tree_accept_rule_with_a_sampled_chain_without_the_residual_fails(monkeypatch):
+    monkeypatch.setattr(D, "residual", wrong_residual)
+    assert min(_sampled_pvalues(WARPS["t1.0"])) < 1e-6
 
 
 # ---------------------------------------------------------------- end to end
@@ -162,11 +228,13 @@ def e2e3_pvalues(target, proposer, warp, draws=10000, calls=2):
 def tree_proposer(kind, target):
     if kind == "oracle":
         return OracleBranches(target)
-    # lookups over the prompt's 3 7 3 7 repeats, the draft LM's argmax chain: one trie per round
-    return HybridProposer(DraftLMProposer(tiny(1, layers=1, init=0.3), V), min_match=1)
+    # lookups over the prompt's 3 7 3 7 repeats, and the draft LM's argmax chain ("hybrid") or its chain
+    # sampled from q ("hybrid-sampled"): one trie per round
+    return HybridProposer(DraftLMProposer(tiny(1, layers=1, init=0.3), V), min_match=1,
+                          sampled_chain=kind == "hybrid-sampled")
 
 
-@pytest.mark.parametrize("kind", ["oracle", "hybrid"])
+@pytest.mark.parametrize("kind", ["oracle", "hybrid", "hybrid-sampled"])
 @pytest.mark.parametrize("warp", list(WARPS))
 def test_tree_sampling_matches_target(target, kind, warp):
     pv, stats = e2e3_pvalues(target, tree_proposer(kind, target), WARPS[warp])

@@ -17,12 +17,13 @@ One small interface (`Proposer`), driven by `eval.decoder.SpeculativeDecoder`:
         token at position start + n_acc + 1. n_acc == -1 marks a finished row (nothing changed).
 
 A proposer may also offer token trees (eval/tree.py), declared by `trees`:
-    propose_tree(k) -> per row (tokens, parents) from eval.tree.build_trie, at most `max_nodes` nodes
+    propose_tree(k) -> per row (tokens, parents) from eval.tree.build_trie, at most `max_nodes` nodes,
+                       or (tokens, parents, {node: q [V]}) with one sampled chain's nodes
 and then accept() receives the accepted path in the chain layout above. Trees are verified greedy or
-sampled; under sampling every branch must be deterministic (a function of the verified tokens, not of
-a draw), since eval.decoder.verify_tree_sample treats each child as a one-hot draft. A model proposer
-keeps begin()'s `sampling` as `self.sampling` and drafts by its `greedy`: the hybrid swaps in a greedy
-one for its tree's model branches.
+sampled; under sampling a branch is deterministic (a function of the verified tokens, not of a draw:
+eval.decoder.verify_tree_sample treats it as a one-hot draft) or one chain drawn from the q each of its
+nodes names. A model proposer keeps begin()'s `sampling` as `self.sampling` and drafts by its `greedy`:
+the hybrid swaps in a greedy one for its tree's deterministic model branches.
 
 Positions are absolute token positions in each row; caches are position-indexed, so a rejected
 draft's slot is overwritten by a later write and never needs cropping.

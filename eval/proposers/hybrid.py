@@ -3,7 +3,7 @@ round (eval/tree.py), greedy or sampled."""
 
 from __future__ import annotations
 
-from ..tree import build_trie
+from ..tree import build_trie, trie_path
 from .base import Proposer, Sampling
 from .ngram import NgramProposer
 
@@ -20,9 +20,11 @@ class HybridProposer(Proposer):
     When every row's suffix recurs >= `strong_match` tokens (matches ranked up to `long_ngram`), the
     round is lookups alone: up to `strong_branches` continuations as long as the budget, no model
     call (SuffixDecoding's rule, Oliaro et al., 2024; 0 turns it off).
-    Every branch of a tree is deterministic: under sampling the model drafts its argmax chain and
-    runner-ups for the tree (its `sampling` swapped for greedy during the call), so each branch is a
-    one-hot proposal, which eval.decoder.verify_tree_sample accepts exactly.
+    Under sampling, the model's branches are either deterministic (`sampled_chain` False: its argmax chain
+    and runner-ups, its `sampling` swapped for greedy during the call, one-hot proposals like the
+    lookups') or its chain sampled from its q (`sampled_chain` True: no runner-ups; each chain node
+    carries its q and is tried first among its siblings). eval.decoder.verify_tree_sample accepts
+    either exactly; which pays at which temperature: docs/reference/trees.md.
     Chain rounds (SpeculativeDecoder(tree=False)): the lookup when it matches >= `min_match` tokens
     for every row, else the model's chain (sampled from its q under sampling).
 
@@ -35,8 +37,10 @@ class HybridProposer(Proposer):
 
     def __init__(self, model: Proposer, min_match: int = 2, k_ngram: int | None = 8, max_ngram: int = 3,
                  branches: int = 2, max_nodes: int = 10, datastore=None, store_branches: int = 2,
-                 alt_branches: int = 3, strong_match: int = 3, long_ngram: int = 8, strong_branches: int = 3):
+                 alt_branches: int = 3, strong_match: int = 3, long_ngram: int = 8, strong_branches: int = 3,
+                 sampled_chain: bool = False):
         self.model = model
+        self.sampled_chain = sampled_chain
         self.alt_branches = alt_branches if model.has_alternatives else 0
         if self.alt_branches:
             model.with_alternatives = True  # it will be asked for them every tree round
@@ -80,23 +84,29 @@ class HybridProposer(Proposer):
             return [build_trie([c for c, n in f if n >= self.strong_match][:self.strong_branches]
                                + [c for c, _ in st] + [c[:kn] for c, n in f if n < self.strong_match], budget)
                     for f, st in zip(found, stored)]
-        drafts, alts = self._model_branches(k, B)  # [B, k], per row its runner-up paths
+        drafts, alts, q = self._model_branches(k, B)  # [B, k], per row its runner-up paths, q [B, k, V] or None
         self.model.drafted_elsewhere()  # the accepted path may be a lookup's
         rows = []
         # host sync: the model's chain joins the host-built tree
-        for f, st, chain, alt in zip(found, stored, drafts.tolist(), alts):
+        for b, (f, st, chain, alt) in enumerate(zip(found, stored, drafts.tolist(), alts)):
             f = [(c[:kn], n) for c, n in f[:self.branches]]
             cands = [c for c, n in f if n >= self.min_match] + [chain] + alt + [c for c, _ in st] \
                 + [c for c, n in f if n < self.min_match]
-            rows.append(build_trie(cands, budget))
+            toks, pars = build_trie(cands, budget)
+            if q is None:
+                rows.append((toks, pars))
+            else:  # the sampled chain's nodes, each with the q its token was drawn from
+                rows.append((toks, pars, {j: q[b, d] for d, j in enumerate(trie_path(toks, pars, chain))}))
         return rows
 
     def _model_branches(self, k: int, B: int):
-        """The model's chain of k [B, k] and its runner-up paths, deterministic however the round samples:
-        under sampling the model drafts greedily for this call. A sampled branch would need its draft
-        distribution q in the accept rule, and its token merged with a lookup's node would lose q's
-        residual step, so the tree holds one-hot proposals only."""
+        """The model's chain of k [B, k], its runner-up paths, and the chain's q [B, k, V] where it was
+        sampled (`sampled_chain` under sampling: no runner-ups), else None: deterministic however the
+        round samples, the model drafting greedily for this call."""
         m, sampling = self.model, self.sampling
+        if self.sampled_chain and not sampling.greedy:
+            drafts, q = m.propose(k)
+            return drafts, [[]] * B, q
         m.sampling = self._greedy
         try:
             drafts, q = m.propose(k)
@@ -106,7 +116,7 @@ class HybridProposer(Proposer):
         if q is not None:
             raise RuntimeError(f"{type(m).__name__}.propose sampled its drafts under a greedy `sampling`: a tree "
                                f"round needs deterministic branches (Proposer.sampling)")
-        return drafts, alts
+        return drafts, alts, None
 
     def begin(self, prompts, first, max_len, sampling, features=None):
         self.sampling, self._greedy = sampling, Sampling(0.0)
