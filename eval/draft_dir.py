@@ -23,7 +23,9 @@ from typing import Callable
 
 FILE = "draftsmith_draft.json"
 SERVED_AS = ("hybrid", "hybrid-nostore", "datastore")  # "<how>:<draft dir>": a directory served another way
-SERVE_KEYS = ("max_nodes",)  # the serving settings a draft's "serve" may fix
+# the serving settings a draft's "serve" may fix: a hybrid's tree node budget (a positive int), and whether
+# its model's chain is sampled from q in a sampled round's tree (a bool; eval/proposers/hybrid.py)
+SERVE_KEYS = ("max_nodes", "sampled_chain")
 
 
 class DraftDirError(ValueError):

@@ -26,6 +26,7 @@ fp32: exact). Measurements are cached in run_dir/eval/ (pipeline.measure.Measure
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import shutil
@@ -69,6 +70,8 @@ class Candidate:
     role: str = field(metadata={"help": "checkpoint (a trained draft alone), served (a checkpoint served "
                                         "another way) or baseline (no training, never promoted)."})
     max_nodes: int | None = field(default=None, metadata={"help": "A served form's tree node budget."})
+    sampled_chain: bool = field(default=False, metadata={"help": "A served form whose sampled rounds keep its "
+                                                                 "model's chain sampled from q in the tree."})
 
     @property
     def files(self) -> str | None:
@@ -78,7 +81,9 @@ class Candidate:
     @property
     def settings(self) -> dict | None:
         """Serving settings its measurement depends on, beyond the evaluate section."""
-        return {"max_nodes": self.max_nodes} if self.max_nodes else None
+        out = ({"max_nodes": self.max_nodes} if self.max_nodes else {}) | \
+            ({"sampled_chain": True} if self.sampled_chain else {})
+        return out or None
 
 
 @dataclass
@@ -117,7 +122,7 @@ class HeldOut:
         done = {c.name: self.cache.read(file[c.name], c.files, key[c.name]) for c in cands}
         todo = [c for c in cands if done[c.name] is None]
         if todo:
-            props = {c.name: (proposer_for(c.source, self.target, c.max_nodes), c.k) for c in todo}
+            props = {c.name: (proposer_for(c.source, self.target, c.settings), c.k) for c in todo}
             desc = "+".join(props) + (f" T={sampling['temperature']}" if sampling else "")
             plain_seqs, plain, outs = decode_together(self.target, props, self.prompts, self.cfg.max_new_tokens,
                                                       self.eos, desc, self.cfg.compile, sampling)
@@ -134,7 +139,8 @@ class HeldOut:
         """A candidate's sampled result: its stats and its speedup over the plain sampled runs it took turns
         with. Samples are not compared token for token: a lossless sample only matches in distribution."""
         return {"name": c.name, "source": c.source, "stats": stats, "plain_stats": plain,
-                "speedup": stats["tokens_per_s"] / plain["tokens_per_s"], "sampling": sampling}
+                "speedup": stats["tokens_per_s"] / plain["tokens_per_s"], "sampling": sampling,
+                "sampled_chain": c.sampled_chain}
 
     def judge(self, c: Candidate, plain_seqs, plain: dict, seqs, stats: dict) -> dict:
         """A candidate's result: its stats, its speedup over the plain runs it took turns with, and its
@@ -286,12 +292,16 @@ def served_candidates(cfg, best_ck: dict, fit: dict | None) -> list[Candidate]:
 
 def sampled_candidates(cfg, best_ck: dict, fit: dict | None) -> list[Candidate]:
     """Step 3b's candidates, measured at the serving temperature: the best checkpoint bare, its served forms
-    at their fitted budgets (served_candidates'), and the n-gram baseline. Sampling verifies the hybrid's
-    token tree as greedy decoding does (eval.decoder.verify_tree_sample), so its datastore and node budget
-    count and each form is measured. Only the best checkpoint: measuring every one again would double
-    evaluate's time, and greedy τ already ordered them. The budget is greedy's fit (a node costs the same
-    when sampling; what it earns is less)."""
-    return [Candidate(best_ck["name"], best_ck["source"], cfg.k, CHECKPOINT)] + served_candidates(cfg, best_ck, fit)
+    at their fitted budgets (served_candidates'), each also with its model's chain sampled in the tree
+    ("<name>+sampled"), and the n-gram baseline. Sampling verifies the hybrid's token tree as greedy decoding
+    does (eval.decoder.verify_tree_sample), so its datastore and node budget count and each form is
+    measured; whether the model's branches are its argmax chain and runner-ups or its sampled chain pays
+    differently by temperature (docs/reference/trees.md), so both are. Only the best checkpoint: measuring
+    every one again would double evaluate's time, and greedy τ already ordered them. The budget is greedy's
+    fit (a node costs the same when sampling; what it earns is less)."""
+    served = served_candidates(cfg, best_ck, fit)
+    twins = [dataclasses.replace(c, name=f"{c.name}+sampled", sampled_chain=True) for c in served if c.role == SERVED]
+    return [Candidate(best_ck["name"], best_ck["source"], cfg.k, CHECKPOINT)] + served + twins
 
 
 def measure_sampled(held: HeldOut, best_ck: dict, fit: dict | None) -> dict[str, dict]:
@@ -302,11 +312,11 @@ def measure_sampled(held: HeldOut, best_ck: dict, fit: dict | None) -> dict[str,
 
 def sampled_twin(r: dict, sampled: dict[str, dict]) -> dict | None:
     """The sampled measurement of greedy result `r`: the same draft directory served the same way (bare, or
-    as a hybrid with or without its datastore); None if none."""
-    for s in sampled.values():
-        if s["source"] != "ngram" and served_as(s["source"]) == served_as(r["source"]):
-            return s
-    return None
+    as a hybrid with or without its datastore), the fastest where its model's chain was measured both ways;
+    None if none."""
+    twins = [s for s in sampled.values()
+             if s["source"] != "ngram" and served_as(s["source"]) == served_as(r["source"])]
+    return max(twins, key=lambda s: s["speedup"], default=None)
 
 
 def log_results(tracker, results: list[dict], prefix: str = "eval") -> None:
@@ -337,9 +347,9 @@ def check_fp32(held: HeldOut, best: dict) -> tuple[bool | None, int]:
     if not n:
         return None, n
     served, _ = served_as(best["source"])
-    max_nodes = best.get("max_nodes") if served else None
+    settings = {"max_nodes": best["max_nodes"]} if served and best.get("max_nodes") else None
     t32 = copy.deepcopy(held.target).float()
-    plain, _, spec, _ = decode_pairs(t32, proposer_for(best["source"], t32, max_nodes), held.prompts[:n], cfg.k,
+    plain, _, spec, _ = decode_pairs(t32, proposer_for(best["source"], t32, settings), held.prompts[:n], cfg.k,
                                      cfg.max_new_tokens, held.eos, "fp32 check", cfg.compile)
     del t32
     return plain == spec, n
@@ -370,8 +380,9 @@ def copy_best(best: dict, run_dir: Path) -> dict:
     meta = draft_dir.read_meta(tmp)
     meta["proposer"] = "hybrid" if served else "draft"
     meta.pop("serve", None)
-    if served and best.get("max_nodes") is not None:
-        meta["serve"] = {"max_nodes": best["max_nodes"]}  # eval.proposers applies it when it loads best/
+    serve = {"max_nodes": best.get("max_nodes"), "sampled_chain": best.get("sampled_chain") or None}
+    if served and any(v is not None for v in serve.values()):  # eval.proposers applies them when it loads best/
+        meta["serve"] = {k: v for k, v in serve.items() if v is not None}
     draft_dir.write_meta(tmp, meta)
     kill_point("evaluate.best_copied")
     shutil.rmtree(run_dir / "best", ignore_errors=True)
@@ -400,7 +411,10 @@ def pick_best(results: list[dict], serve: str, sampled: dict[str, dict] | None =
     if not sampled:
         return max(pool, key=lambda r: r["speedup"])
     twins = [(sampled_twin(r, sampled), r) for r in pool]
-    return max(((t, r) for t, r in twins if t is not None), key=lambda x: (x[0]["speedup"], x[1]["speedup"]))[1]
+    t, r = max(((t, r) for t, r in twins if t is not None), key=lambda x: (x[0]["speedup"], x[1]["speedup"]))
+    if t.get("sampled_chain"):
+        r["sampled_chain"] = True  # promoted as it was measured fastest (the result itself: promote marks it)
+    return r
 
 
 def promote(held: HeldOut, results: list[dict], every: list[dict], run_dir: Path, dtype: str,
@@ -545,6 +559,7 @@ def metrics_for(recipe, held: HeldOut, results: list[dict], baseline: dict | Non
         "speedup": best["speedup"], "c": s.get("c"), "alpha_hat": s.get("alpha_hat"),
         "predicted_speedup": s.get("predicted_speedup"), "tree_rounds": s.get("tree_rounds", 0),
         "max_nodes": best.get("max_nodes") if hybrid else None, "tree_budget_fit": _budget_fit(fit, p),
+        "sampled_chain": bool(best.get("sampled_chain")),
         "greedy_exact": best["greedy_exact"], "lossless": best["lossless"], "exactness_rule": best["exactness_rule"],
         "bf16_match_rate": best["match_rate"] if recipe.dtype == "bfloat16" else None,
         "fp32_exact": p.fp32_exact, "fp32_prompts": p.fp32_prompts, "n_divergences": len(best["divergences"]),

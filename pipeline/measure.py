@@ -20,9 +20,9 @@ from .engines.vllm import acceptance
 from .shards import write_json_atomic
 
 
-def proposer_for(src: str, target, max_nodes: int | None = None):
-    """load_proposer(src), its tree's node budget set when given (a hybrid's fitted budget)."""
-    return serve_with(load_proposer(src, target), None if max_nodes is None else {"max_nodes": max_nodes}, src)
+def proposer_for(src: str, target, settings: dict | None = None):
+    """load_proposer(src) with serving settings when given (a hybrid's fitted budget, its sampled chain)."""
+    return serve_with(load_proposer(src, target), settings, src)
 
 
 def decode_pairs(target, proposer, prompts: list[list[int]], k, max_new_tokens: int, eos, desc: str,

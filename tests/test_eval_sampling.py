@@ -51,7 +51,8 @@ def test_sampled_block_is_the_counters_of_the_sampled_measurements(sampled_run):
     s = m["sampled"]
     assert (s["temperature"], s["top_p"], s["top_k"], s["seed"], s["n_prompts"]) == (0.7, 0.9, 2, 0, 2)
     ck = m["checkpoints"][0]["name"]
-    assert [c["name"] for c in s["candidates"]] == [ck, ck + "+ngram", ck + "+ngram-nostore"]
+    assert [c["name"] for c in s["candidates"]] == [ck, ck + "+ngram", ck + "+ngram-nostore", ck + "+ngram+sampled",
+                                                    ck + "+ngram-nostore+sampled"]
     for block, name in ((s["draft"], s["draft"]["name"]), (s["ngram_baseline"], "ngram")):
         r = _sampled_file(sampled_run, name)
         st, hist = r["stats"], r["stats"]["accept_len_hist"]
@@ -67,22 +68,32 @@ def test_sampled_block_is_the_counters_of_the_sampled_measurements(sampled_run):
     for hybrid in (c["name"] for c in s["candidates"][1:]):  # sampling verifies the hybrid's token trees too
         sampled = _sampled_file(sampled_run, hybrid)
         assert sampled["stats"]["tree_rounds"] > 0
-        greedy = json.loads((sampled_run / "eval" / f"{hybrid}.json").read_text())
+        form = hybrid.removesuffix("+sampled")  # the same form with its model's chain sampled in the tree
+        greedy = json.loads((sampled_run / "eval" / f"{form}.json").read_text())
         assert greedy["stats"]["tree_rounds"] > 0 and sampled["key"]["max_nodes"] == greedy["key"]["max_nodes"]
+        assert sampled["key"].get("sampled_chain", False) is hybrid.endswith("+sampled") is sampled["sampled_chain"]
 
 
 def test_promoted_by_its_speedup_at_the_serving_temperature(sampled_run):
     """The recipe serves at T=0.7, so the candidate with the best sampled speedup is promoted (each served
-    form measured at it: the hybrid with and without its datastore verify different trees); its greedy output
-    is still checked exact in fp32."""
+    form measured at it: the hybrid with and without its datastore verify different trees, each with its
+    model's branches deterministic or its chain sampled), and best/ serves as that measurement did; its
+    greedy output is still checked exact in fp32."""
     m = _metrics(sampled_run)
     s = m["sampled"]
     by_t = {c["name"]: c["speedup"] for c in s["candidates"]}
     pool = [c for c in m["checkpoints"] if c["name"] in by_t]
     assert len(pool) == 3  # the checkpoint, its hybrid, the hybrid without datastore
-    best = max(pool, key=lambda c: (by_t[c["name"]], c["speedup"]))
+
+    def fastest(c):  # its fastest sampled twin: (speedup, name)
+        return max((by_t[n], n) for n in (c["name"], c["name"] + "+sampled") if n in by_t)
+    best = max(pool, key=lambda c: (fastest(c)[0], c["speedup"]))
     assert m["promoted_by"] == "sampled" and m["checkpoint"] == best["name"]
-    assert s["draft"]["name"] == m["checkpoint"]
+    assert s["draft"]["name"] == fastest(best)[1]
+    sampled_chain = s["draft"]["name"].endswith("+sampled")
+    assert m["sampled_chain"] is sampled_chain
+    serve = json.loads((sampled_run / "best" / "draftsmith_draft.json").read_text()).get("serve", {})
+    assert serve.get("sampled_chain", False) is sampled_chain
     assert m["fp32_exact"] is True and m["greedy_exact"] is True
     # the gate admitted it on the same sampled measurements, paired with the sampled n-gram baseline's
     gate = json.loads((sampled_run / "gate.json").read_text())["figures"]

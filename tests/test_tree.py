@@ -212,3 +212,15 @@ def test_ngram_candidates_match_per_n_scans():
         min_n = rng.randrange(1, max_n + 1)
         assert ng.candidates(h, k, m, min_n=min_n, max_n=max_n) == _brute_candidates(h, k, m, max_n, min_n)
     assert ng.candidates([1, 2, 3, 9, 1, 2, 3], 2, 1) == [([9, 1], 3)]  # default max_ngram 3
+
+
+def test_serve_settings_are_checked_and_applied():
+    """A promoted hybrid's "serve" settings: a positive int budget and a bool sampled chain, set on the proposer;
+    anything else is refused in one line naming the setting."""
+    from eval.proposers import HybridProposer, NoDraft, serve_with
+
+    hyb = serve_with(HybridProposer(NoDraft()), {"max_nodes": 6, "sampled_chain": True}, "best/draftsmith_draft.json")
+    assert hyb.max_nodes == 6 and hyb.sampled_chain is True
+    for bad in ({"max_nodes": 0}, {"max_nodes": True}, {"sampled_chain": 1}, {"branches": 2}):
+        with pytest.raises(ValueError, match=rf"best/draftsmith_draft.json: serve.{next(iter(bad))}="):
+            serve_with(HybridProposer(NoDraft()), bad, "best/draftsmith_draft.json")

@@ -79,13 +79,16 @@ def _hybrid(d: Path, meta: dict, store, target, dtype) -> HybridProposer:
 
 
 def serve_with(proposer: Proposer, settings: dict | None, where) -> Proposer:
-    """`proposer` with its serving settings ({"max_nodes": N}) set: the one place they are applied,
-    for a promoted draft's "serve", evaluate's fitted budget and the fit's own replays. `where` names
-    their source in the error for one this decoder does not know."""
+    """`proposer` with its serving settings ({"max_nodes": N, "sampled_chain": True}) set: the one place they
+    are applied, for a promoted draft's "serve", evaluate's fitted budget and sampled forms and the fit's own
+    replays. `where` names their source in the error for one this decoder does not know."""
     for key, val in (settings or {}).items():
-        if key not in SERVE_KEYS or not isinstance(val, int) or val < 1:
+        ok = isinstance(val, bool) if key == "sampled_chain" else \
+            isinstance(val, int) and not isinstance(val, bool) and val >= 1
+        if key not in SERVE_KEYS or not ok:
             raise ValueError(f"{where}: serve.{key}={val!r} is not a hybrid setting this decoder knows "
-                             f"({', '.join(SERVE_KEYS)}, a positive int); remove it or re-run evaluate")
+                             f"(max_nodes: a positive int; sampled_chain: true or false); remove it or re-run "
+                             f"evaluate")
         setattr(proposer, key, val)
     return proposer
 
