@@ -42,7 +42,7 @@ from .exactness import compare_greedy, exactness_rule
 from .loading import LoadError, convert_embedded, convert_gguf, is_gguf, tokenizers_match
 from .prompt_file import PromptFileError, read_prompt_rows, render_chat
 from . import draft_dir
-from .proposers import check_sampling, load_proposer
+from .proposers import SERVE_KEYS, check_sampling, load_proposer, serve_with
 
 EMBEDDED = "embedded"
 
@@ -345,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "keep their trees, so `--draft hybrid:DIR --chain --also hybrid:DIR` pairs chains with trees")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--batch-sweep", default=None, help="comma-separated batch sizes, e.g. 1,2,4,8,16")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="serve",
+                    help="a serving setting for --draft, as a promoted draft's 'serve' fixes it: max_nodes=N (a "
+                         "hybrid's tree budget) or sampled_chain=true|false (its model's chain sampled in a sampled "
+                         "round's tree); repeatable")
     ap.add_argument("--also", action="append", default=[], metavar="DRAFT[@K]",
                     help="another draft (any --draft form) measured in the same interleaved turns, at its own K "
                          "(default --k); repeatable, e.g. --also ngram@8 --also hybrid:DIR@2. Paired like this, "
@@ -420,6 +424,7 @@ def plan(args) -> Plan:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device here (torch.cuda.is_available() is False); "
                          "run on a GPU machine with a CUDA build of torch, or use --device cpu")
+    serve_settings(args)  # checked here, before any model loads
     p = Plan(k, sweep, load_prompts(args.prompts, args.n_prompts), draft_kind(args.draft))
     for spec in args.also:
         src, k_also = _parse_also(spec, k)
@@ -453,10 +458,34 @@ def load_models(args, kind: str):
     return device, tpath, tok, target, draft_model
 
 
+def serve_settings(args) -> dict:
+    """--set's settings, typed: {"max_nodes": int, "sampled_chain": bool}; a BenchError names a bad one."""
+    out = {}
+    for item in args.serve:
+        key, sep, val = item.partition("=")
+        if not sep or key not in SERVE_KEYS:
+            raise BenchError(f"--set {item}: give KEY=VALUE with KEY one of {', '.join(SERVE_KEYS)}")
+        if key == "sampled_chain":
+            if val.lower() not in ("true", "false", "1", "0"):
+                raise BenchError(f"--set {item}: sampled_chain is true or false")
+            out[key] = val.lower() in ("true", "1")
+        else:
+            try:
+                out[key] = int(val)
+            except ValueError:
+                raise BenchError(f"--set {item}: {key} is a positive integer") from None
+            if out[key] < 1:
+                raise BenchError(f"--set {item}: {key} is a positive integer")
+    return out
+
+
 def draft_proposer(args, target, draft_model=None):
-    """The proposer for --draft (load_proposer: "ngram" is prompt lookup); a draft LM already loaded for
-    HF assisted generation is served as it is, not read from disk a second time."""
-    return load_proposer(draft_model if draft_model is not None else args.draft, target)
+    """The proposer for --draft (load_proposer: "ngram" is prompt lookup) with --set's settings; a draft LM
+    already loaded for HF assisted generation is served as it is, not read from disk a second time."""
+    prop, settings = load_proposer(draft_model if draft_model is not None else args.draft, target), serve_settings(args)
+    if settings and not prop.trees:
+        raise BenchError(f"--set applies to a hybrid's trees; --draft {args.draft} is not one (give hybrid:DIR)")
+    return serve_with(prop, settings, "--set")
 
 
 def _header(args, device, tpath: str, kind: str, n_prompts: int) -> dict:
@@ -592,7 +621,7 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target) -> dict:
     decs = {"plain": our_decoder(R.args, target, None),
             "speculative": our_decoder(R.args, target, proposer, k=k, tree=not R.args.chain)}
     if k != "auto":
-        decs["controlled"] = our_decoder(R.args, target, load_proposer(R.args.draft, target), k="auto",
+        decs["controlled"] = our_decoder(R.args, target, draft_proposer(R.args, target), k="auto",
                                          tree=not R.args.chain)
     for b in sizes:
         m = R.measure({n: (functools.partial(R.dec_call, d), b) for n, d in decs.items()}, prompts)

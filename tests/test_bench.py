@@ -111,7 +111,11 @@ def test_bad_inputs_fail_with_one_line(tiny, tmp_path, capsys):
                        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
                        (["--batch-size", "0"], "--batch-size must be >= 1"),
                        (["--batch-sweep", "1,x"], "--batch-sweep must be comma-separated integers"),
-                       (["--batch-sweep", "0"], "--batch-sweep needs positive batch sizes")):
+                       (["--batch-sweep", "0"], "--batch-sweep needs positive batch sizes"),
+                       (["--set", "branches=2"], "--set branches=2: give KEY=VALUE with KEY one of max_nodes"),
+                       (["--set", "max_nodes=0"], "max_nodes is a positive integer"),
+                       (["--set", "sampled_chain=maybe"], "sampled_chain is true or false"),
+                       (["--set", "sampled_chain=true"], "--set applies to a hybrid's trees; --draft ngram")):
         assert bench.main(ok + extra) == 2
         assert msg in _err(capsys)
 
@@ -191,6 +195,10 @@ def test_also_measures_more_drafts_in_the_same_turns(tiny, tmp_path, capsys):
     assert res["ngram@6"]["k"] == 6 and res[f"{hyb}@2"]["k"] == 2
     out = capsys.readouterr().out
     assert all(n in out for n in names)
+    # --set serves --draft as a promoted hybrid's "serve" would: sampled, its model's chain sampled in the tree
+    rc, res = _run(tiny, tmp_path, "--draft", hyb, "--set", "sampled_chain=true", "--set", "max_nodes=4",
+                   "--temperature", "0.8", "--n-prompts", "2", "--also", hyb)
+    assert rc == 0 and res["speculative"]["decoder_stats"]["tree_rounds"] > 0 and res["speculative"]["tokens_per_s"] > 0
     for bad in (tiny["draft"], str(tmp_path / "nowhere")):
         rc, _ = _run(tiny, tmp_path, "--draft", "ngram", "--also", bad)
         assert rc == 2
