@@ -199,6 +199,7 @@ def test_also_measures_more_drafts_in_the_same_turns(tiny, tmp_path, capsys):
     rc, res = _run(tiny, tmp_path, "--draft", hyb, "--set", "sampled_chain=true", "--set", "max_nodes=4",
                    "--temperature", "0.8", "--n-prompts", "2", "--also", hyb)
     assert rc == 0 and res["speculative"]["decoder_stats"]["tree_rounds"] > 0 and res["speculative"]["tokens_per_s"] > 0
+    capsys.readouterr()
     for bad in (tiny["draft"], str(tmp_path / "nowhere")):
         rc, _ = _run(tiny, tmp_path, "--draft", "ngram", "--also", bad)
         assert rc == 2
