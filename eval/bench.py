@@ -43,6 +43,7 @@ from .loading import LoadError, convert_embedded, convert_gguf, is_gguf, tokeniz
 from .prompt_file import PromptFileError, read_prompt_rows, render_chat
 from . import draft_dir
 from .proposers import SERVE_KEYS, check_sampling, load_proposer, serve_with
+from .proposers.loader import serve_problem
 
 EMBEDDED = "embedded"
 
@@ -459,23 +460,19 @@ def load_models(args, kind: str):
 
 
 def serve_settings(args) -> dict:
-    """--set's settings, typed: {"max_nodes": int, "sampled_chain": bool}; a BenchError names a bad one."""
+    """--set's settings, typed ({"max_nodes": int, "sampled_chain": bool}) and checked as serve_with checks a
+    promoted draft's; a BenchError names a bad one."""
     out = {}
     for item in args.serve:
         key, sep, val = item.partition("=")
         if not sep or key not in SERVE_KEYS:
             raise BenchError(f"--set {item}: give KEY=VALUE with KEY one of {', '.join(SERVE_KEYS)}")
-        if key == "sampled_chain":
-            if val.lower() not in ("true", "false", "1", "0"):
-                raise BenchError(f"--set {item}: sampled_chain is true or false")
-            out[key] = val.lower() in ("true", "1")
-        else:
-            try:
-                out[key] = int(val)
-            except ValueError:
-                raise BenchError(f"--set {item}: {key} is a positive integer") from None
-            if out[key] < 1:
-                raise BenchError(f"--set {item}: {key} is a positive integer")
+        flags = {"true": True, "1": True, "false": False, "0": False}
+        typed = flags.get(val.lower(), val) if key == "sampled_chain" else int(val) if val.lstrip("-").isdigit() else val
+        why = serve_problem(key, typed)
+        if why:
+            raise BenchError(f"--set {item}: {why}")
+        out[key] = typed
     return out
 
 

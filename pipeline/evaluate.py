@@ -81,9 +81,15 @@ class Candidate:
     @property
     def settings(self) -> dict | None:
         """Serving settings its measurement depends on, beyond the evaluate section."""
-        out = ({"max_nodes": self.max_nodes} if self.max_nodes else {}) | \
-            ({"sampled_chain": True} if self.sampled_chain else {})
-        return out or None
+        return serve_settings({"max_nodes": self.max_nodes, "sampled_chain": self.sampled_chain})
+
+
+def serve_settings(r: dict) -> dict | None:
+    """The serving settings a candidate or result names (eval.proposers.serve_with's: a tree budget, a sampled
+    chain), None when it names none: what it is measured with, and what best/ keeps as "serve"."""
+    out = ({"max_nodes": r["max_nodes"]} if r.get("max_nodes") else {}) | \
+        ({"sampled_chain": True} if r.get("sampled_chain") else {})
+    return out or None
 
 
 @dataclass
@@ -202,8 +208,9 @@ def check_exports(recipe, ckpts: list[Path]) -> None:
     meta, serve = draft_dir.read_meta(ckpts[-1]), recipe.evaluate.serve
     kind = meta["kind"]
     if serve != "draftsmith" and engine_format(meta, serve) is None:
-        fmt = serve_formats()[serve].get(kind)
-        why = kind_problem(meta, fmt) if fmt else f"{serve} loads {' or '.join(serve_formats()[serve])} drafts"
+        loads = serve_formats()[serve]
+        fmt = loads.get(kind)
+        why = kind_problem(meta, fmt) if fmt else f"{serve} loads {' or '.join(loads)} drafts"
         raise EvaluateError(f"evaluate.serve={serve}: this run's {kind} checkpoints cannot be served there ({why}); "
                             f"train a draft {serve} loads or set evaluate.serve=draftsmith")
     for fmt in recipe.export.formats:
@@ -347,7 +354,7 @@ def check_fp32(held: HeldOut, best: dict) -> tuple[bool | None, int]:
     if not n:
         return None, n
     served, _ = served_as(best["source"])
-    settings = {"max_nodes": best["max_nodes"]} if served and best.get("max_nodes") else None
+    settings = serve_settings(best) if served else None
     t32 = copy.deepcopy(held.target).float()
     plain, _, spec, _ = decode_pairs(t32, proposer_for(best["source"], t32, settings), held.prompts[:n], cfg.k,
                                      cfg.max_new_tokens, held.eos, "fp32 check", cfg.compile)
@@ -380,9 +387,8 @@ def copy_best(best: dict, run_dir: Path) -> dict:
     meta = draft_dir.read_meta(tmp)
     meta["proposer"] = "hybrid" if served else "draft"
     meta.pop("serve", None)
-    serve = {"max_nodes": best.get("max_nodes"), "sampled_chain": best.get("sampled_chain") or None}
-    if served and any(v is not None for v in serve.values()):  # eval.proposers applies them when it loads best/
-        meta["serve"] = {k: v for k, v in serve.items() if v is not None}
+    if served and serve_settings(best):  # eval.proposers applies them when it loads best/
+        meta["serve"] = serve_settings(best)
     draft_dir.write_meta(tmp, meta)
     kill_point("evaluate.best_copied")
     shutil.rmtree(run_dir / "best", ignore_errors=True)

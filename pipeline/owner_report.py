@@ -607,8 +607,9 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
         if fmt is None and cand:
             fmt = cand["format"]
         if fmt is None:
-            want = serve_formats()[engine].get(meta.get("kind"))
-            why = kind_problem(meta, want) if want else f"{engine} loads {' or '.join(serve_formats()[engine])} drafts"
+            loads = serve_formats()[engine]
+            want = loads.get(meta.get("kind"))
+            why = kind_problem(meta, want) if want else f"{engine} loads {' or '.join(loads)} drafts"
             lines.append(f"# {engine}: this draft ({meta.get('kind', '?')}) cannot be served there: {why}")
             continue
         out = str(run_dir / exports[fmt]["dir"]) if fmt in exports else "EXPORT_DIR"

@@ -83,14 +83,22 @@ def serve_with(proposer: Proposer, settings: dict | None, where) -> Proposer:
     are applied, for a promoted draft's "serve", evaluate's fitted budget and sampled forms and the fit's own
     replays. `where` names their source in the error for one this decoder does not know."""
     for key, val in (settings or {}).items():
-        ok = isinstance(val, bool) if key == "sampled_chain" else \
-            isinstance(val, int) and not isinstance(val, bool) and val >= 1
-        if key not in SERVE_KEYS or not ok:
-            raise ValueError(f"{where}: serve.{key}={val!r} is not a hybrid setting this decoder knows "
-                             f"(max_nodes: a positive int; sampled_chain: true or false); remove it or re-run "
-                             f"evaluate")
+        why = serve_problem(key, val)
+        if why:
+            raise ValueError(f"{where}: serve.{key}={val!r} is not a hybrid setting this decoder knows ({why}); "
+                             f"remove it or re-run evaluate")
         setattr(proposer, key, val)
     return proposer
+
+
+def serve_problem(key: str, val) -> str | None:
+    """What is wrong with serving setting `key`=`val` (serve_with's check, and bench --set's before any model
+    loads), None when nothing is."""
+    if key not in SERVE_KEYS:
+        return f"the settings are {', '.join(SERVE_KEYS)}"
+    if key == "sampled_chain":
+        return None if isinstance(val, bool) else "sampled_chain is true or false"
+    return None if isinstance(val, int) and not isinstance(val, bool) and val >= 1 else f"{key} is a positive integer"
 
 
 def _by_name() -> set[str]:
