@@ -65,6 +65,9 @@ STATIC_MIN_LEN = 256  # compile=True: the KV cache length (the step's attended l
 class GenerationResult:
     sequences: list[list[int]]  # new tokens per prompt (EOS included when emitted)
     stats: dict = field(default_factory=dict)
+    # generate(logprobs=N): per prompt (ids [n, N], log-probs [n, N] float32, descending), the target's top N
+    # at each new token's step (log-softmax of the raw logits over the full vocabulary), as vLLM's `logprobs`
+    logprobs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -169,6 +172,8 @@ class SpeculativeDecoder:
         # s_len is the whole cache (a power of two, never shrinking), so the shapes stay static across
         # rounds and calls.
         self.controllers: dict[int, KController] = {}  # k="auto": per batch size, kept across calls
+        self.last_stats: dict = {}
+        self.last_logprobs: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # stream(logprobs=N)
         self.static = bool(compile)
         self.static_len = 0  # compile=True: the cache length of every call so far
         if self.static:
@@ -193,20 +198,27 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0) -> GenerationResult:
+                 top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0,
+                 logprobs: int = 0) -> GenerationResult:
         out = [[] for _ in prompts]
-        gen = self.stream(prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed)
+        gen = self.stream(prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, logprobs)
         for batch in gen:
             for o, new in zip(out, batch):
                 o.extend(new)
-        return GenerationResult(out, self.last_stats)
+        return GenerationResult(out, self.last_stats, self.last_logprobs)
 
     @torch.inference_mode()
     def stream(self, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0):
-        """Yields, once per round, a list (per prompt) of the newly verified tokens."""
+               top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0, logprobs: int = 0):
+        """Yields, once per round, a list (per prompt) of the newly verified tokens. logprobs=N keeps the
+        target's top N log-probs of every step in `last_logprobs` (plain decoding: its step logits are the
+        ones a verify computes, row-invariant kernels, so the generate stage needs no teacher forward)."""
+        if logprobs and self.proposer is not None:
+            raise ValueError("logprobs are kept by plain decoding only: use SpeculativeDecoder(target, None)")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         s = self._setup(prompts, max_new_tokens, Sampling(temperature, top_k, top_p, gen), eos_token_id)
+        s.logprobs = logprobs
+        self.last_logprobs = None
         prop = self.proposer
         ctl = self._controller(len(prompts)) if self.k == "auto" and prop is not None else None
 
@@ -231,6 +243,8 @@ class SpeculativeDecoder:
             self._update(s, r, ctl, plain=k == 0)
 
         self.last_stats = self._finish(s, ctl)
+        if logprobs:
+            self.last_logprobs = self._logprobs(s)
 
     # ------------------------------------------------------------------ the steps of stream()
     def _controller(self, batch: int) -> "KController":
@@ -279,6 +293,7 @@ class SpeculativeDecoder:
         L_t = torch.tensor(L, device=dev)  # [B]
         t = time.perf_counter()
         logits, feats = self.runner(toks, pos, T, logit_idx=L_t - 1)  # [B, 1, V], [B, T, H]
+        self._keep_logprobs(s, logits[:, 0])
         sampling = s.sampling
         cur = greedy_argmax(logits[:, 0]) if sampling.greedy else sampling.sample(sampling.probs(logits[:, 0]))
         first = cur.tolist()  # host sync: the first token
@@ -342,6 +357,8 @@ class SpeculativeDecoder:
         pos = s.n[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
         logits, feats = self._fwd(inp, pos, s.s_full or max(s.n_host) + k + 1)  # [B, k+1, V], [B, k+1, H]
         st.max_verify = max(st.max_verify, k + 1)
+        if k == 0:
+            self._keep_logprobs(s, logits[:, 0])
         if s.sampling.greedy:
             n_acc, bonus = verify_greedy(logits, drafts)
         else:
@@ -387,6 +404,22 @@ class SpeculativeDecoder:
         pos = n[:, None] + torch.arange(D + 1, device=dev)  # [B, D+1]
         n_acc, bonus = torch.tensor([[a, bn] for _, a, bn in dec], device=dev).unbind(1)  # [B] each
         return _Round(tree.max_depth, inp, pos, feats, n_acc, bonus, host)
+
+    @staticmethod
+    def _keep_logprobs(s: "_Batch", logits: torch.Tensor):
+        """logprobs=N: this step's top N log-probs per row, from its logits [B, V] (kept on the device)."""
+        if s.logprobs:
+            x = logits.float()
+            top = x.topk(s.logprobs, dim=-1)  # [B, N] each
+            s.steps_lp.append((top.indices, top.values - x.logsumexp(-1, keepdim=True)))
+
+    @staticmethod
+    def _logprobs(s: "_Batch") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per row (ids [n, N], log-probs [n, N]) of its n new tokens: in plain decoding row b's j-th token
+        came from step j (the prefill is step 0), whatever the other rows did."""
+        ids = torch.stack([i for i, _ in s.steps_lp], 1).cpu()  # [B, steps, N]
+        vals = torch.stack([v for _, v in s.steps_lp], 1).cpu()  # [B, steps, N]
+        return [(ids[b, : len(o)], vals[b, : len(o)]) for b, o in enumerate(s.out)]
 
     def _record(self, s: "_Batch", r: "_Round", active: list[bool]) -> list[list[int]]:
         """Count the round -> each active row's new tokens (its accepted drafts and the bonus token)."""
@@ -445,6 +478,8 @@ class _Batch:
     done: list[bool] = field(default_factory=list)
     featbuf: torch.Tensor | None = None  # [B, max_len, H] target features by position (k="auto" resyncs)
     synced: bool = False  # the proposer has seen every verified token
+    logprobs: int = 0  # top log-probs kept per step (generate(logprobs=N))
+    steps_lp: list = field(default_factory=list)  # per step (ids [B, N], log-probs [B, N])
 
     def __post_init__(self):
         self.out = [[] for _ in self.prompts]

@@ -13,15 +13,14 @@ so the rows do not depend on the process count. Sampling (temperature > 0) resee
 (recipe.seed, batch index) before each batch, for the same reason.
 
 Completions come from this project's decoder (plain decoding, ragged batches on every family's runner;
-see `make_decoder`); `generate.engine` picks HF `generate`
-or vLLM instead (its own venv, through pipeline/engines: `vllm_rows`, whose top-k come from vLLM's
-decode loop). Otherwise log-probs come from one teacher-forced HF forward over prompt+completion
-rather than the decode loop's logits: that is the parallel forward the speculative decoder's verify
-step computes (the distribution a draft is judged against), it is untouched by generate's logits
-processors, and it never holds [steps, batch, vocab] logits from the whole decode loop. It costs one
-extra forward per batch, small next to max_new_tokens sequential decode steps. In bf16 the stored
-top-1 can differ from a greedy token at near-ties; position i is still the target's distribution for
-completion_ids[i].
+see `make_decoder`), and their top-k log-probs from the same decode loop's logits (`generate(logprobs=k)`):
+its steps run the row-invariant kernels a verify runs, so they are the distribution a draft is judged
+against, and no second forward is needed (it cost as much as the decoding on the AVX2 path:
+docs/reference/kernels.md). `generate.engine` picks HF `generate` or vLLM instead (its own venv,
+through pipeline/engines: `vllm_rows`, whose top-k also come from vLLM's decode loop). HF `generate`'s
+rows get theirs from one teacher-forced HF forward over prompt+completion, untouched by generate's
+logits processors. In bf16 that top-1 can differ from a greedy token at near-ties; position i is still
+the target's distribution for completion_ids[i].
 """
 
 from __future__ import annotations
@@ -110,8 +109,15 @@ def engine_name(engine: str) -> str:
 def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_tokens: int,
                    temperature: float, top_k: int, seed: int, decoder=None, teacher=None) -> list[dict]:
     """Generate for one batch and return shard rows with the target's top-k log-probs. `decoder`
-    (make_decoder's) decodes when given, else HF `generate` over the left-padded batch. `teacher` runs the
-    teacher-forced forward (default `model`; models.compute_copy's fp32 copy where bf16 matmuls are slow)."""
+    (make_decoder's) decodes when given, its top-k from its own steps; else HF `generate` over the
+    left-padded batch, its top-k from a teacher-forced forward run by `teacher` (default `model`;
+    models.compute_copy's fp32 copy where bf16 matmuls are slow)."""
+    if decoder is not None:
+        # Seeded per batch (its own generator), so the process count does not matter.
+        res = decoder.generate([ids for _, ids in batch], max_new_tokens, temperature=temperature,
+                               eos_token_id=eos_ids, seed=seed, logprobs=top_k)  # cut after EOS (kept)
+        return [_row(rid, ids, c, idx, vals)
+                for (rid, ids), c, (idx, vals) in zip(batch, res.sequences, res.logprobs)]
     device = model.device
     P = max(len(ids) for _, ids in batch)
     input_ids = torch.full((len(batch), P), pad_id, dtype=torch.long)
@@ -120,16 +126,9 @@ def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_toke
         input_ids[j, P - len(ids):] = torch.tensor(ids)
         attn[j, P - len(ids):] = 1
     input_ids, attn = input_ids.to(device), attn.to(device)
-    if decoder is not None:
-        # Seeded per batch (its own generator), so the process count does not matter.
-        completions = decoder.generate([ids for _, ids in batch], max_new_tokens, temperature=temperature,
-                                       eos_token_id=eos_ids, seed=seed).sequences  # cut after EOS (kept)
-        T = max(len(c) for c in completions)
-        gen = torch.tensor([c + [pad_id] * (T - len(c)) for c in completions], dtype=torch.long, device=device)
-    else:
-        completions, gen = _hf_generate(model, input_ids, attn, pad_id=pad_id, eos_ids=eos_ids,
-                                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        T = gen.shape[1]
+    completions, gen = _hf_generate(model, input_ids, attn, pad_id=pad_id, eos_ids=eos_ids,
+                                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    T = gen.shape[1]
     # teacher-forced forward over prompt + completion (minus its last token); logits for the last T columns
     full = torch.cat([input_ids, gen[:, :T - 1]], dim=1) if T > 1 else input_ids
     fmask = torch.cat([attn, torch.ones_like(gen[:, :T - 1])], dim=1) if T > 1 else attn
@@ -140,10 +139,14 @@ def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_toke
         n = len(completions[j])
         lp = torch.log_softmax(logits[j, :n].float(), dim=-1)
         vals, idx = lp.topk(top_k, dim=-1)  # sorted descending
-        rows.append({"id": rid, "prompt_ids": ids, "completion_ids": completions[j],
-                     "topk_ids": idx.to(torch.int32).cpu().tolist(),
-                     "topk_logprobs": vals.cpu().tolist()})
+        rows.append(_row(rid, ids, completions[j], idx, vals))
     return rows
+
+
+def _row(rid, prompt_ids: list[int], completion: list[int], idx: torch.Tensor, vals: torch.Tensor) -> dict:
+    """A shard row: idx, vals [n, k] the target's top-k ids and log-probs at each of the n completion tokens."""
+    return {"id": rid, "prompt_ids": prompt_ids, "completion_ids": completion,
+            "topk_ids": idx.to(torch.int32).cpu().tolist(), "topk_logprobs": vals.float().cpu().tolist()}
 
 
 def _hf_generate(model, input_ids, attn, *, pad_id, eos_ids, max_new_tokens, temperature, seed):
@@ -271,7 +274,7 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
     n_todo_batches = sum(len(_shard_batch_ids(i, g, len(batches))) for i in todo)
     bar = tqdm(total=n_todo_batches, desc="generate", unit="batch", disable=not is_main)
     decoder = make_decoder(model, g.engine) if todo else None
-    teacher = compute_copy(model) if todo else None
+    teacher = compute_copy(model) if todo and decoder is None else None
     for i in todo:
         shard_rows = []
         for b in _shard_batch_ids(i, g, len(batches)):

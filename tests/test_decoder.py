@@ -101,6 +101,27 @@ def test_eos_and_max_new_tokens_per_sequence(target, draft, hf_ref):
     assert SpeculativeDecoder(target, None).generate([PROMPTS[0]], max_new_tokens=1).sequences == [hf_ref[0][:1]]
 
 
+def test_plain_decoding_keeps_the_teacher_forced_top_logprobs(target, hf_ref):
+    """generate(logprobs=N): each new token's top N log-probs are those of a teacher-forced forward over the
+    row alone, rows of a ragged batch stopping at EOS at different steps included; sampled rows too."""
+    eos = hf_ref[0][5]
+    for temperature in (0.0, 0.8):
+        res = SpeculativeDecoder(target, None).generate(PROMPTS, max_new_tokens=N_NEW, eos_token_id=eos,
+                                                        temperature=temperature, logprobs=5)
+        assert len(res.logprobs) == len(PROMPTS)
+        for p, seq, (ids, vals) in zip(PROMPTS, res.sequences, res.logprobs):
+            assert ids.shape == vals.shape == (len(seq), 5) and vals.dtype == torch.float32
+            with torch.no_grad():
+                logits = target(torch.tensor([p + seq])).logits[0, len(p) - 1:len(p) - 1 + len(seq)]
+            ref = torch.log_softmax(logits.float(), -1).topk(5, -1)
+            assert torch.allclose(vals, ref.values, atol=1e-4) and (ids[:, 0] == ref.indices[:, 0]).all()
+            if temperature == 0.0:
+                assert ids[:, 0].tolist() == seq  # greedy: each token is the top-1
+    assert SpeculativeDecoder(target, None).generate(PROMPTS[:1], max_new_tokens=3).logprobs is None
+    with pytest.raises(ValueError, match="plain decoding only"):
+        SpeculativeDecoder(target, NgramProposer(), k=2).generate(PROMPTS[:1], max_new_tokens=3, logprobs=5)
+
+
 def test_self_draft_accepts_everything(target):
     res = SpeculativeDecoder(target, DraftLMProposer(target, V), k=4).generate(PROMPTS, max_new_tokens=N_NEW)
     s = res.stats
