@@ -52,7 +52,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "tree-sample-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "measured-rates-3"
+CONTROLLER_REV = "measured-rates-4"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 K_WARMUP = 4  # k="auto": the K of the rounds that first measure alpha and c
@@ -249,12 +249,18 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ the steps of stream()
     def _controller(self, batch: int) -> "KController":
         """k="auto"'s controller for this batch size: what earlier calls at it measured carries over (a round's
-        cost is the machine's and the batch's, not the prompt's), so only the first call pays the warm-up."""
+        cost is the machine's and the batch's, not the prompt's), so only the first call pays the warm-up.
+        A new batch size warms up at the K the largest smaller one settled on (at least 1, at most K_WARMUP):
+        a verify's cost grows with the batch, so the best K does not (docs/reference/k-auto.md), and a
+        K_WARMUP round where no K pays costs several plain steps."""
         ctl = self.controllers.get(batch)
-        if ctl is None:
-            ctl = self.controllers[batch] = KController(K_MAX_AUTO, WARMUP_PLAIN, K_WARMUP, PROBE_EVERY)
-        else:
+        if ctl is not None:
             ctl.next_call()
+            return ctl
+        below = [(b, c.settled()) for b, c in self.controllers.items() if b < batch]
+        below = [k for _, k in sorted(below) if k is not None]
+        k_warm = max(1, min(K_WARMUP, below[-1])) if below else K_WARMUP
+        ctl = self.controllers[batch] = KController(K_MAX_AUTO, WARMUP_PLAIN, k_warm, PROBE_EVERY)
         return ctl
 
     def _setup(self, prompts, max_new_tokens, sampling, eos_token_id) -> "_Batch":
@@ -569,11 +575,8 @@ class KController:
             K, v = best_k(alpha_hat, c, self.k_max)
             self.expected_speedup = v
             return self._pick(K if v >= 1.0 else 0)
-        line = self._cost_line()
-        rate = {k: self.rate(k, alpha_hat, line) for k in range(self.k_max + 1)}
-        spec = max(range(1, self.k_max + 1), key=lambda k: (rate[k], -k))  # ties go to the shorter draft
+        K, spec, rate = self._best(alpha_hat)
         self.expected_speedup = rate[spec] / rate[0] if rate[0] > 0 else None
-        K = spec if rate[spec] > rate[0] else 0
         if K and self.last_k == 0 and self.resync_s > 0:  # back on costs a resync: worth it over probe_every rounds?
             saved = self.probe_every * self._tokens(K, alpha_hat) * (1 / rate[0] - 1 / rate[K])
             K = K if saved > self.resync_s else 0
@@ -591,6 +594,19 @@ class KController:
             if (n - self.warmup) % self.probe_every == self.probe_every - 1:  # the best K's neighbour, once
                 K = min(K + 1, self.k_max) if ((n - self.warmup) // self.probe_every) % 2 else max(K - 1, 1)
         return self._pick(K)
+
+    def _best(self, alpha_hat: float) -> tuple[int, int, dict[int, float]]:
+        """-> (the K to run by the scores, 0 when no K beats a plain step; the best K >= 1; rate per K)."""
+        line = self._cost_line()
+        rate = {k: self.rate(k, alpha_hat, line) for k in range(self.k_max + 1)}
+        spec = max(range(1, self.k_max + 1), key=lambda k: (rate[k], -k))  # ties go to the shorter draft
+        return (spec if rate[spec] > rate[0] else 0), spec, rate
+
+    def settled(self) -> int | None:
+        """The K this controller's scores pick now (0: off), None before its warm-up ended."""
+        if not self.ready or 0 not in self.arms:
+            return None
+        return self._best(self.alpha)[0]
 
     def rate(self, k: int, alpha_hat: float, line: tuple[float, float, float]) -> float:
         """Tokens per row per second at K = k: measured there, or modelled from the nearest measured K and

@@ -230,6 +230,20 @@ def _true_best(plain_s, draft_s, alpha, k_max=K_MAX_AUTO):
     return max(range(k_max + 1), key=lambda k: _geo(alpha, k) / (plain_s + k * draft_s))
 
 
+def test_k_auto_warms_a_larger_batch_at_the_k_a_smaller_one_settled_on(target, monkeypatch):
+    """A useless draft settles off at batch 1, so batch 2 warms up at K = 1, not K_WARMUP (a verify only gets
+    dearer with the batch); a decoder with no smaller batch measured still warms up at K_WARMUP."""
+    monkeypatch.setattr(D, "PROBE_EVERY", 4)
+    useless = lambda: EagleProposer(EagleHead.from_target(target, draft_ids=torch.tensor([V - 1, V - 2])), target)
+    dec = SpeculativeDecoder(target, useless(), k="auto")
+    dec.generate([PROMPTS[0]], max_new_tokens=40)
+    assert dec.controllers[1].settled() == 0
+    warm = slice(D.WARMUP_PLAIN, D.WARMUP_PLAIN + 2)
+    assert dec.generate(PROMPTS[:2], max_new_tokens=20).stats["k_choices"][warm] == [1, 1]
+    fresh = SpeculativeDecoder(target, useless(), k="auto").generate(PROMPTS[:2], max_new_tokens=20)
+    assert fresh.stats["k_choices"][warm] == [D.K_WARMUP] * 2
+
+
 def test_controller_warms_up_plain_then_measures_at_k_warmup():
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=16)
     ks = _run(ctl, 5, plain_s=0.010, spec_s=0.012)
