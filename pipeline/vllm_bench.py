@@ -68,11 +68,16 @@ def step_profile(run: dict) -> dict | None:
 
 
 def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], max_new_tokens: int, dtype: str,
-          eos, ngram_min: int = 2, ngram_max: int = 4, workdir=None, profile: bool = False) -> list[dict]:
-    """One row per (method, batch size); speculative rows compare their outputs with plain's."""
+          eos, ngram_min: int = 2, ngram_max: int = 4, workdir=None, profile: bool = False,
+          k_by_batch: list | None = None) -> list[dict]:
+    """One row per (method, batch size); speculative rows compare their outputs with plain's. k_by_batch: vLLM's
+    `num_speculative_tokens_per_batch_size` for the exports (FORMAT:K:DIR: the report's recommended table);
+    vLLM's own methods run as vLLM ships them."""
     rows, plain = [], {}
     for method in ["plain"] + [m for m in methods if m != "plain"]:
         spec = speculative_config(method, ngram_min, ngram_max)
+        if spec and k_by_batch and method.split(":", 1)[0] in FORMATS:
+            spec = {**spec, "num_speculative_tokens_per_batch_size": k_by_batch}
         job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=spec, batch_sizes=batch_sizes,
                        dtype=dtype, eos_token_ids=eos, profile=profile, python_path=python_path(method))
         try:
@@ -142,6 +147,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--k-by-batch", type=json.loads, default=None,
+                    help="vLLM's num_speculative_tokens_per_batch_size for the FORMAT:K:DIR methods, as JSON: "
+                         "inclusive [start, end, K] ranges from batch 1, e.g. '[[1, 4, 4], [5, 256, 0]]' "
+                         "(the owner report recommends one from its batch curve)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--workdir", help="keep the engines' jobs, results and logs here")
     ap.add_argument("--profile", action="store_true", help="time vLLM's step functions (engine in this process) "
@@ -151,7 +160,7 @@ def main(argv=None) -> int:
     prompts = encode_prompts(load_prompts(args.prompts, args.n), tok)
     rows = bench(resolve_target(args.target), prompts, args.method, [int(b) for b in args.batch_sizes.split(",")],
                  args.max_new_tokens, args.dtype, target_eos_ids(model, tok), args.ngram_min, args.ngram_max,
-                 args.workdir, args.profile)
+                 args.workdir, args.profile, args.k_by_batch)
     print(markdown(rows))
     if args.profile:
         print(profile_markdown(rows))

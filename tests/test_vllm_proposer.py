@@ -119,9 +119,10 @@ def test_lookup_is_deterministic_and_fast_enough_on_a_real_sized_corpus():
 
 # ------------------------------------------------------------------------------------------ the vLLM class
 
-def vllm_config(k=3, max_model_len=64):
+def vllm_config(k=3, max_model_len=64, k_by_batch=None):
     """The attributes of vLLM's VllmConfig the proposer reads."""
-    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k,
+                                                              num_speculative_tokens_per_batch_size=k_by_batch),
                            model_config=SimpleNamespace(max_model_len=max_model_len))
 
 
@@ -145,6 +146,30 @@ def test_the_vllm_class_proposes_per_row_as_vllm_calls_it(tmp_path, monkeypatch)
     out = p.propose([[2], [8], [], [2]], np.array([4, 5, 4, 10]), tok, slot_mappings=None)
     assert out == [[3, 4, 5], [0, 7, 8], [], [3]]
     assert p.lookup.max_ngram == 3 and p.k == 3
+
+
+def test_the_vllm_class_applies_vllms_k_by_batch_table(tmp_path, monkeypatch):
+    """num_speculative_tokens_per_batch_size as vLLM expands it: K for the rows decoding this step, a gap and
+    the batches past the last range take the previous K, never above num_speculative_tokens; K = 0 drafts
+    nothing. vLLM hands custom_class no K, so the class must read the table itself."""
+    d = write_export_dir(tmp_path / "exp", [[1, 2, 3, 4, 5, 6]], max_ngram=3, min_ngram=2)
+    monkeypatch.setenv("DRAFTSMITH_VLLM_EXPORT", str(d))
+    table = [[1, 1, 5], [2, 3, 2], [6, 7, 0], [9, 9, 1]]
+    p = DatastoreProposer(vllm_config(k=3, max_model_len=40, k_by_batch=table))
+    assert [p.k_at(b) for b in range(1, 12)] == [3, 2, 2, 2, 2, 0, 0, 0, 1, 1, 1]
+
+    def drafts(rows):  # `rows` requests decoding, each ending in [1, 2] (the store continues 3 4 5 6)
+        tok = np.zeros((rows + 1, 40), dtype=np.int32)
+        tok[:, :3] = [9, 1, 2]
+        return p.propose([[2]] * rows + [[]], np.array([3] * (rows + 1)), tok)
+
+    assert drafts(1) == [[3, 4, 5], []]
+    assert drafts(2) == [[3, 4]] * 2 + [[]]  # the idle row does not count towards the batch
+    assert drafts(6) == [[]] * 7
+    assert drafts(10) == [[3]] * 10 + [[]]
+    with pytest.raises(ValueError, match="from batch 1"):
+        DatastoreProposer(vllm_config(k=3, k_by_batch=[[2, 4, 1]]))
+    assert DatastoreProposer(vllm_config(k=3)).k_at(64) == 3  # no table: K everywhere
 
 
 def test_the_vllm_class_finds_the_export_it_is_copied_into(tmp_path, monkeypatch):

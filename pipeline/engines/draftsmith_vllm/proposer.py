@@ -15,6 +15,12 @@ is not decoding, propose nothing), num_tokens_no_spec[i] its prompt + output len
 its tokens. It returns up to K draft tokens per row (the lookup's, lookup.py), fewer or none where the lookup
 has less; vLLM verifies them greedily or by rejection sampling as for its n-gram method.
 
+vLLM 0.32's `num_speculative_tokens_per_batch_size` (inclusive [start, end, K] batch-size ranges) sets the K of
+each step for its own proposers (the scheduler's `num_spec_tokens_to_schedule`), but `custom_class` is not
+handed it, so this class applies the same table itself: K for the number of rows decoding this step, a gap
+or the batches past the last range taking the previous range's K, never above num_speculative_tokens (as
+vllm/v1/spec_decode/dynamic/utils.py expands it). K = 0 there proposes nothing: plain decoding at that batch.
+
 The datastore and the lookup settings are read from the export directory: $DRAFTSMITH_VLLM_EXPORT when set,
 else the directory holding this package (where `draftsmith export` puts it). Imports numpy and lookup.py only;
 vLLM hands in its config object, read by attribute.
@@ -35,10 +41,30 @@ def export_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parent.parent
 
 
+def k_by_batch(table, k: int):
+    """vLLM's `num_speculative_tokens_per_batch_size` -> batch size -> K (the table's semantics, see above);
+    None: K at every batch size."""
+    if not table:
+        return lambda batch: k
+    ranges = sorted((int(a), int(b), int(c)) for a, b, c in table)
+    if ranges[0][0] != 1 or any(c < 0 for *_, c in ranges):
+        raise ValueError(f"num_speculative_tokens_per_batch_size {table}: ranges [start, end, K] from batch 1, K >= 0")
+
+    def at(batch: int) -> int:
+        kb = ranges[0][2]
+        for a, _, c in ranges:
+            if a > batch:
+                break
+            kb = c
+        return min(k, kb)
+    return at
+
+
 class DatastoreProposer:
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
+        self.k_at = k_by_batch(getattr(spec, "num_speculative_tokens_per_batch_size", None), self.k)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.directory = export_dir()
         self.lookup = load_export(self.directory)  # at construction, so a bad export fails at startup
@@ -48,9 +74,10 @@ class DatastoreProposer:
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
         out = []
+        k_step = self.k_at(sum(1 for s in sampled_token_ids if len(s)))
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
-            k = min(self.k, self.max_model_len - n - 1)
+            k = min(k_step, self.max_model_len - n - 1)
             if not len(sampled) or k < 1:
                 out.append([])
                 continue
