@@ -48,7 +48,8 @@ def k_by_batch(table, k: int):
         return lambda batch: k
     ranges = sorted((int(a), int(b), int(c)) for a, b, c in table)
     if ranges[0][0] != 1 or any(c < 0 for *_, c in ranges):
-        raise ValueError(f"num_speculative_tokens_per_batch_size {table}: ranges [start, end, K] from batch 1, K >= 0")
+        raise ValueError(f"num_speculative_tokens_per_batch_size {table}: give ranges [start, end, K] from batch 1, "
+                         f"K >= 0")
 
     def at(batch: int) -> int:
         kb = ranges[0][2]
