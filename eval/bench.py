@@ -459,6 +459,9 @@ def load_models(args, kind: str):
     return device, tpath, tok, target, draft_model
 
 
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}  # --set sampled_chain=...
+
+
 def serve_settings(args) -> dict:
     """--set's settings, typed ({"max_nodes": int, "sampled_chain": bool}) and checked as serve_with checks a
     promoted draft's; a BenchError names a bad one."""
@@ -467,8 +470,10 @@ def serve_settings(args) -> dict:
         key, sep, val = item.partition("=")
         if not sep or key not in SERVE_KEYS:
             raise BenchError(f"--set {item}: give KEY=VALUE with KEY one of {', '.join(SERVE_KEYS)}")
-        flags = {"true": True, "1": True, "false": False, "0": False}
-        typed = flags.get(val.lower(), val) if key == "sampled_chain" else int(val) if val.lstrip("-").isdigit() else val
+        if key == "sampled_chain":
+            typed = _FLAGS.get(val.lower(), val)
+        else:
+            typed = int(val) if val.lstrip("-").isdigit() else val
         why = serve_problem(key, typed)
         if why:
             raise BenchError(f"--set {item}: {why}")

@@ -387,8 +387,9 @@ def copy_best(best: dict, run_dir: Path) -> dict:
     meta = draft_dir.read_meta(tmp)
     meta["proposer"] = "hybrid" if served else "draft"
     meta.pop("serve", None)
-    if served and serve_settings(best):  # eval.proposers applies them when it loads best/
-        meta["serve"] = serve_settings(best)
+    settings = serve_settings(best) if served else None
+    if settings:  # eval.proposers applies them when it loads best/
+        meta["serve"] = settings
     draft_dir.write_meta(tmp, meta)
     kill_point("evaluate.best_copied")
     shutil.rmtree(run_dir / "best", ignore_errors=True)

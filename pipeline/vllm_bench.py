@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from .engines.draftsmith_vllm.proposer import k_by_batch
 from .engines.vllm import EngineError, acceptance, run_vllm, vllm_job
 from .formats import FORMATS, vllm_speculative_config
 
@@ -40,10 +41,27 @@ def speculative_config(method: str, ngram_min: int, ngram_max: int) -> dict | No
                       f"({', '.join(FORMATS)})")
 
 
+def export_of(method: str) -> tuple[str, Path] | None:
+    """`method` FORMAT:K:DIR -> (FORMAT, DIR); None for vLLM's own methods."""
+    name, *rest = method.split(":", 2)
+    return (name, Path(rest[1]).resolve()) if name in FORMATS and len(rest) == 2 else None
+
+
 def python_path(method: str) -> list[str]:
     """What vLLM must import for `method`: an export that ships its proposer's module (vllm-proposer)."""
-    name, *rest = method.split(":", 2)
-    return FORMATS[name].vllm_python_path(Path(rest[1]).resolve()) if name in FORMATS and len(rest) == 2 else []
+    export = export_of(method)
+    return FORMATS[export[0]].vllm_python_path(export[1]) if export else []
+
+
+def k_table(text: str) -> list:
+    """--k-by-batch: vLLM's num_speculative_tokens_per_batch_size as JSON, checked as the vLLM proposer reads it
+    before any engine starts."""
+    try:
+        table = json.loads(text)
+        k_by_batch(table, 1)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: give JSON [[start, end, K], ...] ranges from batch 1 ({e})")
+    return table
 
 
 def step_profile(run: dict) -> dict | None:
@@ -76,7 +94,7 @@ def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], 
     rows, plain = [], {}
     for method in ["plain"] + [m for m in methods if m != "plain"]:
         spec = speculative_config(method, ngram_min, ngram_max)
-        if spec and k_by_batch and method.split(":", 1)[0] in FORMATS:
+        if spec and k_by_batch and export_of(method):
             spec = {**spec, "num_speculative_tokens_per_batch_size": k_by_batch}
         job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=spec, batch_sizes=batch_sizes,
                        dtype=dtype, eos_token_ids=eos, profile=profile, python_path=python_path(method))
@@ -147,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
-    ap.add_argument("--k-by-batch", type=json.loads, default=None,
+    ap.add_argument("--k-by-batch", type=k_table, default=None,
                     help="vLLM's num_speculative_tokens_per_batch_size for the FORMAT:K:DIR methods, as JSON: "
                          "inclusive [start, end, K] ranges from batch 1, e.g. '[[1, 4, 4], [5, 256, 0]]' "
                          "(the owner report recommends one from its batch curve)")

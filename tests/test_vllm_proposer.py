@@ -172,6 +172,19 @@ def test_the_vllm_class_applies_vllms_k_by_batch_table(tmp_path, monkeypatch):
     assert DatastoreProposer(vllm_config(k=3)).k_at(64) == 3  # no table: K everywhere
 
 
+def test_vllm_bench_checks_its_k_by_batch_table_before_any_engine_starts():
+    import argparse
+
+    from pipeline.vllm_bench import export_of, k_table
+
+    assert k_table("[[1, 4, 4], [5, 256, 0]]") == [[1, 4, 4], [5, 256, 0]]
+    for bad in ("[[1, 4, 4], [5, 256", "[[2, 4, 1]]", "[[1, 4, -1]]", "[[1, 4]]", "5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="ranges from batch 1"):
+            k_table(bad)
+    assert export_of("ngram:4") is None and export_of("suffix") is None
+    assert export_of("vllm-proposer:4:store")[0] == "vllm-proposer"
+
+
 def test_the_vllm_class_finds_the_export_it_is_copied_into(tmp_path, monkeypatch):
     """Copied by the export, the package reads the datastore beside it; run under `python -I` with the
     export alone on sys.path (as vLLM's venv, which has no draftsmith) it imports and proposes."""
