@@ -1,6 +1,7 @@
 """The architecture rules of docs/DESIGN.md, read from the sources' imports:
 - eval/ stays below pipeline/: it never imports pipeline, datasets, trl, wandb or vllm;
 - draft methods (pipeline/methods/) do not import each other, only their shared base;
+- pipeline/engines/ (the serving-engine driver) imports no command module;
 - there is no import cycle anywhere in pipeline/ or eval/ (imports inside functions count too)."""
 
 import ast
@@ -136,6 +137,19 @@ def test_only_the_engine_worker_imports_vllm():
     known = set(_modules())
     users = sorted(m for m, p in _modules().items() if any(i.split(".")[0] == "vllm" for i in _imported(p, known)))
     assert users == ["pipeline.engines.vllm_worker"], users
+
+
+def test_the_engine_driver_imports_no_command_module():
+    """pipeline/engines/ is the driver alone (docs/DESIGN.md): it may import its own package and project
+    modules that import nothing of the project themselves (pipeline.atomic), never a command such as
+    generate, measure or verify_export, so no arrow climbs from the driver back up."""
+    graph = _graph()
+    driver = {m for m in graph if m == "pipeline.engines" or m.startswith("pipeline.engines.")}
+    assert {"pipeline.engines.vllm", "pipeline.engines.vllm_worker"} <= driver
+    leaves = {m for m, deps in graph.items() if not deps}
+    climbing = {m: sorted(graph[m] - driver - leaves) for m in driver}
+    assert not {k: v for k, v in climbing.items() if v}, climbing
+    assert {m for m in graph if graph[m] & {"pipeline.engines.vllm"}} - driver, "no command drives the engine"
 
 
 # ------------------------------------------------------------------------------- the environment
