@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import registry
 
     registry.add_parser(sub)
-    from .export import FORMATS
+    from .export import FORMATS, k_table
 
     e = sub.add_parser("export", help="write a draft in a format vLLM, SGLang or HF loads")
     e.add_argument("--draft", required=True, help="draft directory (a checkpoint or best/)")
@@ -395,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="output directory (must be new or empty unless --force)")
     e.add_argument("--verifier", help="the target it will be served with (default: the target the draft records)")
     e.add_argument("--k", type=int, help="speculative tokens per round written into the serve commands (default 2)")
+    e.add_argument("--k-by-batch", type=k_table, metavar="JSON",
+                   help="vLLM's num_speculative_tokens_per_batch_size for the vLLM serve command, e.g. "
+                        "'[[1, 4, 4], [5, 256, 0]]' (the owner report's recommended table; --k defaults to its "
+                        "largest K)")
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
     _verify_export_args(sub.add_parser("verify-export", help="load an export in vLLM (make engines) at batch 1 and 4; "
                                        "compare its acceptance and its outputs with our decoder's"))
@@ -495,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "export":
             from .export import MANIFEST, export_draft
 
-            out = export_draft(args.draft, args.format, args.out, args.verifier, args.k, args.force)
+            out = export_draft(args.draft, args.format, args.out, args.verifier, args.k, args.force,
+                               args.k_by_batch)
             serve = json.loads((out / MANIFEST).read_text())["serve"]
             print(f"draftsmith: {args.format} export in {out}; serve with:\n" + "\n".join(serve.values()))
             return 0

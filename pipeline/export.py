@@ -11,6 +11,7 @@ directory and renamed, so a refusal or a crash leaves `out` as it was; it holds 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from eval import draft_dir
 from eval.datastore import FILE as DATASTORE_FILE
 
+from .engines.draftsmith_vllm.proposer import k_table_ranges
 from .formats import FORMATS, HEAD_FILE, ExportError, Verifier, serve_formats
 
 MANIFEST = "draftsmith_export.json"
@@ -152,21 +154,54 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def manifest(fmt: str, src: Path, meta: dict, tmp: Path, out: Path, v: Verifier, k: int) -> dict:
+def manifest(fmt: str, src: Path, meta: dict, tmp: Path, out: Path, v: Verifier, k: int,
+             k_by_batch: list | None = None) -> dict:
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     m = {"format": fmt, "kind": meta["kind"], "source": str(src.resolve()), "step": meta.get("step"),
-         "train_key": meta.get("train_key"), "verifier": v.name_or_path, "k": k,
+         "train_key": meta.get("train_key"), "verifier": v.name_or_path, "k": k, "k_by_batch": k_by_batch,
          "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
-         "serve": FORMATS[fmt].serve(out.resolve(), v.name_or_path, k)}
+         "serve": FORMATS[fmt].serve(out.resolve(), v.name_or_path, k, k_by_batch)}
     if meta.get("proposer") == "hybrid" and not FORMATS[fmt].datastore:
         m["note"] = "promoted as a hybrid with n-gram lookups in our decoder; an engine serves the draft alone"
     return m
 
 
+def k_table(text: str) -> list:
+    """--k-by-batch (argparse type): vLLM's num_speculative_tokens_per_batch_size as JSON, checked by vLLM's
+    rules before anything is written or any engine starts."""
+    try:
+        table = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: give [[start, end, K], ...] ranges from "
+                                         f"batch 1, e.g. '[[1, 4, 4], [5, 256, 0]]'") from None
+    try:
+        k_table_ranges(table)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return table
+
+
+def check_k_by_batch(table: list | None, k: int | None) -> int | None:
+    """--k-by-batch against --k: the table by vLLM's own rules, and no K in it above --k (vLLM would cap it
+    there unannounced). Returns --k, or the table's largest K (at least 1) when --k is not given."""
+    if not table:
+        return k
+    try:
+        ranges = k_table_ranges(table)
+    except ValueError as e:
+        raise ExportError(f"--k-by-batch: {e}") from None
+    top = max(c for *_, c in ranges)
+    if k is not None and top > k:
+        raise ExportError(f"--k-by-batch asks K={top} but --k is {k}: vLLM caps every K of the table at "
+                          f"num_speculative_tokens; pass --k {top} or lower the table")
+    return max(top, 1) if k is None else k
+
+
 def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | None = None, k: int | None = None,
-                 force: bool = False) -> Path:
-    """Write the draft directory `src` as `fmt` into `out` (see the module doc); returns `out`.
-    ExportError (or DraftDirError) with one line naming the fix when it cannot, `out` untouched."""
+                 force: bool = False, k_by_batch: list | None = None) -> Path:
+    """Write the draft directory `src` as `fmt` into `out` (see the module doc); returns `out`. k_by_batch:
+    vLLM's `num_speculative_tokens_per_batch_size` (the owner report's recommended table) for the vLLM serve
+    command. ExportError (or DraftDirError) with one line naming the fix when it cannot, `out` untouched."""
     src, out = Path(src), Path(out)
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -176,6 +211,7 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
     check_out(out, force)
     if k is not None and k < 1:
         raise ExportError(f"--k {k}: the speculative tokens per round must be >= 1")
+    k = check_k_by_batch(k_by_batch, k)
     k = DEFAULT_K if k is None else k
     v = resolve_verifier(verifier, meta, src)
     check_verifier(meta, src, v, weights=not FORMATS[fmt].datastore)
@@ -185,7 +221,7 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
     tmp.mkdir()
     try:
         FORMATS[fmt].writer(src, meta, tmp, v, k)
-        m = manifest(fmt, src, meta, tmp, out, v, k)
+        m = manifest(fmt, src, meta, tmp, out, v, k, k_by_batch or None)
         (tmp / MANIFEST).write_text(json.dumps(m, indent=2))
         _replace(tmp, out)
     except BaseException:

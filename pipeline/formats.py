@@ -102,16 +102,21 @@ class ExportFormat:
         """The draft kinds it holds: those that name it in their `exports` (eval/draft_dir.py)."""
         return tuple(k.name for k in draft_dir.kinds() if self.name in k.exports)
 
-    def vllm_spec(self, out: str | Path, k: int) -> dict:
-        return vllm_speculative_config(self.vllm_method, k, self.spec_model or out)
+    def vllm_spec(self, out: str | Path, k: int, k_by_batch: list | None = None) -> dict:
+        """k_by_batch: vLLM's `num_speculative_tokens_per_batch_size` (K capped at `k` by vLLM)."""
+        extra = {"num_speculative_tokens_per_batch_size": k_by_batch} if k_by_batch else {}
+        return vllm_speculative_config(self.vllm_method, k, self.spec_model or out, **extra)
 
     def vllm_python_path(self, out: str | Path) -> list[str]:
         """What the vLLM process must have on its Python path to load the export in `out`."""
         return [str(out)] if self.python_path else []
 
-    def serve(self, out: str | Path, verifier: str, k: int) -> dict[str, str]:
-        """{engine: the command that serves the export in `out` with `verifier` at K speculative tokens}."""
-        cmds = {"vllm": vllm_serve(out) if self.self_contained else vllm_serve(verifier, self.vllm_spec(out, k))}
+    def serve(self, out: str | Path, verifier: str, k: int, k_by_batch: list | None = None) -> dict[str, str]:
+        """{engine: the command that serves the export in `out` with `verifier` at K speculative tokens}; with
+        k_by_batch, vLLM's K follows that batch-size table (its speculative config names the verifier, so a
+        self-contained export is served through it too)."""
+        alone = self.self_contained and not k_by_batch
+        cmds = {"vllm": vllm_serve(out) if alone else vllm_serve(verifier, self.vllm_spec(out, k, k_by_batch))}
         if self.python_path:
             cmds["vllm"] = f"PYTHONPATH={shlex.quote(str(out))} " + cmds["vllm"]
         if self.sglang_algorithm:

@@ -440,11 +440,14 @@ def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: st
             + "<p>For vLLM's dynamic speculative decoding, the K the controller settled on at each measured batch "
               "size, as <code>num_speculative_tokens_per_batch_size</code> (inclusive batch-size ranges; vLLM "
               "carries the last K on to larger batches; measured in this decoder, so check it against "
-              "<code>draftsmith verify-export</code> in vLLM). Merge these fields into the export's "
+              "<code>draftsmith verify-export</code> in vLLM). <code>draftsmith export --k-by-batch</code> "
+              "writes it into the export's vLLM serve command; or merge these fields into its "
               "<code>--speculative-config</code>:</p>"
             + table(["batch sizes", "K"], [[f"{a}–{b}" if a != b else str(a), str(k)] for a, b, k in schedule],
                     "vllmschedule")
-            + f"<pre>{esc(json.dumps(spec))}</pre>")
+            + f"<pre>{esc(json.dumps(spec))}</pre>"
+            + f"<pre>draftsmith export --draft BEST --format FORMAT --out DIR --k-by-batch "
+              f"{esc(shlex.quote(json.dumps(schedule)))}</pre>")
     return section("batch-curve", body)
 
 

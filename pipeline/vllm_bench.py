@@ -19,12 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-from .engines.draftsmith_vllm.proposer import k_by_batch
 from .engines.vllm import EngineError, acceptance, run_vllm, vllm_job
+from .export import k_table
 from .formats import FORMATS, vllm_speculative_config
 
 
-def speculative_config(method: str, ngram_min: int, ngram_max: int) -> dict | None:
+def speculative_config(method: str, ngram_min: int, ngram_max: int, k_by_batch: list | None = None) -> dict | None:
+    """vLLM's speculative config for a --method; k_by_batch (vLLM's K-by-batch table) for an export's."""
     name, *rest = method.split(":", 2)
     if name == "plain":
         return None
@@ -36,7 +37,7 @@ def speculative_config(method: str, ngram_min: int, ngram_max: int) -> dict | No
     if name == "ngram":
         return vllm_speculative_config("ngram", k, prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
     if name in FORMATS and len(rest) == 2:
-        return FORMATS[name].vllm_spec(Path(rest[1]).resolve(), k)
+        return FORMATS[name].vllm_spec(Path(rest[1]).resolve(), k, k_by_batch)
     raise EngineError(f"--method {method}: one of plain, ngram:K, suffix, or FORMAT:K:DIR for an export format "
                       f"({', '.join(FORMATS)})")
 
@@ -51,17 +52,6 @@ def python_path(method: str) -> list[str]:
     """What vLLM must import for `method`: an export that ships its proposer's module (vllm-proposer)."""
     export = export_of(method)
     return FORMATS[export[0]].vllm_python_path(export[1]) if export else []
-
-
-def k_table(text: str) -> list:
-    """--k-by-batch: vLLM's num_speculative_tokens_per_batch_size as JSON, checked as the vLLM proposer reads it
-    before any engine starts."""
-    try:
-        table = json.loads(text)
-        k_by_batch(table, 1)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: give JSON [[start, end, K], ...] ranges from batch 1 ({e})")
-    return table
 
 
 def step_profile(run: dict) -> dict | None:
@@ -93,9 +83,7 @@ def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], 
     vLLM's own methods run as vLLM ships them."""
     rows, plain = [], {}
     for method in ["plain"] + [m for m in methods if m != "plain"]:
-        spec = speculative_config(method, ngram_min, ngram_max)
-        if spec and k_by_batch and export_of(method):
-            spec = {**spec, "num_speculative_tokens_per_batch_size": k_by_batch}
+        spec = speculative_config(method, ngram_min, ngram_max, k_by_batch)
         job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=spec, batch_sizes=batch_sizes,
                        dtype=dtype, eos_token_ids=eos, profile=profile, python_path=python_path(method))
         try:

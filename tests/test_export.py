@@ -5,6 +5,7 @@ evaluate.serve's promotion filter."""
 
 import json
 import re
+import shlex
 from types import SimpleNamespace
 
 import pytest
@@ -76,7 +77,10 @@ def medusa_draft(d, target_dir, draft_ids=None, recurrent=False, layers=1):
 def refused(capsys, argv, out, match):
     """The CLI refuses: exit 2, one line on stderr matching `match`, nothing at `out`."""
     capsys.readouterr()  # what the test wrote before
-    rc = main(argv)
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own refusals (a bad --k-by-batch) exit from the parser
+        rc = e.code
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert err.count("\n") == 0 and re.search(match, err), err
@@ -161,6 +165,41 @@ def test_manifest_records_source_verifier_k_and_every_file(tmp_path, target_dir)
     files = sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
     assert sorted(m["files"]) == files == ["config.json", "model.safetensors"]
     assert all(hashlib.sha256((out / f).read_bytes()).hexdigest() == h for f, h in m["files"].items())
+
+
+def test_the_k_by_batch_table_goes_into_the_vllm_serve_command_and_the_manifest(tmp_path, target_dir, capsys):
+    """The owner report's recommended table rides in vLLM's speculative config; a self-contained export is then
+    served through the verifier (its config.json cannot carry the table), and --k defaults to the table's top K."""
+    src, _ = eagle3_draft(tmp_path / "draft", target_dir)
+    table = [[1, 4, 3], [5, 16, 1], [17, 256, 0]]
+    out = tmp_path / "out"
+    assert main(["export", "--draft", str(src), "--format", "speculators", "--out", str(out), "--verifier",
+                 str(target_dir), "--k-by-batch", json.dumps(table)]) == 0
+    m = json.loads((out / MANIFEST).read_text())
+    assert (m["k"], m["k_by_batch"]) == (3, table)
+    cmd = shlex.split(m["serve"]["vllm"])
+    assert cmd[:3] == ["vllm", "serve", str(target_dir.resolve())]
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": 3,
+                    "num_speculative_tokens_per_batch_size": table}
+    assert m["serve"]["vllm"] in capsys.readouterr().out  # what the command prints to copy
+    plain = export_draft(src, "speculators", tmp_path / "plain", verifier=str(target_dir), k=3)
+    assert json.loads((plain / MANIFEST).read_text())["k_by_batch"] is None
+
+
+@pytest.mark.parametrize("table, k, match", [
+    ("[[1, 4, 4], [5, 256", None, r"is not JSON: give \[\[start, end, K\], \.\.\.\] ranges from batch 1"),
+    ("[[2, 4, 1]]", None, r"the first range must start at batch 1"),
+    ("[[1, 4, 2], [3, 8, 1]]", None, r"not overlapping"),
+    ("[[1, 4, -1]]", None, r"K >= 0"),
+    ("[[1, 4]]", None, r"each three integers"),
+    ("[[1, 4, 4], [5, 256, 0]]", "2", r"--k-by-batch asks K=4 but --k is 2: .*pass --k 4 or lower the table"),
+])
+def test_export_refuses_a_k_table_vllm_would_refuse_or_cap(tmp_path, target_dir, capsys, table, k, match):
+    src, _ = eagle3_draft(tmp_path / "draft", target_dir)
+    out = tmp_path / "out"
+    refused(capsys, ["export", "--draft", str(src), "--format", "speculators", "--out", str(out), "--verifier",
+                     str(target_dir), "--k-by-batch", table] + (["--k", k] if k else []), out, match)
 
 
 # ------------------------------------------------------------------------------- medusa kind

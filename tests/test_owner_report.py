@@ -4,6 +4,7 @@ metrics.json's and the curve files'; no external URL; every figure captioned wit
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -193,11 +194,13 @@ def test_the_batch_curve_shows_the_controller_and_the_vllm_k_table(run, rendered
     want = json.dumps({"num_speculative_tokens": max(max(k for _, k in points), 1),
                        "num_speculative_tokens_per_batch_size": vllm_k_schedule(points)})
     assert want in page.text
+    assert f"--k-by-batch {shlex.quote(json.dumps(vllm_k_schedule(points)))}" in page.text
 
 
 def test_vllm_k_schedule_obeys_vllms_rules():
     """vLLM 0.32 (vllm/v1/spec_decode/dynamic/utils.py) wants inclusive [start, end, K] ranges, the first from
     1, sorted and not overlapping, K >= 0; equal neighbours merge."""
+    from pipeline.engines.draftsmith_vllm.proposer import k_table_ranges
     from pipeline.sweeps import settled_k, vllm_k_schedule
 
     assert vllm_k_schedule([(16, 0), (1, 3), (4, 2), (2, 3), (8, 0)]) == [[1, 2, 3], [3, 4, 2], [5, 16, 0]]
@@ -205,6 +208,8 @@ def test_vllm_k_schedule_obeys_vllms_rules():
     sched = vllm_k_schedule([(1, 4), (2, 2), (32, 1)])
     assert sched[0][0] == 1 and all(a <= b for a, b, _ in sched)
     assert all(prev[1] < nxt[0] for prev, nxt in zip(sched, sched[1:])) and all(k >= 0 for *_, k in sched)
+    for points in ([(16, 0), (1, 3), (4, 2), (2, 3), (8, 0)], [(4, 1)], [(1, 4), (2, 2), (32, 1)]):
+        k_table_ranges(vllm_k_schedule(points))  # what vLLM and `draftsmith export --k-by-batch` accept
     assert settled_k([0, 0, 0, 4, 4, 2, 2, 1, 2], 5) == 2 and settled_k([0, 0, 0, 4, 4, 0, 3, 0], 5) == 0
 
 

@@ -175,11 +175,12 @@ def test_the_vllm_class_applies_vllms_k_by_batch_table(tmp_path, monkeypatch):
 def test_vllm_bench_checks_its_k_by_batch_table_before_any_engine_starts():
     import argparse
 
-    from pipeline.vllm_bench import export_of, k_table
+    from pipeline.export import k_table
+    from pipeline.vllm_bench import export_of
 
     assert k_table("[[1, 4, 4], [5, 256, 0]]") == [[1, 4, 4], [5, 256, 0]]
     for bad in ("[[1, 4, 4], [5, 256", "[[2, 4, 1]]", "[[1, 4, -1]]", "[[1, 4]]", "5"):
-        with pytest.raises(argparse.ArgumentTypeError, match="ranges from batch 1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="ranges from batch 1|K >= 0"):
             k_table(bad)
     assert export_of("ngram:4") is None and export_of("suffix") is None
     assert export_of("vllm-proposer:4:store")[0] == "vllm-proposer"

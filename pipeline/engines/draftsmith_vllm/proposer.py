@@ -41,15 +41,31 @@ def export_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parent.parent
 
 
+def k_table_ranges(table) -> list[tuple[int, int, int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` checked by the rules vLLM 0.32 applies at startup
+    (vllm/v1/spec_decode/dynamic/utils.py): a non-empty list of [start, end, K], positive ordered bounds,
+    K >= 0, ranges not overlapping, the first from batch 1. ValueError naming the fault otherwise."""
+    shape = f"num_speculative_tokens_per_batch_size {table!r}: give a list of [start, end, K] ranges from batch 1"
+    if not isinstance(table, (list, tuple)) or not table:
+        raise ValueError(shape)
+    if any(not isinstance(e, (list, tuple)) or len(e) != 3 or not all(isinstance(x, int) for x in e) for e in table):
+        raise ValueError(f"{shape}, each three integers")
+    ranges = sorted((a, b, c) for a, b, c in table)
+    if any(a < 1 or b < a or c < 0 for a, b, c in ranges):
+        raise ValueError(f"{shape}, 1 <= start <= end and K >= 0")
+    if any(a <= prev_end for (a, _, _), (_, prev_end, _) in zip(ranges[1:], ranges)):
+        raise ValueError(f"{shape}, not overlapping")
+    if ranges[0][0] != 1:
+        raise ValueError(f"{shape}: the first range must start at batch 1")
+    return ranges
+
+
 def k_by_batch(table, k: int):
     """vLLM's `num_speculative_tokens_per_batch_size` -> batch size -> K (the table's semantics, see above);
     None: K at every batch size."""
     if not table:
         return lambda batch: k
-    ranges = sorted((int(a), int(b), int(c)) for a, b, c in table)
-    if ranges[0][0] != 1 or any(c < 0 for *_, c in ranges):
-        raise ValueError(f"num_speculative_tokens_per_batch_size {table}: give ranges [start, end, K] from batch 1, "
-                         f"K >= 0")
+    ranges = k_table_ranges(table)
 
     def at(batch: int) -> int:
         kb = ranges[0][2]
