@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,7 @@ from .target import make_runner
 from .tree import Tree
 
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
-SERVING_REV = "tree-sample-1"
+SERVING_REV = "cdf-sample-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
 CONTROLLER_REV = "measured-rates-4"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
@@ -75,6 +76,12 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp_min(0)
     s = r.sum(-1, keepdim=True)
     return torch.where(s > 0, r / s.clamp_min(1e-30), p)
+
+
+def residual_one_hot(p: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """residual(p, one-hot(tok)), unnormalised: p [R, V] with each row's tok [R] taken out (max(0, p - 1) is
+    0 there and p elsewhere). O(1) work a row where residual() is O(V); inverse_cdf_sample takes weights."""
+    return p.scatter(1, tok[:, None], 0.0)
 
 
 def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor):
@@ -106,24 +113,27 @@ def verify_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
     return n_acc, nxt
 
 
-def verify_tree_sample(p: torch.Tensor, tree: Tree, sampling: Sampling) -> list[tuple[int, int, int]]:
+def verify_tree_sample(p_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tree: Tree,
+                       sampling: Sampling) -> list[tuple[int, int, int]]:
     """Lossless speculative sampling over a token tree: SpecInfer's multi-round rejection sampling (Miao et
     al., 2024). Each child is a draft distribution q_c: one-hot on its token for a deterministic branch
     (a lookup, an argmax chain), or the q its token was sampled from (tree.q_host: a sampled chain).
-    p [B, N+1, V] the target's (warped) probabilities at every node.
+    p_at(rows [R], nodes [R]) -> [R, V] the target's (warped) probabilities at those nodes: asked only for the
+    nodes the walk reaches (the root and each accepted child), not for all N+1.
     Per row, down from the root with p_res = p at the node: its children are tried in Tree.children's
     order (a sampled child first, while p_res is still the node's p), child c accepted with probability
     min(1, p_res(c) / q_c(c)), else p_res <- residual(p_res, q_c) (one-hot: p_res(c) is 0 after, so a
     sibling with the same token is never accepted; sampled: p_res(c) is 0 too, as a rejection means
     p(c) < q_c(c)); an accepted child becomes the node (p_res = p there); when every child was rejected,
-    or there is none, the token after the node is sampled from p_res. -> per row (deepest accepted node,
-    its depth, the token after it), as Tree.accept_greedy. The rows walk together: one host sync per
-    child tried (at most N)."""
-    B, _, V = p.shape
-    dev = p.device
+    or there is none, the token after the node is sampled from p_res. p_res is kept unnormalised (its mass
+    read when a child is tried). -> per row (deepest accepted node, its depth, the token after it), as
+    Tree.accept_greedy. The rows walk together: one host sync per child tried (at most N)."""
+    B = len(tree.tokens)
+    dev = tree.tokens.device
     kids = tree.children()  # per row: node -> its children, in order
     node, depth, tried = [0] * B, [0] * B, [0] * B  # per row: where the walk is, and children tried there
-    p_res = p[:, 0].clone()  # [B, V]
+    all_rows = torch.arange(B, device=dev)
+    p_res = p_at(all_rows, torch.zeros_like(all_rows)).float()  # [B, V] unnormalised after rejections
     while True:
         rows, child = [], []
         for b in range(B):
@@ -138,15 +148,22 @@ def verify_tree_sample(p: torch.Tensor, tree: Tree, sampling: Sampling) -> list[
         tok = tree.tokens[r, j - 1]  # [R]
         u = torch.rand(len(rows), device=dev, generator=sampling.generator)  # [R]
         pr = p_res[r]  # [R, V]
-        q = torch.zeros_like(pr).scatter_(1, tok[:, None], 1.0)  # [R, V]: one-hot drafts ...
-        for i, (b, c) in enumerate(zip(rows, child)):  # ... and the sampled ones' own q
-            if tree.q_host and c in tree.q_host[b]:
-                q[i] = tree.q_host[b][c]
-        # accept with probability min(1, p_res(token) / q(token)): p_res(token) for a one-hot draft
-        ok = u * q.gather(1, tok[:, None])[:, 0] < pr.gather(1, tok[:, None])[:, 0]  # [R]
-        rejected = residual(pr, q)  # [R, V]
-        p_res[r] = torch.where(ok[:, None], p[r, j], rejected)
-        for b, c, a in zip(rows, child, ok.tolist()):  # host sync: the accept decisions
+        mass = pr.sum(-1)  # [R]
+        sampled = [i for i, (b, c) in enumerate(zip(rows, child)) if tree.q_host and c in tree.q_host[b]]
+        q_tok = torch.ones(len(rows), device=dev)  # [R] q_c(token): 1 for a one-hot draft
+        for i in sampled:
+            q_tok[i] = tree.q_host[rows[i]][child[i]][tok[i]]
+        # accept with probability min(1, p_res(token) / q(token)), p_res normalised by its mass
+        ok = (u * q_tok * mass < pr.gather(1, tok[:, None])[:, 0]).tolist()  # host sync: the accept decisions
+        rejected = residual_one_hot(pr, tok)  # [R, V]
+        for i in sampled:
+            rejected[i] = residual(pr[i] / mass[i], tree.q_host[rows[i]][child[i]])
+        acc = [i for i, a in enumerate(ok) if a]
+        if acc:
+            at = torch.tensor(acc, device=dev)
+            rejected[at] = p_at(r[at], j[at]).float()  # an accepted child becomes the node: p there
+        p_res[r] = rejected
+        for b, c, a in zip(rows, child, ok):
             if a:
                 node[b], depth[b], tried[b] = c, depth[b] + 1, 0
             else:
@@ -367,6 +384,8 @@ class SpeculativeDecoder:
             self._keep_logprobs(s, logits[:, 0])
         if s.sampling.greedy:
             n_acc, bonus = verify_greedy(logits, drafts)
+        elif k == 0:  # a plain sampled step: nothing to accept, the next token from p
+            n_acc, bonus = torch.zeros(B, dtype=torch.long, device=dev), s.sampling.sample(s.sampling.probs(logits[:, 0]))
         else:
             n_acc, bonus = verify_sample(s.sampling.probs(logits), q, drafts, s.sampling)
         host = torch.cat([n_acc[:, None], bonus[:, None], drafts], 1).tolist()  # host sync: the accept decision
@@ -396,7 +415,7 @@ class SpeculativeDecoder:
         if s.sampling.greedy:
             dec = tree.accept_greedy(greedy_argmax(logits).tolist())  # host sync: the argmax at every node
         else:
-            dec = verify_tree_sample(s.sampling.probs(logits), tree, s.sampling)  # [B, N+1, V] -> host
+            dec = verify_tree_sample(lambda r, j: s.sampling.probs(logits[r, j]), tree, s.sampling)  # -> host
         D = max(a for _, a, _ in dec)
         paths = [tree.path(b, bst) for b, (bst, _, _) in enumerate(dec)]
         paths = [p + [p[-1]] * (D + 1 - len(p)) for p in paths]  # pad: junk beyond each row's path

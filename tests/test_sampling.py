@@ -23,6 +23,34 @@ from helpers import sampling_llama as tiny
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+# ---------------------------------------------------------------- the sampler itself
+
+def test_inverse_cdf_sampler_draws_each_id_with_its_weight():
+    """Sampling.sample (eval.proposers.base.inverse_cdf_sample) against the weights it is given: a ragged vocabulary
+    (not a multiple of its 256-id blocks) with mass in the first, a middle and the padded last block, zeros
+    between (never drawn), weights not summing to 1, all the mass on the last id, and a tail of ids below fp32's
+    rounding of a running sum (an fp32 cumsum drops them), each by chi-square or exactly; seeded draws repeat."""
+    from eval.proposers.base import inverse_cdf_sample
+
+    g = torch.Generator().manual_seed(0)
+    V, n = 1000, 20000
+    w = torch.zeros(V)
+    w[[0, 3, 255, 256, 600, 999]] = torch.tensor([0.5, 1.0, 2.0, 0.25, 3.0, 1.25])  # sums to 8, block edges
+    x = inverse_cdf_sample(w.expand(n, V), g)
+    assert set(x.unique().tolist()) <= {0, 3, 255, 256, 600, 999}
+    assert chi2_pvalue(x, w / w.sum()) > 1e-4
+    last = torch.zeros(2, 3, V)
+    last[..., V - 1] = 1.0
+    assert (inverse_cdf_sample(last, g) == V - 1).all() and inverse_cdf_sample(last, g).shape == (2, 3)
+    tail = torch.full((49152,), 1e-8)  # below half an fp32 ulp of a running sum near 1
+    tail[:8] = (1 - 1e-8 * (49152 - 8)) / 8  # ~0.49% of the mass on 49144 ids of 1e-8 each
+    share, n_tail = 49144e-8, 12000
+    far = sum((inverse_cdf_sample(tail.expand(4000, -1), g) >= 8).sum().item() for _ in range(n_tail // 4000))
+    assert abs(far - share * n_tail) < 4 * (share * n_tail) ** 0.5, far  # within 4 sigma of its share
+    a = inverse_cdf_sample(w.expand(64, V), torch.Generator().manual_seed(5))
+    assert torch.equal(a, inverse_cdf_sample(w.expand(64, V), torch.Generator().manual_seed(5)))
+
+
 # ---------------------------------------------------------------- the accept rule alone
 
 def _rule_draws(n=20000, k=3, one_hot=False, seed=0):

@@ -57,7 +57,8 @@ def _rule_pvalues(warp, n=20000):
     p, tokens = _rule_case(warp)
     tree = Tree.from_lists([(tokens, RULE_PARENTS)] * n, "cpu")
     s = Sampling(**warp, generator=torch.Generator().manual_seed(1))
-    dec = verify_tree_sample(p.expand(n, -1, -1), tree, s)
+    P = p.expand(n, -1, -1)
+    dec = verify_tree_sample(lambda r, j: P[r, j], tree, s)
     # the emitted tokens: the accepted path's, then the token after it
     emitted = [[tokens[j - 1] for j in tree.path(0, node)[1:]] + [nxt] for node, _, nxt in dec]
     first = torch.tensor([e[0] for e in emitted])
@@ -82,7 +83,7 @@ def test_tree_accept_rule_matches_target(warp):
 
 @pytest.mark.parametrize("warp", list(WARPS))
 def test_tree_accept_rule_without_the_residual_fails(warp, monkeypatch):
-    monkeypatch.setattr(D, "residual", wrong_residual)  # p_res left unchanged after a rejection
+    monkeypatch.setattr(D, "residual_one_hot", wrong_residual)  # p_res left unchanged after a one-hot rejection
     assert min(_rule_pvalues(WARPS[warp])) < 1e-6
 
 
@@ -115,7 +116,7 @@ def _sampled_pvalues(warp, n=20000):
     p1, p2, rows, p = _sampled_case(warp, n)
     tree = Tree.from_lists(rows, "cpu")
     s = Sampling(**warp, generator=torch.Generator().manual_seed(1))
-    dec = verify_tree_sample(p, tree, s)
+    dec = verify_tree_sample(lambda r, j: p[r, j], tree, s)
     emitted = [[rows[i][0][j - 1] for j in tree.path(i, node)[1:]] + [nxt] for i, (node, _, nxt) in enumerate(dec)]
     pv = [chi2_pvalue(torch.tensor([e[0] for e in emitted]), p1)]
     for t in p1.argsort(descending=True)[:2].tolist():  # the second token, given the first
@@ -140,13 +141,13 @@ def test_a_sampled_chains_q_raises_acceptance(warp):
     depth = {}
     for name, rr in (("q", rows), ("one-hot", [r[:2] for r in rows])):
         s = Sampling(**WARPS[warp], generator=torch.Generator().manual_seed(1))
-        dec = verify_tree_sample(p, Tree.from_lists(rr, "cpu"), s)
+        dec = verify_tree_sample(lambda r, j: p[r, j], Tree.from_lists(rr, "cpu"), s)
         depth[name] = sum(d for _, d, _ in dec) / len(dec)
     assert depth["q"] > depth["one-hot"] + 0.05, depth
 
 
 def test_tree_accept_rule_with_a_sampled_chain_without_the_residual_fails(monkeypatch):
-    monkeypatch.setattr(D, "residual", wrong_residual)
+    monkeypatch.setattr(D, "residual", wrong_residual)  # only the sampled nodes' residual wrong
     assert min(_sampled_pvalues(WARPS["t1.0"])) < 1e-6
 
 
@@ -245,7 +246,7 @@ def test_tree_sampling_matches_target(target, kind, warp):
 
 
 def test_tree_sampling_without_the_residual_fails(target, monkeypatch):
-    monkeypatch.setattr(D, "residual", wrong_residual)
+    monkeypatch.setattr(D, "residual_one_hot", wrong_residual)  # the oracle's branches are one-hot drafts
     pv, _ = e2e3_pvalues(target, tree_proposer("oracle", target), WARPS["t0.7"])
     assert min(pv) < 1e-6, pv
 
