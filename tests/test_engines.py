@@ -409,6 +409,23 @@ def test_vllm_loads_eagle3_speculators_as_draft(engine, tiny, plain, tmp_path):
     _assert_same_as_plain(res, plain, 2)
 
 
+@engines
+def test_vllm_follows_the_exports_k_by_batch_table(engine, tiny, plain, tmp_path):
+    """The vLLM spec `draftsmith export --k-by-batch` writes into the serve command (ExportFormat.vllm_spec): K = 3
+    at batch 1 and K = 1 from batch 2 on, read back from vLLM's own counters (draft tokens per draft); outputs
+    still equal plain decoding's."""
+    from pipeline.formats import FORMATS
+
+    d, _ = tiny
+    exp = write_speculators_eagle3(tmp_path / "export", d, k=3)
+    spec = FORMATS["speculators"].vllm_spec(exp, 3, [[1, 1, 3], [2, 256, 1]])
+    res = _decode(engine, tiny, tmp_path, "eagle3-k-by-batch", speculative_config=spec)
+    for run, ref, k in zip(res["runs"], plain["runs"], (3, 1)):
+        assert run["outputs"] == ref["outputs"], f"batch {run['batch_size']}"
+        s = run["spec"]
+        assert s["num_drafts"] > 0 and s["num_draft_tokens"] == k * s["num_drafts"], (run["batch_size"], s)
+
+
 # ------------------------------------------------------------------------------------------ generate.engine
 
 def _word_recipe(tmp_path, target: str, **gen):
