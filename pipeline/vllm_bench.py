@@ -36,8 +36,9 @@ def speculative_config(method: str, ngram_min: int, ngram_max: int, k_by_batch: 
     k = int(rest[0])
     if name == "ngram":
         return vllm_speculative_config("ngram", k, prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max)
-    if name in FORMATS and len(rest) == 2:
-        return FORMATS[name].vllm_spec(Path(rest[1]).resolve(), k, k_by_batch)
+    export = export_of(method)
+    if export:
+        return FORMATS[export[0]].vllm_spec(export[1], k, k_by_batch)
     raise EngineError(f"--method {method}: one of plain, ngram:K, suffix, or FORMAT:K:DIR for an export format "
                       f"({', '.join(FORMATS)})")
 
