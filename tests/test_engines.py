@@ -420,10 +420,16 @@ def test_vllm_follows_the_exports_k_by_batch_table(engine, tiny, plain, tmp_path
     exp = write_speculators_eagle3(tmp_path / "export", d, k=3)
     spec = FORMATS["speculators"].vllm_spec(exp, 3, [[1, 1, 3], [2, 256, 1]])
     res = _decode(engine, tiny, tmp_path, "eagle3-k-by-batch", speculative_config=spec)
-    for run, ref, k in zip(res["runs"], plain["runs"], (3, 1)):
+    b1, b4 = res["runs"]
+    for run, ref in zip(res["runs"], plain["runs"]):
         assert run["outputs"] == ref["outputs"], f"batch {run['batch_size']}"
-        s = run["spec"]
-        assert s["num_drafts"] > 0 and s["num_draft_tokens"] == k * s["num_drafts"], (run["batch_size"], s)
+    s = b1["spec"]
+    assert s["num_drafts"] > 0 and s["num_draft_tokens"] == 3 * s["num_drafts"], s
+    # At batch 4 a row that had a token accepted finishes a step early, so the last row can run alone (K = 3) for
+    # at most as many steps as tokens were accepted; every other draft holds one token.
+    s = b4["spec"]
+    lone, odd = divmod(s["num_draft_tokens"] - s["num_drafts"], 2)
+    assert s["num_drafts"] > 0 and odd == 0 and 0 <= lone <= s["num_accepted_tokens"], s
 
 
 # ------------------------------------------------------------------------------------------ generate.engine
