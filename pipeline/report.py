@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .engine_rank import markdown as engine_markdown
+
 
 def _plots(run_dir: Path, metrics: dict) -> list[str]:
     import matplotlib
@@ -95,7 +97,10 @@ def serve_section(m: dict) -> list[str]:
     if "serve" not in m:  # metrics.json written before evaluate.serve
         return []
     lines = ["", "## Serving it in an engine", ""]
-    if m["serve"] != "draftsmith":
+    if m.get("engine_ranking"):
+        lines += [f"Promoted for **{m['serve']}** (evaluate.serve) by its tokens/s inside the engine; the figures "
+                  f"above are our decoder's for the checkpoint in best/.", "", *engine_markdown(m["engine_ranking"])]
+    elif m["serve"] != "draftsmith":
         lines.append(f"Promoted for **{m['serve']}** (evaluate.serve): only a checkpoint {m['serve']} loads was "
                      f"eligible; the figures above are our decoder's for that draft.")
     for fmt, e in (m.get("exports") or {}).items():
@@ -135,8 +140,9 @@ def temperature_section(m: dict) -> list[str]:
              "| --- | --- | --- | --- | --- | --- |",
              f"| promoted `{m['checkpoint']}` | 0 | {f(m['alpha'], 3)} | {f(m['tau'])} | "
              f"{f(m.get('mean_acceptance_length'))} | {f(m['speedup'])}× |",
-             f"| promoted `{s['draft']['name']}` | {s['temperature']:g} | {f(s['draft']['alpha'], 3)} | "
-             f"{f(s['draft']['tau'])} | {f(s['draft']['mean_acceptance_length'])} | {f(s['draft']['speedup'])}× |"]
+             *([f"| promoted `{s['draft']['name']}` | {s['temperature']:g} | {f(s['draft']['alpha'], 3)} | "
+                f"{f(s['draft']['tau'])} | {f(s['draft']['mean_acceptance_length'])} | {f(s['draft']['speedup'])}× |"]
+               if s["draft"] else [])]
     b, bs = m.get("ngram_baseline"), s.get("ngram_baseline")
     if b:
         lines.append(f"| n-gram baseline | 0 | {f(b['alpha'], 3)} | {f(b['tau'])} | "
@@ -144,11 +150,12 @@ def temperature_section(m: dict) -> list[str]:
     if bs:
         lines.append(f"| n-gram baseline | {s['temperature']:g} | {f(bs['alpha'], 3)} | {f(bs['tau'])} | "
                      f"{f(bs['mean_acceptance_length'])} | {f(bs['speedup'])}× |")
-    others = [c for c in s["candidates"] if c["name"] != s["draft"]["name"]]
+    others = [c for c in s["candidates"] if not s["draft"] or c["name"] != s["draft"]["name"]]
     lines += [f"| `{c['name']}` | {s['temperature']:g} | {f(c['alpha'], 3)} | {f(c['tau'])} | "
               f"{f(c['mean_acceptance_length'])} | {f(c['speedup'])}× |" for c in others]
-    lines += ["", f"Acceptance per draft position at {how} (P(accepted | reached)): "
-              + ", ".join(f(a, 3) for a in s["draft"]["accept_per_pos"])]
+    if s["draft"]:
+        lines += ["", f"Acceptance per draft position at {how} (P(accepted | reached)): "
+                  + ", ".join(f(a, 3) for a in s["draft"]["accept_per_pos"])]
     return lines
 
 

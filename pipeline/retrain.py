@@ -164,7 +164,7 @@ def first_draft_judged(run_dir: Path, m: dict) -> dict:
     promoted by; lossless from metrics.json. -> {"challenger", "champion": None, "ngram" or None}."""
     from .evaluate import SAMPLED
 
-    sampled = m.get("promoted_by") == "sampled"
+    sampled = bool((m.get("sampled") or {}).get("draft"))  # measured at the serving temperature (None: greedy)
     suffix = SAMPLED if sampled else ""
     name = m["sampled"]["draft"]["name"] if sampled else m["checkpoint"]  # sampling measured its twin once
     ev = Path(run_dir) / "eval"

@@ -78,15 +78,19 @@ def step_profile(run: dict) -> dict | None:
 
 def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], max_new_tokens: int, dtype: str,
           eos, ngram_min: int = 2, ngram_max: int = 4, workdir=None, profile: bool = False,
-          k_by_batch: list | None = None) -> list[dict]:
+          k_by_batch: list | None = None, sampling: dict | None = None) -> list[dict]:
     """One row per (method, batch size); speculative rows compare their outputs with plain's. k_by_batch: vLLM's
     `num_speculative_tokens_per_batch_size` for the exports (FORMAT:K:DIR: the report's recommended table);
-    vLLM's own methods run as vLLM ships them."""
+    vLLM's own methods run as vLLM ships them. sampling: {temperature, top_p, top_k, seed} (None: greedy); a
+    sampled output equals plain's only by chance, so its `identical_to_plain` says nothing of losslessness."""
+    s = sampling or {}
+    draw = dict(temperature=s.get("temperature", 0.0), top_p=s.get("top_p", 1.0), top_k=s.get("top_k", 0),
+                seed=s.get("seed", 0))
     rows, plain = [], {}
     for method in ["plain"] + [m for m in methods if m != "plain"]:
         spec = speculative_config(method, ngram_min, ngram_max, k_by_batch)
         job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=spec, batch_sizes=batch_sizes,
-                       dtype=dtype, eos_token_ids=eos, profile=profile, python_path=python_path(method))
+                       dtype=dtype, eos_token_ids=eos, profile=profile, python_path=python_path(method), **draw)
         try:
             res = run_vllm(job, method.replace(":", "-").replace("/", "_"), workdir=workdir)
         except EngineError as e:

@@ -634,6 +634,69 @@ def test_verify_export_runs_the_datastore_proposer_in_vllm(engine, tiny, tmp_pat
 
 
 @engines
+def test_evaluate_promotes_by_tokens_per_s_inside_vllm(engine, tiny, tmp_path):
+    """evaluate.engine_rank: a run of EAGLE-3 checkpoints holding a datastore on the tiny target. The fastest
+    checkpoint in our decoder and the datastore proposer are exported and decoded by vLLM beside vLLM plain and
+    its n-gram lookup; the candidate with the most tokens/s inside vLLM is promoted, its export written in
+    best/, the table in metrics.json, both reports and the W&B summary; evaluating again reads it back."""
+    import numpy as np
+
+    from pipeline.config import load_recipe
+    from pipeline.evaluate import run_evaluate
+    from pipeline.export import MANIFEST
+    from pipeline.owner_report import engine_ranking_table
+    from pipeline.report import write_report
+    from pipeline.tracking import NoOpTracker
+
+    from transformers import AutoModelForCausalLM
+
+    d, prompts = tiny
+    tok = word_tokenizer()
+    run = tmp_path / "run"
+    (run / "prompts").mkdir(parents=True)
+    (run / "prompts" / "heldout.jsonl").write_text(
+        "".join(json.dumps({"id": str(i), "prompt": tok.decode(p)}) + "\n" for i, p in enumerate(prompts[:3])))
+    names = ["checkpoint-000001", "checkpoint-000002"]
+    for n in names:
+        source_draft("eagle3", d, run / "train" / n)
+        np.save(run / "train" / n / "datastore.npy", np.asarray(prompts[3] * 2 + [-1], dtype=np.int32))
+    (run / "train" / "manifest.json").write_text(json.dumps({"checkpoints": names}))
+    recipe = load_recipe(domain="code", overrides=[
+        f"target={d}", "dtype=float32", "device=cpu", "evaluate.n_prompts=3", "evaluate.max_new_tokens=16",
+        "evaluate.k=3", "evaluate.fp32_prompts=1", "evaluate.hybrid=false", "evaluate.baselines=false",
+        "evaluate.serve=vllm", "evaluate.engine_rank=true", "evaluate.engine_candidates=1",
+        "evaluate.engine_methods=[ngram:3]"])
+    target = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+    class Summary(NoOpTracker):
+        def summary(self, d):
+            self.got = d
+
+    tracker = Summary()
+    m = run_evaluate(recipe, run, target, tok, tracker=tracker)
+    t = m["engine_ranking"]
+    assert m["promoted_by"] == "engine" and t["engine"] == "vllm" and t["batch_sizes"] == [1]
+    rows = {r["name"]: r for r in t["rows"]}
+    fastest_ours = max(m["checkpoints"], key=lambda c: c["speedup"])["name"]
+    assert set(rows) == {"plain", "ngram:3", fastest_ours, f"{fastest_ours}:datastore"}, rows
+    assert all(r["tokens_per_s"] > 0 and not r.get("error") for r in rows.values())
+    cands = [r for r in t["rows"] if r["kind"] == "candidate"]
+    win = max(cands, key=lambda r: r["tokens_per_s"])
+    assert t["winner"] == win["name"] and t["best_engine_method"] == "ngram:3"
+    assert win["vs_best_engine_method"] == pytest.approx(win["tokens_per_s"] / rows["ngram:3"]["tokens_per_s"])
+    assert rows[fastest_ours]["mean_acceptance_length"] > 1  # the draft started from the target is accepted
+    assert m["checkpoint"] == fastest_ours  # the datastore's export comes from that checkpoint too
+    man = json.loads((run / "best" / f"export-{win['format']}" / MANIFEST).read_text())
+    assert m["exports"] == {win["format"]: {"dir": f"best/export-{win['format']}", "serve": man["serve"]}}
+    assert tracker.got["engine/tokens_per_s"] == win["tokens_per_s"]
+    report = write_report(run).read_text()
+    assert f"**{t['winner']}**" in report and "| ngram:3 | vLLM | 1 |" in report
+    assert f"<b>{t['winner']}</b>" in engine_ranking_table(t)
+    again = run_evaluate(recipe, run, target, tok)  # read back from eval/engine-vllm.json: no engine started
+    assert again["engine_ranking"] == t and len(list((run / "eval" / "engine" / "vllm").glob("*.job.json"))) == 4
+
+
+@engines
 def test_vllm_profile_times_the_engine_steps_parts(engine, tiny, plain, tmp_path):
     """`profile`: timers on vLLM's step functions in this process. Every part fires, they nest (the target
     forward inside execute_model inside the step; the draft's forwards inside drafting), and timing changes

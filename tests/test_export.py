@@ -6,6 +6,7 @@ evaluate.serve's promotion filter."""
 import json
 import re
 import shlex
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -522,3 +523,94 @@ def test_evaluate_writes_the_export_with_best_and_the_report_says_how_to_serve(t
     assert m["serve"]["vllm"] in report and '"num_speculative_tokens": 2' in report
     assert ("Promoted for **vllm**" in report) == (serve == "vllm")
     assert (f"`{ck.name}`, speedup" in report) == (serve == "draftsmith")
+
+
+# ------------------------------------------------------------------------------- evaluate.engine_rank
+
+def test_engine_rank_recipe_keys_are_checked_and_change_no_key():
+    from pipeline.measure import evaluate_settings
+
+    base = load_recipe(domain="code")
+    on = load_recipe(domain="code", overrides=["evaluate.serve=vllm", "evaluate.engine_rank=true",
+                                               "evaluate.engine_methods=[suffix]", "evaluate.engine_batch_sizes=[1, 16]"])
+    assert on.hash() == base.hash() and evaluate_settings(on) == evaluate_settings(base)  # no measurement is redone
+    for bad, msg in ((["evaluate.engine_rank=true"], "set evaluate.serve=vllm"),
+                     (["evaluate.serve=vllm", "evaluate.engine_methods=[eagle3]"], "give 'ngram:K' (K > 0) or 'suffix'"),
+                     (["evaluate.serve=vllm", "evaluate.engine_methods=[ngram:0]"], "'ngram:0' is not one of"),
+                     (["evaluate.engine_batch_sizes=[]"], "must list batch sizes >= 1"),
+                     (["evaluate.engine_candidates=0"], "evaluate.engine_candidates=0 must be > 0")):
+        with pytest.raises(RecipeError, match=re.escape(msg)):
+            load_recipe(domain="code", overrides=bad)
+
+
+def _row(name, kind, b, tps, fmt=None, **kw):
+    return {"name": name, "kind": kind, "format": fmt, "batch_size": b, "tokens_per_s": tps,
+            "mean_acceptance_length": 2.0, "acceptance_per_pos": [], "identical_to_plain": 4, "n_prompts": 4, **kw}
+
+
+def test_engine_ranking_promotes_the_most_tokens_per_s_at_the_first_batch_size():
+    from pipeline.engine_rank import markdown, with_ratios
+
+    rows = [_row("plain", "plain", 1, 100.0), _row("plain", "plain", 16, 400.0),
+            _row("ngram:4", "engine", 1, 150.0), _row("ngram:4", "engine", 16, 380.0),
+            _row("suffix", "engine", 1, 160.0), _row("suffix", "engine", 16, 300.0),
+            _row("ck-2", "candidate", 1, 170.0, "speculators"), _row("ck-2", "candidate", 16, 500.0, "speculators"),
+            _row("ck-2:datastore", "candidate", 1, 180.0, "vllm-proposer"),
+            _row("ck-2:datastore", "candidate", 16, 420.0, "vllm-proposer"),
+            {"name": "ck-1", "kind": "candidate", "format": "speculators", "error": "ValueError: no"}]
+    t = with_ratios({"engine": "vllm", "vllm_version": "0.32.0", "n_prompts": 4, "max_new_tokens": 8, "k": 3,
+                     "dtype": "bfloat16", "methods": ["ngram:4", "suffix"], "batch_sizes": [1, 16],
+                     "sampling": None, "rows": rows})
+    assert t["winner"] == "ck-2:datastore" and t["best_engine_method"] == "suffix"  # batch 1 ranks, not batch 16
+    by = {(r["name"], r.get("batch_size")): r for r in t["rows"]}
+    assert by["ck-2:datastore", 1]["vs_best_engine_method"] == pytest.approx(180 / 160)
+    assert by["ck-2", 16]["vs_best_engine_method"] == pytest.approx(500 / 380)  # ngram is vLLM's best at 16
+    assert by["ck-2", 16]["vs_plain"] == pytest.approx(500 / 400)
+    md = "\n".join(markdown(t))
+    assert "| **ck-2:datastore** | vllm-proposer | 1 | 180.0 | 1.80× | 1.12× | 2.00 |" in md
+    assert "| ck-1 | speculators | - | failed: ValueError: no |" in md and "| plain | vLLM | 1 | 100.0 | 1.00× | 0.62× | - |" in md
+    none_ran = with_ratios({**t, "rows": [_row("plain", "plain", 1, 100.0), rows[-1]]})
+    assert none_ran["winner"] is None and "none of the candidates ran" in markdown(none_ran)[0]
+
+
+def test_engine_candidates_are_the_fastest_exportable_checkpoints_and_the_datastore(tmp_path, target_dir):
+    import numpy as np
+
+    from pipeline.evaluate import engine_candidates
+
+    for n in ("a", "b", "c"):
+        eagle3_draft(tmp_path / n, target_dir)
+    np.save(tmp_path / "b" / "datastore.npy", np.arange(8, dtype=np.int32))
+    res = [_result("a", tmp_path / "a", 1.1), _result("b", tmp_path / "b", 1.3), _result("c", tmp_path / "c", 1.2),
+           _result("b+ngram", f"hybrid:{tmp_path / 'b'}", 2.0)]
+    cfg = load_recipe(domain="code", overrides=["evaluate.serve=vllm", "evaluate.engine_rank=true",
+                                                "evaluate.engine_candidates=2"]).evaluate
+    got = [(c.name, c.format, c.result["name"]) for c in engine_candidates(cfg, res, res[1])]
+    assert got == [("b", "speculators", "b"), ("c", "speculators", "c"), ("b:datastore", "vllm-proposer", "b")]
+    assert [c.name for c in engine_candidates(cfg, res, res[0])] == ["b", "c"]  # a holds no datastore
+
+
+def test_evaluate_engine_rank_is_refused_before_decoding_without_the_engine_or_a_candidate(
+        tmp_path, target_dir, real_tokenizer, monkeypatch):
+    """No engine python: one line naming `make engines`. Recurrent Medusa heads, which vLLM cannot load, are
+    refused unless the checkpoint holds a datastore (the datastore proposer is then vLLM's candidate)."""
+    import numpy as np
+
+    from pipeline.engines.vllm import ENGINE_ENV
+    from pipeline.evaluate import EvaluateError, check_exports
+
+    ck = tmp_path / "train" / "checkpoint-000001"
+    medusa_draft(ck, target_dir, recurrent=True)
+    on = load_recipe(domain="code", overrides=["evaluate.serve=vllm", "evaluate.engine_rank=true"])
+    monkeypatch.setenv(ENGINE_ENV, str(tmp_path / "nope" / "python"))
+    with pytest.raises(EvaluateError, match=r"evaluate.engine_rank=true: no vLLM engine environment .*make engines"
+                                            r".*or set evaluate.engine_rank=false") as e:
+        check_exports(on, [ck])
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv(ENGINE_ENV, sys.executable)
+    with pytest.raises(EvaluateError, match="recurrent Medusa heads"):
+        check_exports(on, [ck])
+    np.save(ck / "datastore.npy", np.arange(8, dtype=np.int32))
+    check_exports(on, [ck])
+    with pytest.raises(EvaluateError, match="recurrent Medusa heads"):  # without engine ranking it is not a candidate
+        check_exports(load_recipe(domain="code", overrides=["evaluate.serve=vllm"]), [ck])

@@ -46,7 +46,7 @@ def vllm_job(model, prompts: list[list[int]], max_tokens: int, *, speculative_co
              batch_sizes=(1,), dtype: str = "bfloat16", logprobs: int = 0, seed: int = 0,
              eos_token_ids=None, ignore_eos: bool = False, max_model_len: int | None = None,
              max_num_seqs: int | None = None, seeds: list[int] | None = None, temperature: float = 0.0,
-             eager: bool = False, profile: bool = False, python_path: list[str] | None = None) -> dict:
+             top_p: float = 1.0, top_k: int = 0, eager: bool = False, profile: bool = False, python_path: list[str] | None = None) -> dict:
     """A worker job (see vllm_worker.py), checked here so that a bad one fails before vLLM's minutes of startup."""
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise EngineError("a vLLM job needs a non-empty list of prompts, each a non-empty list of token ids")
@@ -57,6 +57,7 @@ def vllm_job(model, prompts: list[list[int]], max_tokens: int, *, speculative_co
         raise EngineError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     return {"model": str(model), "dtype": dtype, "speculative_config": speculative_config, "prompts": prompts,
             "max_tokens": max_tokens, "batch_sizes": list(batch_sizes), "temperature": temperature,
+            "top_p": top_p, "top_k": top_k,
             "seed": seed, "seeds": seeds, "logprobs": logprobs,
             "eos_token_ids": sorted(eos_token_ids) if eos_token_ids else None, "ignore_eos": ignore_eos,
             "max_model_len": max_model_len or max(len(p) for p in prompts) + max_tokens + 16,

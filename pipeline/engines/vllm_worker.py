@@ -125,6 +125,10 @@ def sampling_params(job, seed=None):
     kw = dict(temperature=job.get("temperature", 0.0), max_tokens=job["max_tokens"],
               seed=job.get("seed", 0) if seed is None else seed, ignore_eos=job.get("ignore_eos", False),
               detokenize=False)
+    if job.get("top_p", 1.0) < 1.0:
+        kw["top_p"] = job["top_p"]
+    if job.get("top_k"):
+        kw["top_k"] = job["top_k"]
     if job.get("logprobs"):
         kw["logprobs"] = job["logprobs"]
     if job.get("eos_token_ids"):
