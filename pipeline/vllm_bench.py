@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from eval.cpu import cpu_path
+
 from .engines.vllm import EngineError, acceptance, run_vllm, vllm_job
 from .export import k_table
 from .formats import FORMATS, vllm_speculative_config
@@ -87,6 +89,7 @@ def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], 
     draw = dict(temperature=s.get("temperature", 0.0), top_p=s.get("top_p", 1.0), top_k=s.get("top_k", 0),
                 seed=s.get("seed", 0))
     rows, plain = [], {}
+    path = cpu_path().name  # the worker inherits it: DRAFTSMITH_CPU_PATH=avx2 caps vLLM's kernels too
     for method in ["plain"] + [m for m in methods if m != "plain"]:
         spec = speculative_config(method, ngram_min, ngram_max, k_by_batch)
         job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=spec, batch_sizes=batch_sizes,
@@ -105,7 +108,8 @@ def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], 
             rows.append({"method": method, "speculative_config": spec, "batch_size": b,
                          "tokens_per_s": run["tokens_per_s"], "new_tokens": run["new_tokens"], "wall_s": run["wall_s"],
                          "startup_s": res["startup_s"], "identical_to_plain": same, "n_prompts": len(prompts),
-                         "vllm_version": res["vllm_version"], "counters": run["spec"], **acceptance(run["spec"]),
+                         "vllm_version": res["vllm_version"], "cpu_path": path, "counters": run["spec"],
+                         **acceptance(run["spec"]),
                          **({"profile": step_profile(run)} if profile else {})})
     return rows
 

@@ -543,8 +543,8 @@ def test_engine_rank_recipe_keys_are_checked_and_change_no_key():
             load_recipe(domain="code", overrides=bad)
 
 
-def _row(name, kind, b, tps, fmt=None, **kw):
-    return {"name": name, "kind": kind, "format": fmt, "batch_size": b, "tokens_per_s": tps,
+def _row(name, kind, b, tps, fmt=None, k=None, **kw):
+    return {"name": name, "kind": kind, "format": fmt, "k": k, "batch_size": b, "tokens_per_s": tps,
             "mean_acceptance_length": 2.0, "acceptance_per_pos": [], "identical_to_plain": 4, "n_prompts": 4, **kw}
 
 
@@ -554,11 +554,11 @@ def test_engine_ranking_promotes_the_most_tokens_per_s_at_the_first_batch_size()
     rows = [_row("plain", "plain", 1, 100.0), _row("plain", "plain", 16, 400.0),
             _row("ngram:4", "engine", 1, 150.0), _row("ngram:4", "engine", 16, 380.0),
             _row("suffix", "engine", 1, 160.0), _row("suffix", "engine", 16, 300.0),
-            _row("ck-2", "candidate", 1, 170.0, "speculators"), _row("ck-2", "candidate", 16, 500.0, "speculators"),
-            _row("ck-2:datastore", "candidate", 1, 180.0, "vllm-proposer"),
-            _row("ck-2:datastore", "candidate", 16, 420.0, "vllm-proposer"),
-            {"name": "ck-1", "kind": "candidate", "format": "speculators", "error": "ValueError: no"}]
-    t = with_ratios({"engine": "vllm", "vllm_version": "0.32.0", "n_prompts": 4, "max_new_tokens": 8, "k": 3,
+            _row("ck-2", "candidate", 1, 170.0, "speculators", 2), _row("ck-2", "candidate", 16, 500.0, "speculators", 2),
+            _row("ck-2:datastore", "candidate", 1, 180.0, "vllm-proposer", 8),
+            _row("ck-2:datastore", "candidate", 16, 420.0, "vllm-proposer", 8),
+            {"name": "ck-1", "kind": "candidate", "format": "speculators", "k": 2, "error": "ValueError: no"}]
+    t = with_ratios({"engine": "vllm", "vllm_version": "0.32.0", "n_prompts": 4, "max_new_tokens": 8,
                      "dtype": "bfloat16", "methods": ["ngram:4", "suffix"], "batch_sizes": [1, 16],
                      "sampling": None, "rows": rows})
     assert t["winner"] == "ck-2:datastore" and t["best_engine_method"] == "suffix"  # batch 1 ranks, not batch 16
@@ -567,10 +567,15 @@ def test_engine_ranking_promotes_the_most_tokens_per_s_at_the_first_batch_size()
     assert by["ck-2", 16]["vs_best_engine_method"] == pytest.approx(500 / 380)  # ngram is vLLM's best at 16
     assert by["ck-2", 16]["vs_plain"] == pytest.approx(500 / 400)
     md = "\n".join(markdown(t))
-    assert "| **ck-2:datastore** | vllm-proposer | 1 | 180.0 | 1.80× | 1.12× | 2.00 |" in md
-    assert "| ck-1 | speculators | - | failed: ValueError: no |" in md and "| plain | vLLM | 1 | 100.0 | 1.00× | 0.62× | - |" in md
+    assert "| **ck-2:datastore** | vllm-proposer | 8 | 1 | 180.0 | 1.80× | 1.12× | 2.00 |" in md
+    assert "| ck-1 | speculators | 2 | - | failed: ValueError: no |" in md
+    assert "| plain | vLLM | - | 1 | 100.0 | 1.00× | 0.62× | - |" in md and "ran faster than every" not in md
     none_ran = with_ratios({**t, "rows": [_row("plain", "plain", 1, 100.0), rows[-1]]})
     assert none_ran["winner"] is None and "none of the candidates ran" in markdown(none_ran)[0]
+    slower = with_ratios({**t, "rows": [r for r in rows if r["name"] != "ck-2:datastore"]})
+    assert slower["winner"] == "ck-2" and "ran faster than every" not in markdown(slower)[0]
+    beaten = with_ratios({**t, "rows": [_row("suffix", "engine", 1, 200.0), *rows[6:]]})
+    assert "vLLM's own suffix ran faster than every candidate here (ck-2:datastore is 0.90× it)" in markdown(beaten)[0]
 
 
 def test_engine_candidates_are_the_fastest_exportable_checkpoints_and_the_datastore(tmp_path, target_dir):
@@ -585,9 +590,9 @@ def test_engine_candidates_are_the_fastest_exportable_checkpoints_and_the_datast
            _result("b+ngram", f"hybrid:{tmp_path / 'b'}", 2.0)]
     cfg = load_recipe(domain="code", overrides=["evaluate.serve=vllm", "evaluate.engine_rank=true",
                                                 "evaluate.engine_candidates=2"]).evaluate
-    got = [(c.name, c.format, c.result["name"]) for c in engine_candidates(cfg, res, res[1])]
-    assert got == [("b", "speculators", "b"), ("c", "speculators", "c"), ("b:datastore", "vllm-proposer", "b")]
-    assert [c.name for c in engine_candidates(cfg, res, res[0])] == ["b", "c"]  # a holds no datastore
+    got = [(c.name, c.format, c.result["name"], c.k) for c in engine_candidates(cfg, res, res[1], 2, 8)]
+    assert got == [("b", "speculators", "b", 2), ("c", "speculators", "c", 2), ("b:datastore", "vllm-proposer", "b", 8)]
+    assert [c.name for c in engine_candidates(cfg, res, res[0], 2, 8)] == ["b", "c"]  # a holds no datastore
 
 
 def test_evaluate_engine_rank_is_refused_before_decoding_without_the_engine_or_a_candidate(

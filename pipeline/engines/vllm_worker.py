@@ -2,7 +2,7 @@
 
     python -I vllm_worker.py JOB.json RESULT.json
 
-Imports only vllm and the standard library: vLLM pins an older transformers than draftsmith's venv, so
+Imports only vllm (and its torch) and the standard library: vLLM pins an older transformers than draftsmith's venv, so
 draftsmith never imports it and talks to this script through files (pipeline/engines/vllm.py).
 
 Job keys: model (HF dir, or a speculators dir), dtype, speculative_config (dict or null), prompts (token-id
@@ -23,6 +23,25 @@ import time
 
 # This file's folder holds draftsmith's vllm.py: run as a script, `import vllm` must find the engine, not it.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+
+def cap_cpu_isa():
+    """DRAFTSMITH_CPU_PATH=avx2 (the emulated AVX2-only CPU of docs/reference/kernels.md) also gives vLLM an
+    AVX2-only CPU: vLLM picks its kernel build (_C_AVX2 or the AVX-512 ones) and attention ISA from these torch
+    checks, and oneDNN and ATen are capped by their own variables. Module level, so that the engine core, which
+    vLLM-CPU starts with spawn (importing this script again), is capped too."""
+    if os.environ.get("DRAFTSMITH_CPU_PATH") != "avx2":
+        return
+    import torch
+
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+                 "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: False)
+
+
+cap_cpu_isa()
+
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
