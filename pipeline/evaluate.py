@@ -506,7 +506,7 @@ def write_exports(recipe, run_dir: Path, p: Promotion, won: EngineCandidate | No
         k = won.k if won and fmt == won.format else recipe.export.k or recipe.evaluate.k
         d = export_draft(src, fmt, run_dir / "best" / f"export-{fmt}", recipe.export.verifier or recipe.target, k,
                          force=True)
-        out[fmt] = {"dir": f"best/export-{fmt}", "serve": json.loads((d / MANIFEST).read_text())["serve"]}
+        out[fmt] = {"dir": f"best/export-{fmt}", "k": k, "serve": json.loads((d / MANIFEST).read_text())["serve"]}
     return out
 
 

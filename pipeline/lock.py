@@ -110,6 +110,7 @@ class DomainLock:
                      "started": time.time(), "what": what, "run_id": run_id}
         self._old_term = None
         self._nested = False
+        self._made: list[Path] = []  # directories acquire created, removed again on release when left empty
 
     # ------------------------------------------------------------ acquiring
     def _read(self) -> dict | None:
@@ -225,7 +226,7 @@ class DomainLock:
         if self._read() == self.info:  # never remove a lock someone took over from us
             self.path.unlink(missing_ok=True)
             fsync_dir(self.domain_dir)
-        for d in reversed(getattr(self, "_made", [])):
+        for d in reversed(self._made):
             try:
                 d.rmdir()  # only when empty: a failed command leaves no trace
             except OSError:

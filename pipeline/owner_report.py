@@ -647,6 +647,9 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
         out = str(run_dir / exports[fmt]["dir"]) if fmt in exports else "EXPORT_DIR"
         make = "" if fmt in exports else (f"draftsmith export --draft {best} --format {fmt} --k {k} "
                                           f"--out EXPORT_DIR\n")
+        if engine == "vllm" and won:  # ranked inside vLLM at the K its export holds: serve it as measured
+            lines.append(exports[fmt]["serve"][engine])
+            continue
         lines.append(make + FORMATS[fmt].serve(out, m.get("target"), k)[engine])
     ng = v.ngram
     if ng and ng.get("speedup") and ng["speedup"] > (v.figures.get("speedup") or 0):

@@ -104,7 +104,7 @@ def serve_section(m: dict) -> list[str]:
         lines.append(f"Promoted for **{m['serve']}** (evaluate.serve): only a checkpoint {m['serve']} loads was "
                      f"eligible; the figures above are our decoder's for that draft.")
     for fmt, e in (m.get("exports") or {}).items():
-        lines += ["", f"`{e['dir']}/` ({fmt} format, K={m['k']}):", "", "```", *e["serve"].values(), "```"]
+        lines += ["", f"`{e['dir']}/` ({fmt} format, K={e.get('k', m['k'])}):", "", "```", *e["serve"].values(), "```"]
     if m["serve"] == "draftsmith":
         lines += ["", "The fastest candidate each engine can load (a bare checkpoint; the hybrid's lookups and "
                       "tree are our decoder's), measured in our decoder; write it with `draftsmith export`:", ""]

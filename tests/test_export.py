@@ -517,7 +517,7 @@ def test_evaluate_writes_the_export_with_best_and_the_report_says_how_to_serve(t
     assert metrics["serve"] == serve and metrics["checkpoint"] == ck.name
     m = json.loads((run / "best" / "export-medusa" / MANIFEST).read_text())
     assert m["k"] == 2 and m["verifier"] == str(tiny_target.resolve()) and m["source"] == str((run / "best").resolve())
-    assert metrics["exports"] == {"medusa": {"dir": "best/export-medusa", "serve": m["serve"]}}
+    assert metrics["exports"] == {"medusa": {"dir": "best/export-medusa", "k": 2, "serve": m["serve"]}}
     assert metrics["best_exportable"]["vllm"]["name"] == ck.name and metrics["best_exportable"]["sglang"] is None
     report = write_report(run).read_text()
     assert m["serve"]["vllm"] in report and '"num_speculative_tokens": 2' in report
