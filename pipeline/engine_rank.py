@@ -10,7 +10,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from eval.draft_dir import DraftDirError
+
 from .export import export_draft
+from .formats import ExportError
 from .vllm_bench import bench
 
 
@@ -59,9 +62,14 @@ def rank(cands: list[EngineCandidate], s: EngineSettings, workdir: Path) -> dict
     its own methods: the table evaluate promotes from and the report shows. Rows of a method that failed to
     run carry its first error line; `winner` is None when no candidate ran."""
     workdir = Path(workdir)
-    methods = {c.name: method_of(c, workdir / "exports", s.target_dir) for c in cands}
+    methods, failed = {}, []
+    for c in cands:
+        try:
+            methods[c.name] = method_of(c, workdir / "exports", s.target_dir)
+        except (ExportError, DraftDirError) as e:  # this candidate cannot be exported: a row saying why
+            failed.append({"method": c.name, "error": f"export: {str(e).splitlines()[0]}"})
     rows = bench(s.target_dir, s.prompts, [*s.methods, *methods.values()], s.batch_sizes, s.max_new_tokens, s.dtype,
-                 s.eos, workdir=workdir / "vllm", sampling=s.sampling)
+                 s.eos, workdir=workdir / "vllm", sampling=s.sampling) + failed
     name_of = {m: n for n, m in methods.items()}
     by_name = {c.name: c for c in cands}
     table = []
@@ -71,7 +79,7 @@ def rank(cands: list[EngineCandidate], s: EngineSettings, workdir: Path) -> dict
         kind = "candidate" if c else "plain" if name == "plain" else "engine"
         k = c.k if c else int(name.split(":")[1]) if name.startswith("ngram:") else None
         table.append({"name": name, "kind": kind, "format": c.format if c else None, "k": k}
-                     | {k: r.get(k) for k in ("batch_size", "tokens_per_s", "mean_acceptance_length",
+                     | {f: r.get(f) for f in ("batch_size", "tokens_per_s", "mean_acceptance_length",
                                               "acceptance_per_pos", "identical_to_plain", "n_prompts", "error")})
     version = next((r["vllm_version"] for r in rows if "vllm_version" in r), None)
     return with_ratios({"engine": "vllm", "vllm_version": version, **s.key(), "rows": table})
@@ -99,14 +107,20 @@ def with_ratios(t: dict) -> dict:
 
 
 def engine_beats(t: dict) -> str:
-    """A sentence when one of vLLM's own methods ran faster than the promoted candidate at the ranking batch
-    size (the owner is better served by it), else ""."""
+    """A sentence when vLLM without speculation, or one of its own methods, ran faster than the promoted
+    candidate at the ranking batch size (the owner is better served by it), else ""."""
     first, best = t["batch_sizes"][0], t.get("best_engine_method")
-    row = next((r for r in t["rows"] if r["name"] == t["winner"] and r.get("batch_size") == first), None)
-    if not row or not best or (row.get("vs_best_engine_method") or 1.0) >= 1.0:
+    at = {r["name"]: r for r in t["rows"] if r.get("batch_size") == first and r.get("tokens_per_s")}
+    row, plain = at.get(t["winner"]), at.get("plain")
+    if not row:
         return ""
-    return (f" vLLM's own {best} ran faster than every candidate here ({row['name']} is "
-            f"{row['vs_best_engine_method']:.2f}× it): serve with it unless a later draft beats it.")
+    if plain and plain["tokens_per_s"] >= max(row["tokens_per_s"], at[best]["tokens_per_s"] if best else 0.0):
+        return (f" vLLM without speculation ran faster than every speculative method here ({row['name']} is "
+                f"{row['vs_plain']:.2f}× it): serve it plain at this temperature unless a later draft beats it.")
+    if best and (row.get("vs_best_engine_method") or 1.0) < 1.0:
+        return (f" vLLM's own {best} ran faster than every candidate here ({row['name']} is "
+                f"{row['vs_best_engine_method']:.2f}× it): serve with it unless a later draft beats it.")
+    return ""
 
 
 def markdown(t: dict) -> list[str]:

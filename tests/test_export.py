@@ -576,6 +576,10 @@ def test_engine_ranking_promotes_the_most_tokens_per_s_at_the_first_batch_size()
     assert slower["winner"] == "ck-2" and "ran faster than every" not in markdown(slower)[0]
     beaten = with_ratios({**t, "rows": [_row("suffix", "engine", 1, 200.0), *rows[6:]]})
     assert "vLLM's own suffix ran faster than every candidate here (ck-2:datastore is 0.90× it)" in markdown(beaten)[0]
+    sampled = with_ratios({**t, "rows": [_row("plain", "plain", 1, 100.0), _row("suffix", "engine", 1, 97.0),
+                                         _row("ck-2:datastore", "candidate", 1, 94.0, "vllm-proposer", 8)]})
+    assert "vLLM without speculation ran faster than every speculative method here (ck-2:datastore is 0.94× it)" \
+        in markdown(sampled)[0]
 
 
 def test_engine_candidates_are_the_fastest_exportable_checkpoints_and_the_datastore(tmp_path, target_dir):
