@@ -691,7 +691,7 @@ def test_evaluate_promotes_by_tokens_per_s_inside_vllm(engine, tiny, tmp_path):
     assert man["k"] == win["k"] == (3 if win["format"] == "speculators" else 8)  # evaluate.k, or ngram_k for lookups
     assert tracker.got["engine/tokens_per_s"] == win["tokens_per_s"]
     report = write_report(run).read_text()
-    assert f"**{t['winner']}**" in report and "| ngram:3 | vLLM | 1 |" in report
+    assert f"**{t['winner']}**" in report and "| ngram:3 | vLLM | 3 | 1 |" in report
     assert f"<b>{t['winner']}</b>" in engine_ranking_table(t)
     again = run_evaluate(recipe, run, target, tok)  # read back from eval/engine-vllm.json: no engine started
     assert again["engine_ranking"] == t and len(list((run / "eval" / "engine" / "vllm").glob("*.job.json"))) == 4
