@@ -34,7 +34,8 @@ EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 # Keys added after runs and caches were keyed, with their defaults: at the default they are left out of
 # every key (recipe hash, train key, measurement caches), so what was made before them still resumes.
 LATER_KEYS = {("evaluate", "compile"): False, ("evaluate", "engine_rank"): False, ("evaluate", "engine_candidates"): 3,
-              ("evaluate", "engine_methods"): ["ngram:4", "suffix"], ("evaluate", "engine_batch_sizes"): [1], ("generate", "engine"): "draftsmith", ("evaluate", "temperature"): 0.0,
+              ("evaluate", "engine_methods"): ["ngram:4", "suffix"], ("evaluate", "engine_batch_sizes"): [1],
+              ("generate", "engine"): "draftsmith", ("evaluate", "temperature"): 0.0,
               ("evaluate", "top_p"): 1.0, ("evaluate", "top_k"): 0,
               ("data", "heldout_fraction"): 0.1, ("data", "heldout_max"): 200,
               ("retrain", "min_prompts"): 8, ("retrain", "min_tokens"): 512,

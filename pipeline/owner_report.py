@@ -587,10 +587,10 @@ def history_section(reg: dict, figs: Figures) -> str:
 
 
 def engine_ranking_table(t: dict) -> str:
-    from .engine_rank import engine_beats
-
     """evaluate.engine_rank's table (metrics.json's engine_ranking): every method's tokens/s inside vLLM."""
-    how = "greedy" if not t.get("sampling") else f"T={t['sampling']['temperature']:g}"
+    from .engine_rank import decoding, engine_beats
+
+    how = decoding(t)
     rows = []
     for i, r in enumerate(t["rows"]):
         key = f"engine_ranking.rows.{i}"

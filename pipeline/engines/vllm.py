@@ -46,7 +46,8 @@ def vllm_job(model, prompts: list[list[int]], max_tokens: int, *, speculative_co
              batch_sizes=(1,), dtype: str = "bfloat16", logprobs: int = 0, seed: int = 0,
              eos_token_ids=None, ignore_eos: bool = False, max_model_len: int | None = None,
              max_num_seqs: int | None = None, seeds: list[int] | None = None, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, eager: bool = False, profile: bool = False, python_path: list[str] | None = None) -> dict:
+             top_p: float = 1.0, top_k: int = 0, eager: bool = False, profile: bool = False,
+             python_path: list[str] | None = None) -> dict:
     """A worker job (see vllm_worker.py), checked here so that a bad one fails before vLLM's minutes of startup."""
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise EngineError("a vLLM job needs a non-empty list of prompts, each a non-empty list of token ids")
