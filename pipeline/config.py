@@ -35,6 +35,7 @@ EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 # every key (recipe hash, train key, measurement caches), so what was made before them still resumes.
 LATER_KEYS = {("evaluate", "compile"): False, ("evaluate", "engine_rank"): False, ("evaluate", "engine_candidates"): 3,
               ("evaluate", "engine_methods"): ["ngram:4", "suffix"], ("evaluate", "engine_batch_sizes"): [1],
+              ("evaluate", "engine_lookup_k"): 16,
               ("generate", "engine"): "draftsmith", ("evaluate", "temperature"): 0.0,
               ("evaluate", "top_p"): 1.0, ("evaluate", "top_k"): 0,
               ("data", "heldout_fraction"): 0.1, ("data", "heldout_max"): 200,
@@ -43,7 +44,7 @@ LATER_KEYS = {("evaluate", "compile"): False, ("evaluate", "engine_rank"): False
 
 
 # The evaluate keys of the engine ranking: they pick among measurements (as `serve` does), so no key holds them.
-ENGINE_RANK_KEYS = ("engine_rank", "engine_candidates", "engine_methods", "engine_batch_sizes")
+ENGINE_RANK_KEYS = ("engine_rank", "engine_candidates", "engine_methods", "engine_batch_sizes", "engine_lookup_k")
 
 
 def drop_later_defaults(d: dict) -> dict:
@@ -287,6 +288,9 @@ class EvaluateConfig:
                                                           "'suffix' (Arctic Inference's suffix decoding).")
     engine_batch_sizes: list[int] = _f([1], "evaluate.engine_rank: batch sizes measured in the engine; the "
                                             "candidates are ranked at the first.")
+    engine_lookup_k: int = _f(16, "evaluate.engine_rank: the most draft tokens a round of the datastore proposer "
+                                  "may propose inside vLLM; its rule drafts fewer where a match is short or unsure "
+                                  "(docs/reference/engines.md, \"The datastore proposer's rule\").")
     compile: bool = _f(False, "torch.compile the decoder's chain step (Llama-family targets), for a GPU "
                               "(docs/reference/gpu.md); on CPU inductor was slower than eager. Token trees need "
                               "eager shapes, so with it every candidate is measured with chains.")
@@ -326,6 +330,7 @@ class EvaluateConfig:
             raise RecipeError(f"evaluate.engine_rank=true measures in the engine evaluate.serve names, and vLLM is the "
                               f"one that runs here (evaluate.serve={self.serve}): set evaluate.serve=vllm")
         _positive("evaluate.engine_candidates", self.engine_candidates)
+        _positive("evaluate.engine_lookup_k", self.engine_lookup_k)
         if not self.engine_batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.engine_batch_sizes):
             raise RecipeError(f"evaluate.engine_batch_sizes={self.engine_batch_sizes!r} must list batch sizes >= 1, "
                               f"e.g. [1, 16]")

@@ -332,7 +332,8 @@ def engine_candidates(cfg, results: list[dict], best_ck: dict, k: int, lookup_k:
     """Step 3c's candidates: the evaluate.engine_candidates checkpoints vLLM loads that ran fastest in our
     decoder, then the datastore proposer of the checkpoint served in step 3 when it holds a datastore (its
     export carries the datastore; best/ then holds that checkpoint). A draft runs at `k` (evaluate.k), the
-    datastore's lookups at `lookup_k` (evaluate.ngram_k: lookups pay with longer drafts, as the n-gram baseline's)."""
+    datastore's lookups at most `lookup_k` tokens a round (evaluate.engine_lookup_k: the lookup's rule sizes each
+    draft by its match)."""
     pool = sorted((r for r in promotable(results, "vllm") if not served_as(r["source"])[0]),
                   key=lambda r: -r["speedup"])[:cfg.engine_candidates]
     cands = [EngineCandidate(r["name"], r, export_format(r, "vllm"), r["source"], k) for r in pool]
@@ -540,7 +541,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     sampled = measure_sampled(held, best_ck, fit)
     log_results(tracker, list(sampled.values()), "eval/sampled")
     cands = engine_candidates(cfg, results, best_ck, recipe.export.k or cfg.k,
-                              recipe.export.k or cfg.ngram_k) if cfg.engine_rank else []
+                              recipe.export.k or cfg.engine_lookup_k) if cfg.engine_rank else []
     ranking = rank_in_engine(held, recipe, run_dir, cands) if cands else None
     winner = next((c for c in cands if ranking and c.name == ranking["winner"]), None)
 

@@ -688,7 +688,7 @@ def test_evaluate_promotes_by_tokens_per_s_inside_vllm(engine, tiny, tmp_path):
     assert m["checkpoint"] == fastest_ours  # the datastore's export comes from that checkpoint too
     man = json.loads((run / "best" / f"export-{win['format']}" / MANIFEST).read_text())
     assert m["exports"] == {win["format"]: {"dir": f"best/export-{win['format']}", "k": win["k"], "serve": man["serve"]}}
-    assert man["k"] == win["k"] == (3 if win["format"] == "speculators" else 8)  # evaluate.k, or ngram_k for lookups
+    assert man["k"] == win["k"] == (3 if win["format"] == "speculators" else 16)  # evaluate.k, or engine_lookup_k
     assert tracker.got["engine/tokens_per_s"] == win["tokens_per_s"]
     report = write_report(run).read_text()
     assert f"**{t['winner']}**" in report and "| ngram:3 | vLLM | 3 | 1 |" in report

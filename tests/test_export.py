@@ -532,13 +532,15 @@ def test_engine_rank_recipe_keys_are_checked_and_change_no_key():
 
     base = load_recipe(domain="code")
     on = load_recipe(domain="code", overrides=["evaluate.serve=vllm", "evaluate.engine_rank=true",
-                                               "evaluate.engine_methods=[suffix]", "evaluate.engine_batch_sizes=[1, 16]"])
+                                               "evaluate.engine_methods=[suffix]", "evaluate.engine_batch_sizes=[1, 16]",
+                                               "evaluate.engine_lookup_k=24"])
     assert on.hash() == base.hash() and evaluate_settings(on) == evaluate_settings(base)  # no measurement is redone
     for bad, msg in ((["evaluate.engine_rank=true"], "set evaluate.serve=vllm"),
                      (["evaluate.serve=vllm", "evaluate.engine_methods=[eagle3]"], "give 'ngram:K' (K > 0) or 'suffix'"),
                      (["evaluate.serve=vllm", "evaluate.engine_methods=[ngram:0]"], "'ngram:0' is not one of"),
                      (["evaluate.engine_batch_sizes=[]"], "must list batch sizes >= 1"),
-                     (["evaluate.engine_candidates=0"], "evaluate.engine_candidates=0 must be > 0")):
+                     (["evaluate.engine_candidates=0"], "evaluate.engine_candidates=0 must be > 0"),
+                     (["evaluate.engine_lookup_k=0"], "evaluate.engine_lookup_k=0 must be > 0")):
         with pytest.raises(RecipeError, match=re.escape(msg)):
             load_recipe(domain="code", overrides=bad)
 

@@ -15,7 +15,7 @@ import torch
 from eval import draft_dir
 from eval.datastore import Datastore
 from pipeline.engines.draftsmith_vllm import lookup as lk
-from pipeline.engines.draftsmith_vllm.lookup import SEP, SuffixLookup, _hash
+from pipeline.engines.draftsmith_vllm.lookup import NONE, SEP, Draft, SuffixLookup, _hash
 from pipeline.engines.draftsmith_vllm.proposer import DatastoreProposer
 
 
@@ -28,17 +28,18 @@ def corpus(*seqs):
 
 # ------------------------------------------------------------------------------------------ the lookup
 
-def test_context_match_is_the_longest_suffix_and_its_latest_occurrence():
-    L = SuffixLookup(None, max_ngram=4, min_ngram=2)
-    # suffix [7, 8]: occurs at 0-1 (then 9) and 4-5 (then 10); [6, 7, 8] only at 3-5 -> the longer wins
+def test_context_match_scores_every_suffix_length_and_keeps_the_best():
+    L = SuffixLookup(None, max_ngram=4, min_ngram=1, spec_factor=2.0)
+    # last token 8: [8] and [7, 8] occurred twice (then 9 and 10: half each), [6, 7, 8] once (then 10 1 6,
+    # certain), [1, 6, 7, 8] never: the certain continuation scores 3 against 1 and 1.5
     ctx = [7, 8, 9, 6, 7, 8, 10, 1, 6, 7, 8]
-    assert L.context_match(ctx, 3) == ([10, 1, 6], 3)
+    assert L.context_match(ctx, 3) == Draft([10, 1, 6], 3.0, 3)
     assert L.propose(ctx, 2) == [10, 1]
-    # equal lengths: the latest occurrence
-    assert L.context_match([1, 2, 5, 1, 2, 6, 1, 2], 1) == ([6], 2)
-    # below min_ngram: nothing; a continuation stops at the context's end
-    assert L.context_match([1, 2, 3, 4, 5, 3], 3) == ([], 0)
-    assert L.context_match([3, 4, 3, 4], 5) == ([3, 4], 2)
+    # a match of n tokens drafts at most floor(spec_factor * n): [6, 7, 8] may draft 1 at factor 0.5
+    assert SuffixLookup(None, max_ngram=4, spec_factor=0.5).context_match(ctx, 3) == Draft([10], 1.0, 3)
+    # below min_ngram nothing ([5, 3] never occurred); a continuation stops at the context's end
+    assert SuffixLookup(None, max_ngram=4, min_ngram=2).context_match([1, 2, 3, 4, 5, 3], 3) == NONE
+    assert L.context_match([3, 4, 3, 4], 5) == Draft([3, 4], 2.0, 2)
     assert L.propose([1, 2, 3], 4) == []
 
 
@@ -46,29 +47,43 @@ def test_store_match_grows_the_most_frequent_continuation_until_min_prob():
     # after [1, 2]: 5 6 7 (x3), 5 6 8 (x1), 9 (x1): 5 has 4/5, 6 4/5, then 7 3/5
     c = corpus([1, 2, 5, 6, 7], [1, 2, 5, 6, 7], [1, 2, 5, 6, 7], [1, 2, 5, 6, 8], [1, 2, 9])
     L = SuffixLookup(c, max_ngram=4, min_ngram=2, min_prob=0.5)
-    assert L.store_match([3, 1, 2], 5) == ([5, 6, 7], 2)  # SEP ends every continuation
-    assert L.store_match([3, 1, 2], 2) == ([5, 6], 2)
+    d = L.store_match([3, 1, 2], 5)
+    assert (d.tokens, d.n) == ([5, 6, 7], 2) and d.score == pytest.approx(0.8 + 0.8 + 0.6)  # SEP ends it
+    assert L.store_match([3, 1, 2], 2).tokens == [5, 6]
     strict = SuffixLookup(c, max_ngram=4, min_ngram=2, min_prob=0.7)
-    assert strict.store_match([3, 1, 2], 5) == ([5, 6], 2)  # 7 holds 3/5 < 0.7: stop before it
-    assert L.store_match([3, 4], 3) == ([], 0)  # not in the corpus
-    assert L.store_match([0, 2, 5, 6], 3) == ([7], 3)  # the longest suffix found: [2, 5, 6] (3 tokens)
+    assert strict.store_match([3, 1, 2], 5).tokens == [5, 6]  # 7 holds 3/5 < 0.7: stop before it
+    assert L.store_match([3, 4], 3) == NONE  # not in the corpus
+    # [5, 6] and [2, 5, 6] match the same four occurrences (then 7: 3/4): the longer match
+    assert L.store_match([0, 2, 5, 6], 3) == Draft([7], 0.75, 3)
+    # the length cap: a 2-token match drafts at most floor(0.5 * 2 + 1) = 2
+    assert SuffixLookup(c, max_ngram=4, min_ngram=2, min_prob=0.5, spec_factor=0.5,
+                        spec_offset=1).store_match([3, 1, 2], 5).tokens == [5, 6]
+
+
+def test_a_surer_short_match_beats_a_longer_unsure_one():
+    # [1, 2] is followed by 3 and 4 equally often, but [7, 1, 2] always by 5 5 5: the longer, surer match wins;
+    # [9, 1, 2] never occurred, so the 2-token match proposes, one token at half probability
+    c = corpus([1, 2, 3], [1, 2, 4], [7, 1, 2, 5, 5, 5])
+    L = SuffixLookup(c, max_ngram=4, min_ngram=1, min_prob=0.3)
+    assert L.store_match([7, 1, 2], 3) == Draft([5, 5, 5], 3.0, 3)
+    assert L.store_match([9, 1, 2], 3).tokens == [3]
 
 
 def test_ties_take_the_smaller_token_and_matches_never_cross_sep():
     c = corpus([4, 5, 9], [4, 5, 8])
-    assert SuffixLookup(c, max_ngram=3, min_ngram=2).store_match([4, 5], 2) == ([8], 2)
+    assert SuffixLookup(c, max_ngram=3, min_ngram=2).store_match([4, 5], 2).tokens == [8]
     # [5, 4] spans the SEP between two sequences: no match
     c2 = corpus([3, 5], [4, 6])
-    assert SuffixLookup(c2, max_ngram=3, min_ngram=2).store_match([5, 4], 2) == ([], 0)
+    assert SuffixLookup(c2, max_ngram=3, min_ngram=2).store_match([5, 4], 2) == NONE
 
 
-def test_the_longer_match_proposes_and_the_context_wins_ties():
-    c = corpus([1, 2, 3, 40, 41], [9, 1, 2, 3, 50])
-    L = SuffixLookup(c, max_ngram=4, min_ngram=2, min_prob=0.0)
-    # context repeats [2, 3] (2 tokens) -> 60; the store has [1, 2, 3] (3 tokens) -> 40 41 (ties: smaller id)
-    assert L.propose([2, 3, 60, 1, 2, 3], 2) == [40, 41]
-    # both match 3 tokens: the context's own continuation
-    assert L.propose([1, 2, 3, 60, 1, 2, 3], 2) == [60, 1]
+def test_the_better_score_proposes_and_the_context_wins_ties():
+    c = corpus([1, 2, 3, 40, 41], [9, 1, 2, 3, 40, 41])
+    L = SuffixLookup(c, max_ngram=4, min_ngram=1, min_prob=0.0, spec_factor=1.0)
+    # the context's [3] once (then 60, capped at 1 token); the store's [1, 2, 3] twice (then 40 41): 2 > 1
+    assert L.propose([5, 3, 60, 7, 1, 2, 3], 4) == [40, 41]
+    # the context repeats [1, 2, 3] too (then 60 7): equal scores, the context's own continuation
+    assert L.propose([1, 2, 3, 60, 7, 1, 2, 3], 2) == [60, 7]
     # no context match: the store's
     assert L.propose([7, 1, 2, 3], 1) == [40]
 
@@ -81,25 +96,24 @@ def test_hashes_agree_with_numpy_and_a_collision_never_proposes(monkeypatch):
         for h, p in list(zip(hashes.tolist(), pos.tolist()))[:50]:
             assert h == _hash(L.flat[p - n:p].tolist())
     key = tuple(seqs[3][:2])
-    want = L.store_match(list(key), 3)
-    assert want[0]
+    assert L.store_match(list(key), 3).tokens
     L2 = SuffixLookup(corpus(*seqs), max_ngram=2, min_ngram=2)
     monkeypatch.setattr(lk, "_hash", lambda t: int(L2.tables[2][0][0]))  # every key "collides" with one n-gram
     other = [t for t in range(60, 62)]  # tokens absent from the corpus
-    assert L2.store_match(other, 3) == ([], 0)
+    assert L2.store_match(other, 3) == NONE
 
 
 def test_the_store_agrees_with_eval_datastore_on_the_first_token():
-    """The most frequent next token after the longest suffix is what eval/datastore.py ranks first too
-    (on a corpus without ties), so the export serves the datastore the hybrid measured."""
+    """The most frequent next token after a suffix is what eval/datastore.py ranks first for it too (on a
+    corpus without ties), so the export serves the datastore the hybrid measured."""
     rng = np.random.default_rng(1)
     base = rng.integers(0, 20, size=8).tolist()
     seqs = [base[:4] + [int(t) for t in rng.integers(0, 20, size=6)] for _ in range(5)] + [base] * 4
     ours = SuffixLookup(corpus(*seqs), max_ngram=4, min_ngram=1, min_prob=0.0)
     ref = Datastore(seqs, max_ngram=4, min_ngram=1)
     for h in (base[:4], base[:6], base[2:5]):
-        (c, n), = ref.candidates(h, 1, 1)
-        assert ours.store_match(h, 1) == (c, n)
+        (c, n), = ref.candidates(h, 1, 1)  # the longest suffix found
+        assert ours.continuation(h[-n:], 1).tokens == c
 
 
 def test_lookup_is_deterministic_and_fast_enough_on_a_real_sized_corpus():
