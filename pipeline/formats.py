@@ -30,6 +30,8 @@ from typing import Callable
 
 from eval import draft_dir
 
+from .engines.draftsmith_vllm.lookup import RULE as LOOKUP_RULE
+
 ENGINES = ("vllm", "sglang", "hf")  # evaluate.serve's engines (besides our own decoder)
 HEAD_FILE = "head.safetensors"  # eval/heads/io.py's file (eagle3, medusa)
 # ours alone (no engine reads them), and exports and temporaries written inside a draft (best/export-<format>/)
@@ -96,6 +98,9 @@ class ExportFormat:
     python_path: bool = False  # it ships a module vLLM imports: the export directory goes on PYTHONPATH
     # (export dir) -> our decoder's Proposer serving the export itself, for verify-export; None: the source draft
     decoder_proposer: Callable | None = None
+    # What an export in this format does beyond its files (a shipped proposer's rule): a measurement of an
+    # export (evaluate.engine_rank's cache) is read back only under the same revision; None: the files alone
+    revision: str | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -288,7 +293,7 @@ def write_vllm_proposer(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -
         shutil.copy2(f, pkg / f.name)
     config = {"architectures": [PROPOSER_ARCH], "model_type": "draftsmith_datastore_proposer",
               "vocab_size": vocab, "datastore_tokens": int((arr != lookup.SEP).sum()),
-              lookup.CONFIG_KEY: {"class": PROPOSER_CLASS, **lookup.DEFAULTS}}
+              lookup.CONFIG_KEY: {"class": PROPOSER_CLASS, "rule": lookup.RULE, **lookup.DEFAULTS}}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -329,7 +334,7 @@ FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     # served_by=(): it serves the datastore, not the draft, so evaluate.serve never picks it for a kind
     ExportFormat("vllm-proposer", (), "custom_class", write_vllm_proposer,
                  lambda c: PROPOSER_ARCH in _archs(c), datastore=True, spec_model=PROPOSER_CLASS,
-                 python_path=True, decoder_proposer=_lookup_proposer),
+                 python_path=True, decoder_proposer=_lookup_proposer, revision=LOOKUP_RULE),
 )}
 
 def serve_formats() -> dict[str, dict[str, str]]:

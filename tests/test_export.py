@@ -601,6 +601,32 @@ def test_engine_candidates_are_the_fastest_exportable_checkpoints_and_the_datast
     assert [c.name for c in engine_candidates(cfg, res, res[0], 2, 8)] == ["b", "c"]  # a holds no datastore
 
 
+def test_a_cached_engine_ranking_is_keyed_by_the_shipped_lookups_rule(tmp_path, target_dir, monkeypatch):
+    """The datastore proposer's rule ships with draftsmith, not with the checkpoint: a ranking measured under
+    another rule is measured again, while a checkpoint's own format (speculators) is keyed by its files."""
+    import dataclasses
+
+    import numpy as np
+
+    from pipeline import evaluate, formats
+    from pipeline.engine_rank import EngineSettings
+    from pipeline.engines.draftsmith_vllm import lookup
+
+    eagle3_draft(tmp_path / "b", target_dir)
+    np.save(tmp_path / "b" / "datastore.npy", np.arange(8, dtype=np.int32))
+    res = [_result("b", tmp_path / "b", 1.3)]
+    cfg = load_recipe(domain="code", overrides=["evaluate.serve=vllm", "evaluate.engine_rank=true"]).evaluate
+    cands = evaluate.engine_candidates(cfg, res, res[0], 2, 16)
+    s = EngineSettings(str(target_dir), [[1, 2]], None, 8, "float32", ["suffix"], [1], None)
+    key = evaluate.ranking_key(s, cands)
+    assert key["candidates"]["b:datastore"][-1] == lookup.RULE and len(key["candidates"]["b"]) == 3
+    bumped = dict(formats.FORMATS, **{"vllm-proposer": dataclasses.replace(formats.FORMATS["vllm-proposer"],
+                                                                           revision="another-rule")})
+    monkeypatch.setattr(evaluate, "FORMATS", bumped)
+    again = evaluate.ranking_key(s, cands)
+    assert again["candidates"]["b"] == key["candidates"]["b"] and again["candidates"]["b:datastore"] != key["candidates"]["b:datastore"]
+
+
 def test_evaluate_engine_rank_is_refused_before_decoding_without_the_engine_or_a_candidate(
         tmp_path, target_dir, real_tokenizer, monkeypatch):
     """No engine python: one line naming `make engines`. Recurrent Medusa heads, which vLLM cannot load, are

@@ -277,6 +277,7 @@ def test_export_writes_the_datastore_the_package_and_the_serve_command(tmp_path,
     config = json.loads((out / "config.json").read_text())
     assert config[lk.CONFIG_KEY]["class"] == "draftsmith_vllm.proposer.DatastoreProposer"
     assert lk.read_config(out) == lk.DEFAULTS and infer_format(config) == "vllm-proposer"
+    assert config[lk.CONFIG_KEY]["rule"] == lk.RULE == FORMATS["vllm-proposer"].revision
     m = json.loads((out / MANIFEST).read_text())
     assert m["format"] == "vllm-proposer" and m["k"] == 4 and "note" not in m
     spec = {"method": "custom_class", "model": "draftsmith_vllm.proposer.DatastoreProposer",

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+RULE = "suffix-score-1"  # this module's proposal rule: a change to what it proposes gets a new name
 SEP = -1
 DATASTORE = "datastore.npy"  # eval/datastore.py's file name and layout
 CONFIG = "config.json"  # the export's config: {"draftsmith_proposer": {<the settings below>}}
