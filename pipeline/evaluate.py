@@ -346,8 +346,10 @@ def engine_candidates(cfg, results: list[dict], best_ck: dict, k: int, lookup_k:
 def ranking_key(s: EngineSettings, cands: list[EngineCandidate]) -> dict:
     """What a cached engine ranking must match to be read back: the settings, and per candidate its format,
     K, files and the format's revision where it has one (a proposer's rule shipped with draftsmith)."""
-    return {"engine": s.key(), "candidates": {c.name: [c.format, c.k, source_fingerprint(c.source)]
-                                              + [r for r in [FORMATS[c.format].revision] if r] for c in cands}}
+    def of(c: EngineCandidate) -> list:
+        revision = FORMATS[c.format].revision
+        return [c.format, c.k, source_fingerprint(c.source)] + ([revision] if revision else [])
+    return {"engine": s.key(), "candidates": {c.name: of(c) for c in cands}}
 
 
 def rank_in_engine(held: HeldOut, recipe, run_dir: Path, cands: list[EngineCandidate]) -> dict:

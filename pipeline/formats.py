@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from eval import draft_dir
 
-from .engines.draftsmith_vllm.lookup import RULE as LOOKUP_RULE
+from .engines import draftsmith_vllm
+from .engines.draftsmith_vllm import lookup
 
 ENGINES = ("vllm", "sglang", "hf")  # evaluate.serve's engines (besides our own decoder)
 HEAD_FILE = "head.safetensors"  # eval/heads/io.py's file (eagle3, medusa)
@@ -273,11 +276,6 @@ def write_vllm_proposer(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -
     # Written for vllm/v1/spec_decode/custom_class_proposer.py (vLLM 0.32): the proposer package
     # (pipeline/engines/draftsmith_vllm/, imported by vLLM as draftsmith_vllm.proposer), the draft's datastore
     # (eval/datastore.py's layout, read by its lookup.py) and config.json with the lookup's settings.
-    import numpy as np
-
-    from .engines import draftsmith_vllm
-    from .engines.draftsmith_vllm import lookup
-
     arr = np.load(src / lookup.DATASTORE, allow_pickle=False)
     if arr.ndim != 1 or arr.dtype.kind != "i":
         raise ExportError(f"{src / lookup.DATASTORE} holds a {arr.dtype} array of shape {arr.shape}, not a 1-D "
@@ -334,7 +332,7 @@ FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     # served_by=(): it serves the datastore, not the draft, so evaluate.serve never picks it for a kind
     ExportFormat("vllm-proposer", (), "custom_class", write_vllm_proposer,
                  lambda c: PROPOSER_ARCH in _archs(c), datastore=True, spec_model=PROPOSER_CLASS,
-                 python_path=True, decoder_proposer=_lookup_proposer, revision=LOOKUP_RULE),
+                 python_path=True, decoder_proposer=_lookup_proposer, revision=lookup.RULE),
 )}
 
 def serve_formats() -> dict[str, dict[str, str]]:

@@ -160,8 +160,8 @@ class SuffixLookup:
                 if _better(d, best):
                     best = d._replace(n=n)
             back = live - n - 1  # extend the match by one older token
-            live = live[back >= 0]
-            live = live[ctx[back[back >= 0]] == ctx[end - n]]
+            ok = back >= 0
+            live = live[ok][ctx[back[ok]] == ctx[end - n]]
             n += 1
         return best
 
@@ -180,14 +180,14 @@ class SuffixLookup:
         """The datastore's continuation of the n-gram `key` (n = len(key)), at most cap(n, k) tokens."""
         key = tuple(int(t) for t in key)
         cap = self.cap(len(key), k)
-        memo = self._memo.get((key, cap))
-        if memo is None:
-            live = self._occurrences(key) if len(key) in self.tables else np.empty(0, dtype=np.int64)
-            memo = grow(self.flat, live, cap, self.min_prob)._replace(n=len(key)) if len(live) else None
+        found = self._memo.get((key, cap))
+        if found is None:
+            live = self._occurrences(key) if len(key) in self.tables else ()
+            found = grow(self.flat, live, cap, self.min_prob)._replace(n=len(key)) if len(live) else NONE
             if len(self._memo) > 200_000:
                 self._memo.clear()
-            self._memo[(key, cap)] = memo or NONE
-        return memo or NONE
+            self._memo[(key, cap)] = found
+        return found
 
     def store_match(self, context, k: int) -> Draft:
         """The best-scoring continuation in the datastore of the context's suffixes."""
