@@ -1,6 +1,8 @@
 """What this CPU runs, decided once at start-up, and the matmul routes of the lean forward built on it.
 
-Three named paths (docs/reference/kernels.md has each one's figures):
+Four named paths (docs/reference/kernels.md has each one's figures):
+  amx-bf16     the same kernels with the bf16 matmul on AMX tiles (`tdpbf16ps`), for every row count: on
+               AMX CPUs (Sapphire Rapids and later) a verify of 16-48 rows then costs about a one-row step;
   avx512-bf16  this project's kernels built for AVX512-BF16 (`vdpbf16ps`), oneDNN's bf16 matmul beside
                them for forwards of more than MAX_ROWS rows (prefill);
   avx2         the same kernels built for AVX2 + FMA (bf16 weights widened to fp32 in registers), for every
@@ -31,8 +33,9 @@ from .kernels import MAX_ROWS, KernelBuildError
 
 ENV_PATH = "DRAFTSMITH_CPU_PATH"
 ENV_KERNELS = "DRAFTSMITH_KERNELS"
-PATHS = ("avx512-bf16", "avx2", "generic")  # best first
+PATHS = ("amx-bf16", "avx512-bf16", "avx2", "generic")  # best first
 NEEDS = {  # /proc/cpuinfo flags each path's kernels execute
+    "amx-bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
     "avx512-bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
     "avx2": ("avx2", "fma"),
     "generic": (),
@@ -40,7 +43,7 @@ NEEDS = {  # /proc/cpuinfo flags each path's kernels execute
 # oneDNN's bf16 matmul and weight reorder run with these (PyTorch's mkldnn_bf16_device_check)
 ONEDNN_BF16_NEEDS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
 SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-               "avx_ne_convert", "amx_bf16")
+               "avx_ne_convert", "amx_tile", "amx_bf16")
 
 
 class CpuPathError(RuntimeError):
@@ -87,6 +90,13 @@ class CpuPath:
     cpu: str
     flags: tuple[str, ...]  # the SHOWN_FLAGS this CPU has
 
+    @property
+    def kernel_rows(self) -> int | None:
+        """The most rows of one matmul this path's kernels take; None: every row count, so every forward
+        rounds each row as a one-token step would. vdpbf16ps hands more rows to oneDNN where that runs
+        (faster for prefills); AMX's tiles stay fast at any row count, and AVX2 has nothing else."""
+        return MAX_ROWS if self.name == "avx512-bf16" and self.onednn_bf16 else None
+
     def summary(self) -> dict:
         """What bench, evaluate's metrics.json and the report record."""
         return {"cpu_path": self.name, "cpu_path_reason": self.reason, "cpu": self.cpu, "cpu_flags": list(self.flags),
@@ -116,8 +126,10 @@ def _onednn_bf16_runs() -> bool:
 
 def _capped(flags: frozenset, path: str) -> frozenset:
     """The flags with every instruction above `path` hidden (a forced path behaves as on a CPU without them)."""
-    if path == "avx512-bf16":
+    if path == "amx-bf16":
         return flags
+    if path == "avx512-bf16":
+        return frozenset(f for f in flags if not f.startswith("amx"))
     return frozenset(f for f in flags if not f.startswith(("avx512", "amx", "avx_ne", "avx_vnni")))
 
 
@@ -138,6 +150,13 @@ def inductor_refusal(device) -> str | None:
         return (f"torch.compile on CPU computes wrong values with ATen's CPU capability capped at {cap} below what "
                 f"this CPU runs (ATEN_CPU_CAPABILITY): unset it, or leave compile off")
     return None
+
+
+def _kernels(name: str):
+    """The built kernels of `name`, or None where the CPU has the instructions but the OS withholds them:
+    Linux grants a process AMX's tile state only on request (kernel 5.16 and later)."""
+    ext = kernels.build(name)
+    return None if name == "amx-bf16" and not ext.amx_ready() else ext
 
 
 def decide(env: dict | None = None, flags: frozenset | None = None) -> CpuPath:
@@ -162,9 +181,13 @@ def decide(env: dict | None = None, flags: frozenset | None = None) -> CpuPath:
         if forced == "generic":
             return mk("generic", f"forced by {ENV_PATH}", None, capped)
         try:
-            return mk(forced, f"forced by {ENV_PATH}", kernels.build(forced), capped)
+            ext = _kernels(forced)
         except KernelBuildError as e:
             raise CpuPathError(f"{ENV_PATH}={forced}: {e}") from e
+        if ext is None:
+            raise CpuPathError(f"{ENV_PATH}={forced}: the OS did not grant this process AMX (Linux 5.16 or later "
+                               "does); use avx512-bf16, or unset it to pick the best")
+        return mk(forced, f"forced by {ENV_PATH}", ext, capped)
     if env.get(ENV_KERNELS, "1") == "0":
         return mk("generic", f"{ENV_KERNELS}=0", None, flags)
     skipped = []
@@ -173,12 +196,18 @@ def decide(env: dict | None = None, flags: frozenset | None = None) -> CpuPath:
             skipped.append(f"no {' '.join(f for f in NEEDS[name] if f not in flags)}")
             continue
         try:
-            why = "the best this CPU runs" + (f" ({'; '.join(skipped)})" if skipped else "")
-            return mk(name, why, kernels.build(name), flags)
+            ext = _kernels(name)
         except KernelBuildError as e:
-            warnings.warn(f"draftsmith: {e}; using PyTorch's ops (slower verifies, bf16 not bit-exact). "
-                          f"Set {ENV_KERNELS}=0 to silence this.")
-            skipped.append("kernels did not build")
+            if name != "amx-bf16":  # without AMX the next path is as exact, only slower at many rows
+                warnings.warn(f"draftsmith: {e}; using PyTorch's ops (slower verifies, bf16 not bit-exact). "
+                              f"Set {ENV_KERNELS}=0 to silence this.")
+            skipped.append(f"{name} kernels did not build")
+            continue
+        if ext is None:
+            skipped.append("the OS did not grant AMX")
+            continue
+        why = "the best this CPU runs" + (f" ({'; '.join(skipped)})" if skipped else "")
+        return mk(name, why, ext, _capped(flags, name))
     return mk("generic", "; ".join(skipped) or "no kernel path for this CPU", None, flags)
 
 
@@ -252,35 +281,39 @@ _NONE = torch.empty(0)
 
 class Projection(partial):
     """x [..., in] -> [..., out], with what the lean forward needs to know of it declared: `row_invariant` (a
-    row's sums never depend on the other rows of the call) and `kernel` ((packed weight, bias, out width) for
-    ext.layer, or None). A partial, so calling it costs no Python frame on the hot path."""
+    row's sums never depend on the other rows of the call, in calls of at most `invariant_rows` rows; None:
+    any number) and `kernel` ((packed weight, bias, out width) for ext.layer, or None). A partial, so calling
+    it costs no Python frame on the hot path."""
     row_invariant: bool = False
+    invariant_rows: int | None = 0
     kernel: tuple | None = None
 
 
-def projection(fn, *, row_invariant: bool = False, kernel: tuple | None = None, **kwargs) -> Projection:
+def projection(fn, *, row_invariant: bool = False, invariant_rows: int | None = 0, kernel: tuple | None = None,
+               **kwargs) -> Projection:
     p = Projection(fn, **kwargs)
-    p.row_invariant, p.kernel = row_invariant, kernel
+    p.row_invariant, p.invariant_rows, p.kernel = row_invariant, invariant_rows if row_invariant else 0, kernel
     return p
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
     """x [..., in] -> [..., out]: F.linear, with copies of the weight packed on CPU bf16 (see the note
-    above): up to MAX_ROWS rows go to the kernels where this path has them, and so do more rows where
-    oneDNN has no bf16 path; else one or two rows to the native GEMV on the plain weight and more rows to
+    above): up to the path's `kernel_rows` go to the kernels where this path has them (every row count on
+    AMX, or where oneDNN has no bf16 path); else one or two rows to the native GEMV on the plain weight and more rows to
     oneDNN's packed copy. Like the fused copies, packed weights are taken now; rebuild the runner if the
     weights change. `.row_invariant`: a row's sums never depend on the other rows of the call."""
     if not can_pack(weight):
         return projection(F.linear, weight=weight, bias=bias)
     path = cpu_path()
     ext = path.kernels if weight.shape[1] % 2 == 0 else None
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS) if path.onednn_bf16 else None
+    kernel_rows = path.kernel_rows if ext is not None else 0  # None: every row count
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS) \
+        if path.onednn_bf16 and kernel_rows is not None else None
     if ext is not None:
         n_out, kpacked, kbias = weight.shape[0], ext.pack(weight), _NONE
         if bias is not None:
             kbias = torch.zeros(kpacked.shape[0] * 16)  # fp32, padded like the packed rows
             kbias[:n_out] = bias.float()
-    kernel_rows = MAX_ROWS if packed is not None else None  # None: every row count
 
     def f(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]  # host ints only, here and below
@@ -292,8 +325,9 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Pro
         if packed is None or (rows <= GEMV_MAX_ROWS and not torch._C._get_mkldnn_enabled()):
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
-    # row-invariant up to MAX_ROWS rows at least; the kernel's operands for ext.layer (LeanLlama._forward_fused)
-    return projection(f, row_invariant=ext is not None, kernel=(kpacked, kbias, n_out) if ext is not None else None)
+    # row-invariant up to path.kernel_rows rows; the kernel's operands for ext.layer (LeanLlama._forward_fused)
+    return projection(f, row_invariant=ext is not None, invariant_rows=kernel_rows,
+                      kernel=(kpacked, kbias, n_out) if ext is not None else None)
 
 
 def module_linear(mod) -> Projection:

@@ -380,6 +380,7 @@ class SpeculativeDecoder:
         pos = s.n[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
         logits, feats = self._fwd(inp, pos, s.s_full or max(s.n_host) + k + 1)  # [B, k+1, V], [B, k+1, H]
         st.max_verify = max(st.max_verify, k + 1)
+        st.max_rows = max(st.max_rows, B * (k + 1))
         if k == 0:
             self._keep_logprobs(s, logits[:, 0])
         if s.sampling.greedy:
@@ -412,6 +413,7 @@ class SpeculativeDecoder:
         logits, feats = self.runner(inp, n[:, None] + tree.depth, s_len, slots=slots,
                                     mask=tree.mask(n, s_len))  # [B, N+1, V], [B, N+1, H]
         st.max_verify = max(st.max_verify, N1)
+        st.max_rows = max(st.max_rows, inp.shape[0] * N1)
         if s.sampling.greedy:
             dec = tree.accept_greedy(greedy_argmax(logits).tolist())  # host sync: the argmax at every node
         else:
@@ -479,7 +481,9 @@ class SpeculativeDecoder:
     def _finish(self, s: "_Batch", ctl: "KController | None") -> dict:
         # Every verify forward of this call rounded each row like a one-token step (eval/kernels.py):
         # greedy output must then equal plain decoding's bit for bit, in bf16 too.
-        row_invariant = self.runner.row_invariant and s.stats.max_verify <= MAX_ROWS
+        rows = self.runner.invariant_rows
+        row_invariant = self.runner.row_invariant and s.stats.max_verify <= MAX_ROWS \
+            and (rows is None or s.stats.max_rows <= rows)
         choices, expected = (ctl.choices, ctl.expected_speedup) if ctl is not None else ([], None)
         warm = ctl.warm_choices if ctl is not None else 0  # the first `warm` of k_choices were the warm-up's
         stats = s.stats.finish(s.out, self.k, self.device, choices, expected)
@@ -706,6 +710,7 @@ class _Stats:
         self.draft_steps = 0
         self.tree_rounds = 0  # rounds verified as token trees (predicted_speedup is then an upper bound)
         self.max_verify = 1  # the most tokens one verify forward held (a tree's nodes + 1, or k + 1)
+        self.max_rows = 1  # the most rows (batch x tokens) one decode or verify forward held
         self.k_sum = 0
         self.row_tokens = 0
 

@@ -31,6 +31,7 @@ MAX_ROWS = 16  # the row count up to which every forward goes through the kernel
 SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
 # Compiler flags per CPU path; the source picks its instructions from them (DS_AVX512 in small_gemm.cpp).
 FLAGS = {
+    "amx-bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
     "avx512-bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
     "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
 }

@@ -125,6 +125,10 @@ class LeanLlama:
         self.row_invariant = self.attend is not None and all(
             pair is not None and all(f.row_invariant for f in pair) for pair in self.fused + self.out) \
             and self.lm_head.row_invariant
+        # ... for forwards of at most this many rows (batch x tokens) in all; None: any number
+        limits = [f.invariant_rows for pair in self.fused + self.out for f in pair] + [self.lm_head.invariant_rows] \
+            if self.row_invariant else [0]
+        self.invariant_rows = None if all(n is None for n in limits) else min(n for n in limits if n is not None)
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv * self.head_dim
         # The layer's elementwise steps fused (eval/kernels.py: residual add + RMSNorm, RoPE, SiLU * up),
@@ -279,7 +283,7 @@ class LeanLlama:
         slots = slots.contiguous() if direct else slots
         aux = self.aux_layers
         taps = {}  # layer id -> a copy of the residual stream entering it (x is updated in place)
-        if direct and self.layers is not None and B * T <= MAX_ROWS:
+        if direct and self.layers is not None and (self.invariant_rows is None or B * T <= self.invariant_rows):
             # Each layer in one call (ext.layer: the same kernels in the same order), without the Python
             # time the loop below spends between them.
             for i, (cache, (w, n_out)) in enumerate(zip(self.caches, self.layers)):

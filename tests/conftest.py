@@ -80,7 +80,7 @@ def trained_rec(target):
     return train_medusa_heads(target, recurrent=True)
 
 
-KERNEL_PATHS = ("avx512-bf16", "avx2")  # eval/cpu.py's paths with kernels; generic is PyTorch's own ops
+KERNEL_PATHS = ("amx-bf16", "avx512-bf16", "avx2")  # eval/cpu.py's paths with kernels; generic is PyTorch's own ops
 EXERCISED: set[str] = set()  # the CPU paths this session ran tests on, printed at the end
 
 
@@ -100,6 +100,8 @@ def kernel_path(request, monkeypatch):
     if not cpu.runs(name, flags):
         pytest.skip(f"this CPU cannot run the {name} path: it lacks "
                     f"{' '.join(f for f in cpu.NEEDS[name] if f not in flags)}")
+    if name == "amx-bf16" and cpu._kernels(name) is None:
+        pytest.skip("the OS does not grant this process AMX (Linux 5.16 or later does)")
     path = cpu.decide({cpu.ENV_PATH: name})
     monkeypatch.setattr(cpu, "cpu_path", lambda: path)
     EXERCISED.add(name)

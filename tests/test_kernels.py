@@ -1,5 +1,6 @@
 """eval/kernels.py and eval/cpu.py: the CPU kernels on every path this machine runs (the `kernel_path`
-fixture: avx512-bf16 and avx2 on an AVX-512 CPU, avx2 alone on an AVX2 one). Matmul sums must equal an
+fixture: amx-bf16, avx512-bf16 and avx2 on an AMX CPU, the last two on an AVX-512 one, avx2 alone on an
+AVX2 one). Matmul sums must equal an
 fp32 reference rounded once to bf16 up to summation order, a row's result must not depend on the other
 rows in the call (so a verify forward's matmuls round like one-token steps), and the path is picked by
 what the CPU runs: never an op it cannot execute, a warning and PyTorch's ops where the kernels do not
@@ -26,7 +27,7 @@ def ext(kernel_path):
     return kernel_path.kernels
 
 
-@pytest.mark.parametrize("name", ["avx512-bf16", "avx2"])
+@pytest.mark.parametrize("name", ["amx-bf16", "avx512-bf16", "avx2"])
 def test_builds_where_the_cpu_can_run_it(name):
     # With a C++ compiler and ninja (this project's machines), a silent fallback would hide a broken build.
     import shutil
@@ -37,7 +38,7 @@ def test_builds_where_the_cpu_can_run_it(name):
         pytest.skip("no compiler or ninja here: the generic path is the expected one")
     mod = kernels.build(name)  # builds on any x86-64 CPU; running it needs the CPU's flags
     assert hasattr(mod, "linear") and hasattr(mod, "argmax_rows")
-    if cpu.runs(name):
+    if cpu.runs(name) and cpu._kernels(name) is not None:
         assert cpu.decide({cpu.ENV_PATH: name}).kernels is mod
 
 
@@ -49,10 +50,11 @@ def _case(rows, n_out, k, bias, seed):
     return w, b, x
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 13, 16])
-@pytest.mark.parametrize("n_out,bias", [(96, False), (37, True), (200, False)])  # 37, 200: a partial block of 16
-def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias, ext):
-    w, b, x = _case(rows, n_out, 64, bias, rows * 1000 + n_out)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 13, 16, 17, 40])  # 17, 40: AMX's second and third tiles
+@pytest.mark.parametrize("n_out,bias,k", [(96, False, 64), (37, True, 64), (200, False, 64), (40, True, 80)])
+def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias, k, ext):
+    """37, 200: a partial block of 16; k=80, not a whole number of AMX tiles: the vdpbf16ps kernel there."""
+    w, b, x = _case(rows, n_out, k, bias, rows * 1000 + n_out)
     got = packed_linear(w, b)(x)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())  # exact products, fp32 sums
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, n_out)
@@ -61,11 +63,14 @@ def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias, ext):
     assert (got == ref.to(torch.bfloat16)).float().mean() > 0.97
 
 
-def test_a_row_rounds_the_same_whatever_the_other_rows(ext):
-    w, _, x = _case(9, 3072 // 16, 576, False, 0)
-    lin = packed_linear(w)
-    whole = lin(x)  # [1, 9, N]: a verify forward's rows
-    alone = torch.cat([lin(x[:, i:i + 1]) for i in range(9)], 1)  # one-token steps
+@pytest.mark.parametrize("rows", [9, 40])
+def test_a_row_rounds_the_same_whatever_the_other_rows(rows, ext, kernel_path):
+    if kernel_path.kernel_rows is not None and rows > kernel_path.kernel_rows:
+        pytest.skip(f"the {kernel_path.name} path hands more than {kernel_path.kernel_rows} rows to oneDNN")
+    w, b, x = _case(rows, 3072 // 16, 576, True, 0)
+    lin = packed_linear(w, b)
+    whole = lin(x)  # [1, rows, N]: a verify forward's rows (40: a batch of 8 verifying 4 tokens each)
+    alone = torch.cat([lin(x[:, i:i + 1]) for i in range(rows)], 1)  # one-token steps
     assert torch.equal(whole, alone)
     assert not torch.equal(lin(x[:, :1]), lin(x[:, 1:2]))  # and it does compute something per row
 
@@ -74,14 +79,51 @@ def test_more_rows_than_max_rows_go_to_onednn_where_it_has_bf16_else_to_the_kern
     w, _, x = _case(kernels.MAX_ROWS + 4, 96, 64, False, 1)
     lin = packed_linear(w)
     got = lin(x)
-    if kernel_path.onednn_bf16:
+    assert (kernel_path.kernel_rows is None) == (kernel_path.name != "avx512-bf16" or not kernel_path.onednn_bf16)
+    if kernel_path.kernel_rows is not None:
         assert torch.equal(got, F.linear(x, w))  # oneDNN's packed weight is bit-identical to F.linear
-    else:  # AVX2: no oneDNN bf16 matmul on such a CPU; the kernel takes any row count, still row-invariant
+    else:  # AMX, fast at any row count; AVX2, where oneDNN has no bf16 matmul: the kernel, still row-invariant
         assert torch.equal(got, torch.cat([lin(x[:, i:i + 1]) for i in range(x.shape[1])], 1))
         assert torch.allclose(got.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-4)
 
 
 AVX2_ONLY = frozenset({"avx", "avx2", "fma", "f16c", "sse4_2"})  # an AMD EPYC before Zen 4, a laptop
+AVX512_BF16 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}  # Zen 4, Cooper Lake
+AMX = AVX512_BF16 | {"amx_tile", "amx_bf16"}  # Sapphire Rapids and later
+
+
+class _Built:
+    """A stand-in for a built kernels module: what decide() asks of it."""
+
+    def __init__(self, amx: bool):
+        self.amx = amx
+
+    def amx_ready(self) -> bool:
+        return self.amx
+
+
+def test_an_amx_cpu_takes_amx_only_where_the_os_grants_it(monkeypatch):
+    """AMX's tile state is the OS's to grant (Linux 5.16+, per process): without it the best path is
+    avx512-bf16, named with the reason; forcing amx-bf16 there is one clear error."""
+    built = {"amx-bf16": _Built(False), "avx512-bf16": _Built(False)}
+    monkeypatch.setattr(kernels, "build", lambda name: built[name])
+    p = cpu.decide({}, flags=AMX)
+    assert p.name == "avx512-bf16" and "the OS did not grant AMX" in p.reason
+    with pytest.raises(cpu.CpuPathError, match="did not grant this process AMX"):
+        cpu.decide({cpu.ENV_PATH: "amx-bf16"}, flags=AMX)
+    built["amx-bf16"] = _Built(True)
+    p = cpu.decide({}, flags=AMX)
+    assert p.name == "amx-bf16" and p.kernel_rows is None and p.kernels is built["amx-bf16"]
+    assert cpu.decide({}, flags=AVX512_BF16).name == "avx512-bf16"  # no AMX flags: never tried
+    assert not any(f.startswith("amx") for f in cpu._capped(AMX, "avx512-bf16"))  # forcing hides it
+
+
+def test_the_amx_build_says_whether_its_matmul_runs_on_amx_here():
+    """The real module's answer: True on an AMX CPU that granted it; the other builds never claim AMX."""
+    if not cpu.runs("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    assert kernels.build("avx2").amx_ready() is False
+    assert kernels.build("amx-bf16").amx_ready() is (cpu.runs("amx-bf16") and cpu._kernels("amx-bf16") is not None)
 
 
 def test_an_avx2_only_cpu_takes_the_avx2_path_and_never_onednn_bf16():
@@ -114,7 +156,8 @@ def test_forcing_a_path_hides_the_instructions_above_it():
 
 @pytest.mark.parametrize("env,flags,match", [
     ({cpu.ENV_PATH: "avx512-bf16"}, AVX2_ONLY, "lacks avx512f avx512bw avx512vl avx512_bf16; use one of avx2, generic"),
-    ({cpu.ENV_PATH: "avx3"}, AVX2_ONLY, "is not a CPU path: use one of avx512-bf16, avx2, generic"),
+    ({cpu.ENV_PATH: "avx3"}, AVX2_ONLY, "is not a CPU path: use one of amx-bf16, avx512-bf16, avx2, generic"),
+    ({cpu.ENV_PATH: "amx-bf16"}, AVX512_BF16, "lacks amx_tile amx_bf16; use one of avx512-bf16, avx2, generic"),
     ({cpu.ENV_PATH: "avx2", cpu.ENV_KERNELS: "0"}, AVX2_ONLY, "turns the kernels off"),
 ])
 def test_a_forced_path_this_cpu_cannot_run_is_one_clear_error(env, flags, match):
@@ -249,7 +292,7 @@ def test_bf16_speculative_decoding_equals_plain_bit_for_bit(ext):
     assert max(taus) > 2.0, taus  # drafts were accepted: multi-token verifies did happen
 
 
-def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels(ext):
+def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels(ext, kernel_path):
     """stats["row_invariant"] comes from the verify forwards the decoder ran: a verify of more than
     MAX_ROWS tokens takes oneDNN/SDPA, and the exact-match rule must not be claimed for it."""
     from eval.decoder import SpeculativeDecoder
@@ -260,6 +303,9 @@ def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels(e
     for k, want in ((1, True), (kernels.MAX_ROWS - 1, True), (kernels.MAX_ROWS, False)):
         stats = SpeculativeDecoder(target, None if k == 1 else Zeros(), k=k).generate(prompts, max_new_tokens=6).stats
         assert stats["row_invariant"] is want, k
+    # A batch whose verify rows (batch x tokens) pass the path's kernel_rows: oneDNN takes them on avx512-bf16.
+    stats = SpeculativeDecoder(target, Zeros(), k=4).generate(prompts * 4, max_new_tokens=6).stats
+    assert stats["row_invariant"] is (kernel_path.kernel_rows is None)
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,14 @@
 #else
 #error "small_gemm.cpp needs -mavx512f -mavx512bw -mavx512vl -mavx512bf16, or -mavx2 -mfma (eval/kernels.py)"
 #endif
+// The "amx-bf16" path adds -mamx-tile -mamx-bf16: the bf16 matmul then runs on AMX tiles (below).
+#if DS_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define DS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define DS_AMX 0
+#endif
 
 static inline float bf2f(uint16_t v) {
   uint32_t u = (uint32_t)v << 16;
@@ -415,12 +423,110 @@ static std::vector<float> widen_rows(const uint16_t* x, int64_t n) {
 }
 #endif
 
+#if DS_AMX
+// AMX: one `tdpbf16ps` multiplies a 16-row x 32-k tile of x by a 32-k x 16-output tile of W into 16 x 16
+// fp32 sums. `pack`'s layout is already AMX's B-tile layout (a 64-byte line holds 16 outputs x 2 k; 16
+// consecutive lines are a tile), so the same packed weights serve both kernels. Why: on a 2-core AMX CPU the
+// vdpbf16ps kernel is compute-bound from ~4 rows (16 rows cost 3x one row), AMX stays bandwidth-bound to 48
+// rows and more (docs/reference/kernels.md). Each output is summed over k in one order, tile after tile,
+// whatever M is, so this kernel is row-invariant at every row count; its last bits differ from vdpbf16ps's.
+// Linux hands out AMX state only on request, once per process.
+static bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0..5: sums of six 16-output blocks; 6: 16 rows x 32 k of x; 7: one block's 32 k x 16 outputs.
+static void amx_configure() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// Blocks [b, b + NB) for the 16 rows of xp (zero-padded, row stride K): the bias (or 0) starts each sum.
+template <int NB>
+static void amx_blocks(const uint16_t* xp, int64_t K, const uint16_t* p, const float* bias, int64_t b,
+                       int64_t rows, uint16_t* y, int64_t N, float* cbuf) {
+  const int64_t Kp = K / 2, stride = K * 2;
+#define DS_INIT(j) if constexpr (NB > j) { if (bias) _tile_loadd(j, bias + (b + j) * 16, 0); else _tile_zero(j); }
+  DS_INIT(0) DS_INIT(1) DS_INIT(2) DS_INIT(3) DS_INIT(4) DS_INIT(5)
+#undef DS_INIT
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    _tile_loadd(6, xp + kb * 32, stride);
+#define DS_DOT(j) if constexpr (NB > j) { _tile_loadd(7, p + ((b + j) * Kp + kb * 16) * 32, 64); _tile_dpbf16ps(j, 6, 7); }
+    DS_DOT(0) DS_DOT(1) DS_DOT(2) DS_DOT(3) DS_DOT(4) DS_DOT(5)
+#undef DS_DOT
+  }
+#define DS_STORE(j) if constexpr (NB > j) _tile_stored(j, cbuf + j * 256, 64);
+  DS_STORE(0) DS_STORE(1) DS_STORE(2) DS_STORE(3) DS_STORE(4) DS_STORE(5)
+#undef DS_STORE
+  for (int j = 0; j < NB; j++) {
+    const int64_t n0 = (b + j) * 16, left = N - n0;
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int64_t m = 0; m < rows; m++)
+      _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cbuf + j * 256 + m * 16)));
+  }
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias) on AMX, K a multiple of 32. Rows go 16 at a time (the last chunk
+// zero-padded) under each group of six blocks, so for M > 16 a group's weights come from cache after the first chunk.
+static void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, const float* bias, int64_t Nb,
+                     uint16_t* y, int64_t N) {
+  const int64_t chunks = (M + 15) / 16;
+  std::vector<uint16_t> xpad(chunks * 16 * K, 0);
+  std::memcpy(xpad.data(), x, M * K * sizeof(uint16_t));
+  constexpr int64_t NB = 6;
+  const int64_t groups = (Nb + NB - 1) / NB;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    amx_configure();
+    alignas(64) float cbuf[NB * 256];
+    for (int64_t g = g0; g < g1; g++) {
+      const int64_t b = g * NB, nb = Nb - b < NB ? Nb - b : NB;
+      for (int64_t c = 0; c < chunks; c++) {
+        const uint16_t* xc = xpad.data() + c * 16 * K;
+        uint16_t* yc = y + c * 16 * N;
+        const int64_t rows = M - c * 16 < 16 ? M - c * 16 : 16;
+        switch (nb) {
+          case 6: amx_blocks<6>(xc, K, p, bias, b, rows, yc, N, cbuf); break;
+          case 5: amx_blocks<5>(xc, K, p, bias, b, rows, yc, N, cbuf); break;
+          case 4: amx_blocks<4>(xc, K, p, bias, b, rows, yc, N, cbuf); break;
+          case 3: amx_blocks<3>(xc, K, p, bias, b, rows, yc, N, cbuf); break;
+          case 2: amx_blocks<2>(xc, K, p, bias, b, rows, yc, N, cbuf); break;
+          default: amx_blocks<1>(xc, K, p, bias, b, rows, yc, N, cbuf); break;
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// bool: whether this build's matmul runs on AMX here (eval/cpu.py asks before it picks the amx-bf16 path).
+bool amx_ready() {
+#if DS_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 // The matmul kernel on this path: y [M, N] = x [M, K] @ W^T (+ bias), W packed by `pack` (uint16_t) or
 // `pack_i8` (int8_t, with per-output `scale`). Any M: AVX-512 runs 16 rows at a time (each row's sums are
 // the same whatever the chunk), AVX2 four at a time over cached spans of the weights.
 template <class W>
 static void gemm(const uint16_t* x, int64_t M, int64_t K, const W* p, const float* bias, int64_t Nb, uint16_t* y,
                  int64_t N, const float* scale) {
+#if DS_AMX
+  if constexpr (std::is_same_v<W, uint16_t>)
+    if (K % 32 == 0 && amx_permitted()) return amx_gemm(x, M, K, p, bias, Nb, y, N);
+#endif
 #if DS_AVX512
   constexpr bool I8 = std::is_same_v<W, int8_t>;
   constexpr int64_t CH = I8 ? 4 : 16;  // the int8 kernel keeps at most 4 rows' accumulators
@@ -941,5 +1047,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer", &layer, "one Llama layer of the fused bf16 forward, <= 16 rows (packed weights)");
   m.def("attend_qkv", &attend_qkv, "write k, v at slots, then attend from the bf16 projections -> bf16 [B, T, nh * hd]");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 rows), as torch's max(-1).indices");
+  m.def("amx_ready", &amx_ready, "whether the matmul runs on AMX tiles here (built for amx-bf16, and Linux granted AMX)");
   m.def("rope", &rope, "RoPE on the first n heads of each row, cos and signed sin [rows, hd], bf16 roundings of eval/target.py");
 }
