@@ -436,21 +436,26 @@ static bool amx_permitted() {
   return ok;
 }
 
+#ifndef AMX_PREFETCH_TILES
+#define AMX_PREFETCH_TILES 2
+#endif
+
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
 };
 
-// Tiles 0..5: sums of six 16-output blocks; 6: 16 rows x 32 k of x; 7: one block's 32 k x 16 outputs.
-static void amx_configure() {
+// Tiles 0..5: sums of six 16-output blocks for `rows` rows; 6: `rows` rows x 32 k of x; 7: one block's
+// 32 k x 16 outputs.
+static void amx_configure(int rows) {
   TileConfig c{};
   c.palette = 1;
-  for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t = 0; t < 8; t++) c.rows[t] = t == 7 ? 16 : rows, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
 
-// Blocks [b, b + NB) for the 16 rows of xp (zero-padded, row stride K): the bias (or 0) starts each sum.
+// Blocks [b, b + NB) for the tiles' rows of xp (row stride K): the bias (or 0) starts each sum.
 template <int NB>
 static void amx_blocks(const uint16_t* xp, int64_t K, const uint16_t* p, const float* bias, int64_t b,
                        int64_t rows, uint16_t* y, int64_t N, float* cbuf) {
@@ -460,7 +465,10 @@ static void amx_blocks(const uint16_t* xp, int64_t K, const uint16_t* p, const f
 #undef DS_INIT
   for (int64_t kb = 0; kb < K / 32; kb++) {
     _tile_loadd(6, xp + kb * 32, stride);
-#define DS_DOT(j) if constexpr (NB > j) { _tile_loadd(7, p + ((b + j) * Kp + kb * 16) * 32, 64); _tile_dpbf16ps(j, 6, 7); }
+#define DS_DOT(j) if constexpr (NB > j) { \
+      const uint16_t* t = p + ((b + j) * Kp + kb * 16) * 32; \
+      for (int l = 0; l < 16; l++) _mm_prefetch((const char*)(t + (AMX_PREFETCH_TILES * 16 + l) * 32), _MM_HINT_T0); \
+      _tile_loadd(7, t, 64); _tile_dpbf16ps(j, 6, 7); }
     DS_DOT(0) DS_DOT(1) DS_DOT(2) DS_DOT(3) DS_DOT(4) DS_DOT(5)
 #undef DS_DOT
   }
@@ -475,22 +483,23 @@ static void amx_blocks(const uint16_t* xp, int64_t K, const uint16_t* p, const f
   }
 }
 
-// y [M, N] = x [M, K] @ W^T (+ bias) on AMX, K a multiple of 32. Rows go 16 at a time (the last chunk
-// zero-padded) under each group of six blocks, so for M > 16 a group's weights come from cache after the first chunk.
+// y [M, N] = x [M, K] @ W^T (+ bias) on AMX, K a multiple of 32. Up to 16 rows the tiles hold exactly M
+// rows; more go 16 at a time (a last partial chunk zero-padded) under each group of six blocks, so a
+// group's weights come from cache after the first chunk.
 static void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, const float* bias, int64_t Nb,
                      uint16_t* y, int64_t N) {
-  const int64_t chunks = (M + 15) / 16;
-  std::vector<uint16_t> xpad(chunks * 16 * K, 0);
-  std::memcpy(xpad.data(), x, M * K * sizeof(uint16_t));
+  const int64_t chunks = (M + 15) / 16, tail = M > 16 ? M % 16 : 0;
+  std::vector<uint16_t> padded(tail ? 16 * K : 0, 0);  // the last chunk's rows, then zeros
+  if (tail) std::memcpy(padded.data(), x + (chunks - 1) * 16 * K, tail * K * sizeof(uint16_t));
   constexpr int64_t NB = 6;
   const int64_t groups = (Nb + NB - 1) / NB;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    amx_configure();
+    amx_configure(M < 16 ? (int)M : 16);
     alignas(64) float cbuf[NB * 256];
     for (int64_t g = g0; g < g1; g++) {
       const int64_t b = g * NB, nb = Nb - b < NB ? Nb - b : NB;
       for (int64_t c = 0; c < chunks; c++) {
-        const uint16_t* xc = xpad.data() + c * 16 * K;
+        const uint16_t* xc = tail && c == chunks - 1 ? padded.data() : x + c * 16 * K;
         uint16_t* yc = y + c * 16 * N;
         const int64_t rows = M - c * 16 < 16 ? M - c * 16 : 16;
         switch (nb) {
