@@ -42,6 +42,12 @@ from .layers import KVCache
 from .masks import causal_mask, window_masks
 
 
+def _fewest(limits: list) -> int | None:
+    """The smallest of some row limits, None standing for no limit (so: None when all are None)."""
+    known = [n for n in limits if n is not None]
+    return min(known) if known else None
+
+
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [x2, x1] on the last dim. HF's rotate_half is [-x2, x1]; the sign lives in `sin`
     (see LeanLlama.__call__), which saves a negation per tensor per layer."""
@@ -126,9 +132,9 @@ class LeanLlama:
             pair is not None and all(f.row_invariant for f in pair) for pair in self.fused + self.out) \
             and self.lm_head.row_invariant
         # ... for forwards of at most this many rows (batch x tokens) in all; None: any number
-        limits = [f.invariant_rows for pair in self.fused + self.out for f in pair] + [self.lm_head.invariant_rows] \
-            if self.row_invariant else [0]
-        self.invariant_rows = None if all(n is None for n in limits) else min(n for n in limits if n is not None)
+        layer_rows = [f.invariant_rows for pair in self.fused + self.out if pair is not None for f in pair]
+        self.layer_rows = _fewest(layer_rows)  # the most rows ext.layer's matmuls take (_forward_fused)
+        self.invariant_rows = _fewest(layer_rows + [self.lm_head.invariant_rows]) if self.row_invariant else 0
         self.q_dim = self.n_heads * self.head_dim
         self.kv_dim = self.n_kv * self.head_dim
         # The layer's elementwise steps fused (eval/kernels.py: residual add + RMSNorm, RoPE, SiLU * up),
@@ -283,7 +289,7 @@ class LeanLlama:
         slots = slots.contiguous() if direct else slots
         aux = self.aux_layers
         taps = {}  # layer id -> a copy of the residual stream entering it (x is updated in place)
-        if direct and self.layers is not None and (self.invariant_rows is None or B * T <= self.invariant_rows):
+        if direct and self.layers is not None and (self.layer_rows is None or B * T <= self.layer_rows):
             # Each layer in one call (ext.layer: the same kernels in the same order), without the Python
             # time the loop below spends between them.
             for i, (cache, (w, n_out)) in enumerate(zip(self.caches, self.layers)):

@@ -502,6 +502,34 @@ def test_fused_forward_gives_the_same_numbers_with_and_without_the_layer_call(ex
     assert torch.equal(out["layer"][1], out["loop"][1]) and torch.equal(out["layer"][2], out["loop"][2])
 
 
+def test_the_layer_call_takes_as_many_rows_as_the_matmul_kernel(ext, kernel_path):
+    """A batch's verify (6 rows x 4 tokens = 24 matmul rows): ext.layer wherever the path's kernels take
+    that many rows (amx-bf16, avx2), with the per-kernel loop's numbers bit for bit; the loop elsewhere."""
+    from eval.target import LeanLlama
+
+    r = LeanLlama(_bf16_target())
+    assert r.layer_rows == kernel_path.kernel_rows and r.invariant_rows == kernel_path.kernel_rows
+    layers, B = r.layers, 6
+    toks = torch.randint(1, 96, (B, 14), generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = r.ew.layer if kernel_path.kernel_rows is None else None
+    out = {}
+    with torch.no_grad():
+        for name, ls in (("layer", layers), ("loop", None)):
+            r.layers = ls
+            r.reset(B, 32)
+            r(toks[:, :10], torch.arange(10)[None].expand(B, -1), 10)
+            out[name] = (r(toks[:, 10:14], torch.arange(10, 14)[None].expand(B, -1), 14), r.K.clone())
+    assert torch.equal(out["layer"][0][0], out["loop"][0][0]) and torch.equal(out["layer"][1], out["loop"][1])
+    if real is not None:  # and the layer call did take the 24 rows
+        r.layers = layers
+        r.ew = type("Spy", (), {"__getattr__": lambda _, n: getattr(ext, n),
+                                "layer": staticmethod(lambda *a: calls.append(a[0].shape) or real(*a))})()
+        with torch.no_grad():
+            r(toks[:, 10:14], torch.arange(10, 14)[None].expand(B, -1), 14)
+        assert calls and calls[0][:2] == (B, 4)
+
+
 def test_cpu_bench_times_every_path_on_every_shape():
     """eval.cpu_bench (the paths' table in docs/reference/kernels.md) on a tiny bf16 model."""
     from eval.cpu_bench import measure

@@ -1,4 +1,5 @@
-// This project's CPU kernels (why by hand: eval/kernels.py), one source for two instruction sets (below).
+// This project's CPU kernels (why by hand: eval/kernels.py), one source for three instruction sets (below:
+// AVX2, AVX512-BF16, and AMX for the matmul on top of AVX512-BF16).
 // The matmul: y[M, N] = x[M, K] @ W[N, K]^T (+ b) in bf16 with fp32 accumulation. W is packed once
 // (`pack`) so that one 64-byte load holds 16 output rows x 2 consecutive k; on AVX512-BF16 `vdpbf16ps`
 // against a broadcast pair of x accumulates 16 outputs at once, on AVX2 the pair is widened to fp32 and
