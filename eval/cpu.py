@@ -94,7 +94,10 @@ class CpuPath:
     def kernel_rows(self) -> int | None:
         """The most rows of one matmul this path's kernels take; None: every row count, so every forward
         rounds each row as a one-token step would. vdpbf16ps hands more rows to oneDNN where that runs
-        (faster for prefills); AMX's tiles stay fast at any row count, and AVX2 has nothing else."""
+        (faster for prefills); AMX's tiles stay fast at any row count, and AVX2 has nothing else. 0 on the
+        generic path, which has no kernels."""
+        if self.kernels is None:
+            return 0
         return MAX_ROWS if self.name == "avx512-bf16" and self.onednn_bf16 else None
 
     def summary(self) -> dict:
@@ -207,7 +210,7 @@ def decide(env: dict | None = None, flags: frozenset | None = None) -> CpuPath:
             skipped.append("the OS did not grant AMX")
             continue
         why = "the best this CPU runs" + (f" ({'; '.join(skipped)})" if skipped else "")
-        return mk(name, why, ext, _capped(flags, name))
+        return mk(name, why, ext, flags)
     return mk("generic", "; ".join(skipped) or "no kernel path for this CPU", None, flags)
 
 
