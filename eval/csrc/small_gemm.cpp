@@ -273,8 +273,7 @@ static void run_blocks(const int32_t* x, int64_t Kp, const W* p, const float* bi
     }
     for (int j = 0; j < NB; j++) {
       const int64_t n0 = (b + j) * 16;
-      const int64_t left = N - n0;
-      const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+      const __mmask16 mask = first(N - n0);
       for (int m = 0; m < M; m++) {
         __m512 v = acc[m][j];
         if constexpr (I8)
@@ -477,8 +476,8 @@ static void amx_blocks(const uint16_t* xp, int64_t K, const uint16_t* p, const f
   DS_STORE(0) DS_STORE(1) DS_STORE(2) DS_STORE(3) DS_STORE(4) DS_STORE(5)
 #undef DS_STORE
   for (int j = 0; j < NB; j++) {
-    const int64_t n0 = (b + j) * 16, left = N - n0;
-    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const int64_t n0 = (b + j) * 16;
+    const __mmask16 mask = first(N - n0);
     for (int64_t m = 0; m < rows; m++)
       _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cbuf + j * 256 + m * 16)));
   }
