@@ -254,8 +254,8 @@ class SpeculativeDecoder:
             else:
                 r = self._chain_round(s, k)
             new = self._record(s, r, active)
-            if ctl is not None:
-                ctl.observe(r.k, sum(len(t) for t in new), time.perf_counter() - t_round, sum(active))
+            if ctl is not None:  # scored under the K it chose: a hybrid's tree depth (r.k) follows the text
+                ctl.observe(k, sum(len(t) for t in new), time.perf_counter() - t_round, sum(active))
             yield s.emit(new)
             self._update(s, r, ctl, plain=k == 0)
 
@@ -668,7 +668,9 @@ class KController:
         return k
 
     def observe(self, k: int, tokens: int, seconds: float, rows: int = 1):
-        """A round ran: k drafts proposed (0: a plain step), `tokens` new over its `rows` active rows."""
+        """A round ran at the K this controller chose (0: a plain step), `tokens` new over its `rows` active
+        rows. Keyed by the choice, not by what the proposer made of it: a hybrid's lookups run deeper than K
+        where the text repeats, so arms keyed by depth would credit predictable stretches to long K."""
         self.rounds += 1
         self.call_rounds += 1
         self.spec_rounds += k > 0

@@ -314,6 +314,26 @@ def test_k_auto_keeps_what_it_measured_across_calls(target, draft):
     assert res.stats["k_choices"][:D.WARMUP_PLAIN + 2] != [0] * D.WARMUP_PLAIN + [D.K_WARMUP] * 2
 
 
+def test_k_auto_scores_the_k_it_chose_not_the_trees_depth(target, draft, monkeypatch):
+    """A hybrid's lookups (k_ngram=6) run deeper than the K chosen: the round is scored under that K, so a K's
+    score is what choosing it gave, not the rounds where the text happened to repeat."""
+    class AlwaysOne(KController):
+        def choose(self, alpha_hat, c, measured=True):
+            return self._pick(1)
+    monkeypatch.setattr(D, "KController", AlwaysOne)
+    dec = SpeculativeDecoder(target, HybridProposer(DraftLMProposer(draft, V), min_match=1, k_ngram=6), k="auto")
+    depths, tree_round = [], dec._tree_round
+
+    def recorded(s, k):
+        r = tree_round(s, k)
+        depths.append(r.k)
+        return r
+    monkeypatch.setattr(dec, "_tree_round", recorded)
+    ref = SpeculativeDecoder(target, None).generate(PROMPTS, max_new_tokens=N_NEW).sequences
+    assert dec.generate(PROMPTS, max_new_tokens=N_NEW).sequences == ref
+    assert max(depths) > 1 and set(dec.controllers[len(PROMPTS)].arms) == {1}
+
+
 def test_controller_without_plain_timings_trusts_the_model():
     """No plain round measured yet (warmup=1: only the untimed first one): best_k's own estimate decides."""
     ctl = KController(k_max=8, warmup=1, k_warmup=4, probe_every=16)
