@@ -590,9 +590,11 @@ def _exactness(args, target, prompts, seqs: dict, spec_stats: list[dict]) -> dic
                           "token_match_rate": rep["match_rate"], "report": rep}, "greedy_exact": exact}
 
 
-def run(args) -> dict:
+def run(args, saved=lambda out: None) -> dict:
     """Check the arguments, load the models, measure every method in interleaved turns on the same
-    prompts (Runner.measure), compare their outputs with plain decoding's, and tabulate."""
+    prompts (Runner.measure), compare their outputs with plain decoding's, and tabulate. `saved(out)` gets
+    the figures so far after the main table and after each batch size of the sweep ("complete": False
+    until the end), so a run stopped part way keeps what it measured."""
     p = plan(args)
     device, tpath, tok, target, draft_model = load_models(args, p.kind)
     prompts = encode_prompts(p.rows, tok)
@@ -606,19 +608,23 @@ def run(args) -> dict:
     _speculative_figures(out, measured, p, R, draft_model)
     _match_figures(out, seqs, len(prompts))
     out |= _exactness(args, target, prompts, seqs, measured["speculative"]["stats"])
-    if p.sweep:
-        out["batch_sweep"] = _sweep(R, prompts, p.sweep, draft_proposer(args, target, draft_model), p.k, target)
     out["table"] = _table([{"method": n, **{kk: out[n].get(kk) for kk in
                                             ("tokens_per_s", "speedup", "alpha", "tau", "k", "match_rate")}}
                            for n in ("plain", "hf_generate", "hf_assisted", "hf_prompt_lookup", "speculative", *p.also)
                            if n in out])
+    out["complete"] = not p.sweep
+    saved(out)
+    if p.sweep:
+        out["batch_sweep"] = _sweep(R, prompts, p.sweep, draft_proposer(args, target, draft_model), p.k, target,
+                                    saved=lambda res: saved(out | {"batch_sweep": res}))
+        out["complete"] = True
     return out
 
 
-def _sweep(R: Runner, prompts, sizes, proposer, k, target) -> dict:
+def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: None) -> dict:
     """Plain decoding and the draft at each batch size, in interleaved turns: at --k (fixed) and, where --k
     is fixed, under the K controller too (k="auto", eval/decoder.py KController), so the controller is
-    judged against fixed K on the same turns."""
+    judged against fixed K on the same turns. `saved(res)` gets the rows so far after each batch size."""
     res = {"sizes": sizes, "rows": []}
     decs = {"plain": our_decoder(R.args, target, None),
             "speculative": our_decoder(R.args, target, proposer, k=k, tree=not R.args.chain)}
@@ -640,43 +646,68 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target) -> dict:
                     # k="auto": share of rounds run plain because speculation would not pay
                     f"{pre}spec_off_fraction": st.get("spec_off_fraction")}
         res["rows"].append(row)
+        res["markdown"] = _sweep_markdown(res["rows"], "controlled" in decs)
+        saved(res)
+    return res
+
+
+def _sweep_markdown(rows: list[dict], controlled: bool) -> str:
     head = "| batch | plain tok/s | speculative tok/s | speedup | τ | mean K | rounds plain (auto off) |"
     rule = "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-    if "controlled" in decs:
+    if controlled:
         head += " controller tok/s | controller speedup | controller τ | controller mean K | controller rounds plain |"
         rule += " ---: | ---: | ---: | ---: | ---: |"
     md = [head, rule]
-    for r in res["rows"]:
+    for r in rows:
         line = (f"| {r['batch_size']} | {_fmt(r['plain_tokens_per_s'], '.1f')} | "
                 f"{_fmt(r['speculative_tokens_per_s'], '.1f')} | {_fmt(r['speedup'])}× | {_fmt(r['tau'])} | "
                 f"{_fmt(r['k'], '.1f')} | {_fmt(r['spec_off_fraction'])} |")
-        if "controlled" in decs:
+        if controlled:
             line += (f" {_fmt(r['controlled_tokens_per_s'], '.1f')} | {_fmt(r['controlled_speedup'])}× | "
                      f"{_fmt(r['controlled_tau'])} | {_fmt(r['controlled_k'], '.1f')} | "
                      f"{_fmt(r['controlled_spec_off_fraction'])} |")
         md.append(line)
-    res["markdown"] = "\n".join(md)
-    return res
+    return "\n".join(md)
+
+
+class _Progress:
+    """run()'s `saved`: prints the main table as soon as it is measured and each batch-sweep row as it
+    lands, and rewrites --json each time, so a long run stopped part way (a lent GPU's time running out)
+    keeps every figure it measured."""
+
+    def __init__(self, path: str | None):
+        self.path, self.printed = (Path(path) if path else None), -1  # sweep lines printed; -1: not the table
+
+    def __call__(self, out: dict):
+        if self.printed < 0:
+            print(out["table"], flush=True)
+            self.printed = 0
+        lines = out.get("batch_sweep", {}).get("markdown", "").splitlines()
+        if lines and self.printed == 0:
+            print()
+        for line in lines[self.printed:]:
+            print(line, flush=True)
+        self.printed = max(self.printed, len(lines))
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(_jsonable(out), indent=2))
+            os.replace(tmp, self.path)  # a reader never sees half a file
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    progress = _Progress(args.json)
     try:
-        out = run(args)
+        out = run(args, saved=progress)
     except BenchError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
         return 2
-    print(out["table"])
-    if "batch_sweep" in out and "markdown" in out["batch_sweep"]:
-        print()
-        print(out["batch_sweep"]["markdown"])
+    progress(out)
     if out.get("greedy_exact") is not None:
         print(f"greedy_exact: {out['greedy_exact']} ({out['exactness']['rule']})")
     if out.get("cpu_path"):
         print(cpu_path().line())
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(_jsonable(out), indent=2))
     return 0
 
 

@@ -60,8 +60,30 @@ def test_ngram_writes_required_keys(tiny, tmp_path, capsys):
     # the K controller in the same turns, beside the fixed K
     assert all(r["controlled_tokens_per_s"] > 0 and 0 <= r["controlled_spec_off_fraction"] <= 1 for r in sweep["rows"])
     assert sweep["markdown"].startswith("| batch |") and "controller speedup" in sweep["markdown"]
+    assert res["complete"] is True
     out = capsys.readouterr().out
-    assert "speculative" in out and "hf_prompt_lookup" in out
+    assert "speculative" in out and "hf_prompt_lookup" in out and out.count("| batch |") == 1
+
+
+def test_a_run_stopped_part_way_keeps_what_it_measured(tiny, tmp_path, capsys, monkeypatch):
+    """Stopped during the sweep's second batch size (a lent GPU's time ran out), --json already holds the
+    main table and the first batch size, marked incomplete, and both were printed as they landed."""
+    calls, measure = [], bench.Runner.measure
+
+    def measure_then_stop(self, methods, prompts):
+        calls.append(len(calls))
+        if len(calls) == 3:  # the main table, batch 1, then stopped
+            raise KeyboardInterrupt
+        return measure(self, methods, prompts)
+    monkeypatch.setattr(bench.Runner, "measure", measure_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny, tmp_path, "--draft", "ngram", "--batch-sweep", "1,2")
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert res["complete"] is False and res["plain"]["tokens_per_s"] > 0 and res["table"]
+    assert [r["batch_size"] for r in res["batch_sweep"]["rows"]] == [1]
+    out = capsys.readouterr().out
+    assert "hf_prompt_lookup" in out and "\n| 1 |" in out and "\n| 2 |" not in out
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_draft_lm_includes_hf_assisted(tiny, tmp_path):
