@@ -45,7 +45,7 @@ import torch
 
 from .proposers import Proposer, Sampling, load_proposer
 from .kernels import MAX_ROWS
-from .speedup import best_k, expected_speedup, tokens_per_round
+from .speedup import A_MAX, best_k, expected_speedup
 from .cpu import cpu_gemv, greedy_argmax, inductor_refusal
 from .target import make_runner
 from .tree import Tree
@@ -255,7 +255,8 @@ class SpeculativeDecoder:
                 r = self._chain_round(s, k)
             new = self._record(s, r, active)
             if ctl is not None:  # scored under the K it chose: a hybrid's tree depth (r.k) follows the text
-                ctl.observe(k, sum(len(t) for t in new), time.perf_counter() - t_round, sum(active))
+                ctl.observe(k, sum(len(t) for t in new), time.perf_counter() - t_round,
+                            [h[0] for h, a in zip(r.host, active) if a])
             yield s.emit(new)
             self._update(s, r, ctl, plain=k == 0)
 
@@ -551,12 +552,17 @@ class KController:
     First `warmup` plain steps (the first one untimed), then rounds at `k_warmup` until two
     speculative rounds ran and some draft position was reached (once per decoder and batch size: a
     later call at the same batch size starts from what the earlier ones measured, `next_call`). From then
-    on each K is scored by
-    tokens per row-round over seconds per round, both as this call measured them at that K (recent
-    rounds weigh most). A K not measured yet is modelled from its nearest measured one: its tokens by
-    the geometric acceptance model at alpha_hat (eval.speedup), its time on the line through the
-    measured rounds' times against K, so a verify that grows with the batch (the forward stops being
-    bandwidth-bound) prices long drafts out, and K = 0 wins where no K pays. Every `probe_every`
+    on each K is scored by tokens per row-round over seconds per round (recent rounds weigh most).
+    Tokens come from every speculative round, not only those run at K: a row that accepted a drafts in
+    a round at K would have accepted min(a, K') at any K' <= K (the same drafts, exact for chains; for a
+    hybrid's trees, whose node budget grows with K, a bound that favours the shorter K), so each draft
+    position's acceptance, given the one before it was accepted, is pooled over all rounds that proposed
+    it (a Kaplan-Meier estimate). A short per-K sample, taken where the text happened to be easy or hard,
+    no longer decides (docs/reference/k-auto.md). Positions never proposed take alpha_hat (eval.speedup's
+    geometric model); a hybrid's lookups past K add what they added at that K. Seconds are measured at
+    each K, and a K not run yet lies on the line through the measured rounds' times against K, so a
+    verify that grows with the batch (the forward stops being bandwidth-bound) prices long drafts out,
+    and K = 0 wins where no K pays. Every `probe_every`
     rounds the best K's neighbour runs once, to keep the scores fresh; while off, the best K runs once
     as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). Turning
     speculation back on re-prefills the proposer (a resync): it is switched on only when the time the
@@ -564,6 +570,7 @@ class KController:
     round's verify pads every row to the longest draft, so a shorter K for some rows saves no work."""
 
     DECAY = 0.8  # weight of a K's older rounds in its scores, per newer round at that K
+    POOL_DECAY = 0.95  # weight of older rounds in the pooled per-position acceptance, per newer speculative round
 
     def __init__(self, k_max: int = K_MAX_AUTO, warmup: int = WARMUP_PLAIN, k_warmup: int = K_WARMUP,
                  probe_every: int = PROBE_EVERY):
@@ -572,8 +579,13 @@ class KController:
         self.rounds = self.spec_rounds = 0  # rounds observed, and those that proposed drafts
         self.off_rounds = 0  # choices of K = 0 after the warm-up
         self.expected_speedup: float | None = None  # the best K's score over the plain step's, last choice
-        # per K: decayed sums of [weight, tokens per row, seconds] of the rounds run at that K
+        # per K: decayed sums of [weight, tokens per row, seconds, a lookup's depth past K per row] of the
+        # rounds run at that K
         self.arms: dict[int, list[float]] = {}
+        # per draft position j (index j - 1): decayed counts of rows that reached j in a round proposing it,
+        # and of those that accepted it
+        self.reached = [0.0] * k_max
+        self.accepted = [0.0] * k_max
         self.gap = probe_every  # rounds from one probe to the next while off (doubles while probes lose)
         self.next_probe = warmup + probe_every  # the choice index of the next probe while off
         self.resync_s = 0.0  # the measured cost of turning speculation back on (decayed mean of resyncs)
@@ -642,10 +654,16 @@ class KController:
         return w[i] / w[0]
 
     def _tokens(self, k: int, alpha_hat: float) -> float:
-        if k in self.arms:
-            return self._mean(k, 1)
-        near = min((j for j in self.arms if j > 0), key=lambda j: (abs(j - k), j))
-        return self._mean(near, 1) * tokens_per_round(alpha_hat, k) / tokens_per_round(alpha_hat, near)
+        """A round's tokens per row at K = k: 1 + the pooled chance of accepting each position up to k, + the
+        lookups' depth past k (as measured at k, else at the nearest K run)."""
+        if k == 0:
+            return 1.0
+        tokens, alive = 1.0, 1.0
+        for j in range(k):
+            alive *= self.accepted[j] / self.reached[j] if self.reached[j] > 0 else min(max(alpha_hat, 0.0), A_MAX)
+            tokens += alive
+        near = min((j for j in self.arms if j > 0), key=lambda j: (abs(j - k), j), default=None)
+        return tokens + (self._mean(near, 3) if near is not None else 0.0)
 
     def _cost_line(self) -> tuple[float, float, float]:
         """The least-squares line of a round's seconds against K over plain and the measured K ->
@@ -667,19 +685,31 @@ class KController:
         self.choices.append(k)
         return k
 
-    def observe(self, k: int, tokens: int, seconds: float, rows: int = 1):
+    def observe(self, k: int, tokens: int, seconds: float, accepted: list[int]):
         """A round ran at the K this controller chose (0: a plain step), `tokens` new over its `rows` active
-        rows. Keyed by the choice, not by what the proposer made of it: a hybrid's lookups run deeper than K
-        where the text repeats, so arms keyed by depth would credit predictable stretches to long K."""
+        rows (`accepted`: each one's drafts accepted). Keyed by the choice, not by what the proposer made of
+        it: a hybrid's lookups run deeper than K where the text repeats, so arms keyed by depth would credit
+        predictable stretches to long K."""
         self.rounds += 1
         self.call_rounds += 1
         self.spec_rounds += k > 0
         self.last_k = k
-        if self.call_rounds == 1:  # the first round after prefill runs slow: left out
+        rows = max(len(accepted), 1)
+        if k > 0:
+            self._pool(k, accepted)
+        if self.call_rounds == 1:  # the first round after prefill runs slow: left out of the timings
             return
-        w = self.arms.setdefault(k, [0.0, 0.0, 0.0])
-        for i, x in enumerate((1.0, tokens / max(rows, 1), seconds)):
+        w = self.arms.setdefault(k, [0.0, 0.0, 0.0, 0.0])
+        beyond = sum(max(a - k, 0) for a in accepted) / rows
+        for i, x in enumerate((1.0, tokens / rows, seconds, beyond)):
             w[i] = self.DECAY * w[i] + x
+
+    def _pool(self, k: int, accepted: list[int]):
+        """Each position 1..k of this round: the rows that reached it (accepted every draft before it) and
+        those that accepted it."""
+        for j in range(min(k, self.k_max)):
+            self.reached[j] = self.POOL_DECAY * self.reached[j] + sum(a >= j for a in accepted)
+            self.accepted[j] = self.POOL_DECAY * self.accepted[j] + sum(a > j for a in accepted)
 
     def charge(self, seconds: float, resync: bool = False):
         """Speculation's cost outside a round: the proposer's accept() after the last round (counted in that

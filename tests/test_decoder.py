@@ -207,7 +207,8 @@ def _run(ctl, rounds, plain_s, spec_s, tokens=1.0, alpha=0.8, c=0.1, accept_s=0.
     accept costs accept_s. -> the choices made."""
     for _ in range(rounds):
         k = ctl.choose(alpha, c, measured=ctl.spec_rounds > 0)
-        ctl.observe(k, 1 if k == 0 else round(tokens + alpha * k), plain_s if k == 0 else spec_s)
+        n = 1 if k == 0 else round(tokens + alpha * k)
+        ctl.observe(k, n, plain_s if k == 0 else spec_s, [n - 1])
         if k > 0:
             ctl.charge(accept_s)
     return ctl.choices
@@ -217,12 +218,19 @@ def _geo(a, k):
     return sum(a ** i for i in range(k + 1))
 
 
+def _geo_rows(alpha, k, rows):
+    """Each row's drafts accepted in a round of K, as the geometric model has them: about rows * alpha^j of
+    the rows accept position j."""
+    return [sum(i < round(rows * alpha ** j) for j in range(1, k + 1)) for i in range(rows)]
+
+
 def _machine(ctl, rounds, plain_s, draft_s, alpha, rows=16):
     """A machine where a round of K costs plain_s + K draft_s (the verify grows with the drafts, as at
     larger batches) and yields each of `rows` rows the geometric model's tokens at alpha."""
     for _ in range(rounds):
         k = ctl.choose(alpha, 0.1, measured=ctl.spec_rounds > 0)
-        ctl.observe(k, round(rows * _geo(alpha, k)), plain_s + k * draft_s, rows)
+        acc = _geo_rows(alpha, k, rows)
+        ctl.observe(k, sum(a + 1 for a in acc), plain_s + k * draft_s, acc)
     return ctl.choices
 
 
@@ -249,8 +257,8 @@ def test_controller_warms_up_plain_then_measures_at_k_warmup():
     ks = _run(ctl, 5, plain_s=0.010, spec_s=0.012)
     assert ks == [0, 0, 0, 4, 4] and ctl.expected_speedup is None
     two = 1 + KController.DECAY  # the weight of two rounds: the first round (after prefill) is left out
-    assert ctl.arms[0] == pytest.approx([two, two, 0.010 * two])
-    assert ctl.arms[4] == pytest.approx([two, two * round(1 + 0.8 * 4), 0.012 * two]) and set(ctl.arms) == {0, 4}
+    assert ctl.arms[0] == pytest.approx([two, two, 0.010 * two, 0])
+    assert ctl.arms[4] == pytest.approx([two, two * round(1 + 0.8 * 4), 0.012 * two, 0]) and set(ctl.arms) == {0, 4}
     assert ctl.warm_choices == 5
 
 
@@ -268,6 +276,46 @@ def test_controller_settles_on_the_k_this_machine_serves_fastest(draft_s, alpha)
     got = sum(_geo(alpha, k) for k in ks) / sum(0.010 + k * draft_s for k in ks)
     assert got >= 0.95 * rate(best)
     assert best == 0 or draft_s < 0.02  # the cases span both sides of the on/off line
+
+
+def test_controller_pools_each_positions_acceptance_over_every_round():
+    """One round at K=4 scores every shorter K by what it would have accepted there (min(a, K') for a
+    chain); a position never proposed takes alpha_hat; a lookup's depth past K counts at that K."""
+    ctl = KController(k_max=8)
+    acc = [0, 1, 4, 3]
+    ctl.observe(4, sum(a + 1 for a in acc), 0.010, acc)
+    for k in range(1, 5):
+        assert ctl._tokens(k, 0.5) == pytest.approx(sum(min(a, k) + 1 for a in acc) / len(acc))
+    assert ctl._tokens(6, 0.5) == pytest.approx(ctl._tokens(4, 0.5) + 0.25 * 0.5 + 0.25 * 0.5 ** 2)
+    ctl.observe(2, 0, 0.010, [5, 0])  # timed (the call's second round): a lookup ran 3 past K=2 in one row
+    d = KController.POOL_DECAY  # the older round's counts weigh d: position 1 reached 4d + 2, accepted 3d + 1
+    s1 = (3 * d + 1) / (4 * d + 2)
+    assert ctl.arms[2][3] == pytest.approx(1.5)
+    assert ctl._tokens(2, 0.5) == pytest.approx(1 + s1 + s1 * (2 * d + 1) / (3 * d + 1) + 1.5)
+
+
+def _regimes(ctl, rounds, plain_s, draft_s, alphas, block, rows):
+    """_machine with text whose predictability changes every `block` rounds (alphas in turn) -> the
+    controller's tokens a row per second."""
+    tokens = seconds = 0.0
+    for r in range(rounds):
+        k = ctl.choose(0.6, 0.1, measured=ctl.spec_rounds > 0)
+        acc = _geo_rows(alphas[(r // block) % len(alphas)], k, rows)
+        ctl.observe(k, sum(a + 1 for a in acc), plain_s + k * draft_s, acc)
+        tokens, seconds = tokens + sum(a + 1 for a in acc) / rows, seconds + plain_s + k * draft_s
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("draft_s,alphas,block,rows", [(0.003, (0.9, 0.3), 7, 4), (0.002, (0.95, 0.2), 5, 4),
+                                                        (0.004, (0.85, 0.4), 3, 16), (0.001, (0.9, 0.5, 0.2), 4, 1)])
+def test_controller_keeps_up_with_the_best_fixed_k_when_the_text_changes(draft_s, alphas, block, rows):
+    """Easy and hard stretches of text in turn: a K scored only on its own few rounds (its probes fall in
+    one kind of stretch) settles on a K up to 13% slower than the best fixed one; pooled over every round,
+    the controller serves within 4% of it."""
+    def fixed(k):
+        return sum(_geo(a, k) for a in alphas) / len(alphas) / (0.010 + k * draft_s)
+    best = max(range(K_MAX_AUTO + 1), key=fixed)
+    assert _regimes(KController(), 400, 0.010, draft_s, alphas, block, rows) >= 0.96 * fixed(best), best
 
 
 def test_controller_turns_off_when_speculation_loses_and_probes_back():
@@ -294,7 +342,7 @@ def test_controller_turns_back_on_only_when_it_repays_the_resync():
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=16)
     _run(ctl, 5, plain_s=0.010, spec_s=0.012)  # K=4: 4 tokens in 12 ms, 3.3x plain's rate
     ctl.choose(0.8, 0.1)
-    ctl.observe(0, 1, 0.010)  # a plain round: the proposer is behind
+    ctl.observe(0, 1, 0.010, [0])  # a plain round: the proposer is behind
     ctl.charge(10.0, resync=True)  # a resync dearer than 16 rounds save (~0.45 s)
     assert ctl.choose(0.8, 0.1) == 0
     ctl.resync_s = 0.001
