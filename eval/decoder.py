@@ -51,10 +51,13 @@ from .target import make_runner
 from .tree import Tree
 
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
-SERVING_REV = "cdf-sample-1"
+SERVING_REV = "prefill-groups-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
 CONTROLLER_REV = "pooled-acceptance-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
+# A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
+# the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
+PREFILL_WASTE = 0.2
 WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 K_WARMUP = 4  # k="auto": the K of the rounds that first measure alpha and c
 PROBE_EVERY = 16  # k="auto": a probe of another K every this many rounds (with speculation off, at first)
@@ -316,7 +319,19 @@ class SpeculativeDecoder:
         pos = torch.arange(T, device=dev).expand(B, T)  # [B, T]
         L_t = torch.tensor(L, device=dev)  # [B]
         t = time.perf_counter()
-        logits, feats = self.runner(toks, pos, T, logit_idx=L_t - 1)  # [B, 1, V], [B, T, H]
+        groups = prefill_groups(L) if self.runner.row_groups else [list(range(B))]
+        if len(groups) == 1:
+            logits, feats = self.runner(toks, pos, T, logit_idx=L_t - 1)  # [B, 1, V], [B, T, H]
+        else:  # each group padded to its own longest prompt (feats past a row's prompt stay zero)
+            logits = feats = None
+            for g in groups:
+                idx, Tg = torch.tensor(g, device=dev), max(L[b] for b in g)
+                with self.runner.rows(idx, Tg):
+                    lg, fg = self.runner(toks[idx, :Tg], pos[idx, :Tg], Tg, logit_idx=L_t[idx] - 1)  # [g, 1, V], [g, Tg, H]
+                if logits is None:
+                    logits = lg.new_empty(B, *lg.shape[1:])
+                    feats = fg.new_zeros(B, T, fg.shape[-1])
+                logits[idx], feats[idx, :Tg] = lg, fg
         self._keep_logprobs(s, logits[:, 0])
         sampling = s.sampling
         cur = greedy_argmax(logits[:, 0]) if sampling.greedy else sampling.sample(sampling.probs(logits[:, 0]))
@@ -543,6 +558,20 @@ class _Round:
     n_acc: torch.Tensor  # [B] drafts accepted
     bonus: torch.Tensor  # [B] the target's token after them
     host: list[list[int]]  # per row [n_acc, bonus, drafts...]: the round's one host sync
+
+
+def prefill_groups(lengths: list[int], waste: float = PREFILL_WASTE) -> list[list[int]]:
+    """The prefill's rows in groups of like length (shortest first): a group grows while padding its rows
+    to its longest adds at most `waste` of their own tokens."""
+    order = sorted(range(len(lengths)), key=lambda b: lengths[b])
+    groups, cur, tokens = [], [], 0
+    for b in order:  # ascending: b is the longest of cur + [b]
+        if cur and (len(cur) + 1) * lengths[b] > (1 + waste) * (tokens + lengths[b]):
+            groups.append(cur)
+            cur, tokens = [], 0
+        cur.append(b)
+        tokens += lengths[b]
+    return groups + [cur]
 
 
 class KController:

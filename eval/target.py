@@ -31,6 +31,8 @@ that mask, only slots within their window by position (`window_masks`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -65,6 +67,7 @@ class LeanLlama:
 
     path = "lean"
     trees = True  # slots/mask/move(): a token tree's nodes verified in one forward
+    row_groups = True  # rows(): a forward over some of the batch's rows (a prefill in groups of like length)
     aux_layers: tuple[int, ...] | None = None  # features = the residual streams entering these layers
 
     def __init__(self, model, fuse: bool = True):
@@ -167,6 +170,22 @@ class LeanLlama:
         self.K = torch.zeros(L, batch, self.n_kv, max_len, self.head_dim, dtype=self.cache_dtype, device=self.device)
         self.V = torch.zeros_like(self.K)
         self.caches = [KVCache.over(k, v) for k, v in zip(self.K, self.V)]
+
+    @contextmanager
+    def rows(self, idx: torch.Tensor, length: int):
+        """Forwards inside write a cache of their own, len(idx) rows by `length` slots; on exit its slots
+        0..length-1 go to rows idx of the batch's cache. The prefill runs in groups of prompts of like
+        length this way, each padded to its own longest instead of the batch's."""
+        K, caches = self.K, self.caches
+        tk = torch.zeros(K.shape[0], len(idx), K.shape[2], length, K.shape[4], dtype=K.dtype, device=K.device)
+        tv = torch.zeros_like(tk)  # [L, g, nkv, length, hd]
+        self.caches = [KVCache.over(k, v) for k, v in zip(tk, tv)]
+        try:
+            yield
+        finally:
+            self.caches = caches
+        self.K[:, :, :, :length].index_copy_(1, idx, tk)
+        self.V[:, :, :, :length].index_copy_(1, idx, tv)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads before

@@ -199,6 +199,29 @@ def test_k_auto_turns_off_and_probes(target, draft, monkeypatch):
     assert res.stats["expected_speedup"] < 1 and res.stats["spec_off_fraction"] > 0.5
 
 
+def test_prefill_groups_pad_each_group_to_its_own_longest():
+    lengths = [42, 170, 50, 160, 100, 101]
+    groups = D.prefill_groups(lengths)
+    assert sorted(b for g in groups for b in g) == list(range(6)) and len(groups) > 1
+    for g in groups:  # each group's padding within PREFILL_WASTE of its tokens
+        assert len(g) * max(lengths[b] for b in g) <= (1 + D.PREFILL_WASTE) * sum(lengths[b] for b in g)
+    assert D.prefill_groups([5]) == [[0]] and D.prefill_groups([9, 9, 9]) == [[0, 1, 2]]
+
+
+def test_grouped_prefill_equals_one_padded_forward(target, draft, monkeypatch):
+    """Prompts of unlike length prefill in groups (each padded to its own longest): the same first tokens,
+    the same K/V in every prompt slot, and the same continuations as one forward padded to the longest."""
+    assert len(D.prefill_groups([len(p) for p in PROMPTS])) > 1
+    grouped = SpeculativeDecoder(target, DraftLMProposer(draft, V), k=3)
+    res = grouped.generate(PROMPTS, max_new_tokens=N_NEW)
+    K_grouped = grouped.runner.K.clone()
+    monkeypatch.setattr(D, "prefill_groups", lambda lengths: [list(range(len(lengths)))])
+    padded = SpeculativeDecoder(target, DraftLMProposer(draft, V), k=3)
+    assert padded.generate(PROMPTS, max_new_tokens=N_NEW).sequences == res.sequences
+    for b, p in enumerate(PROMPTS):
+        assert torch.allclose(K_grouped[:, b, :, :len(p)], padded.runner.K[:, b, :, :len(p)], atol=1e-5)
+
+
 # ---------------------------------------------------------------- the k="auto" controller alone
 
 def _run(ctl, rounds, plain_s, spec_s, tokens=1.0, alpha=0.8, c=0.1, accept_s=0.0):
