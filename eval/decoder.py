@@ -715,8 +715,8 @@ class KController:
         return k
 
     def observe(self, k: int, tokens: int, seconds: float, accepted: list[int]):
-        """A round ran at the K this controller chose (0: a plain step), `tokens` new over its `rows` active
-        rows (`accepted`: each one's drafts accepted). Keyed by the choice, not by what the proposer made of
+        """A round ran at the K this controller chose (0: a plain step): `tokens` new over its active rows,
+        `accepted` each active row's drafts accepted. Keyed by the choice, not by what the proposer made of
         it: a hybrid's lookups run deeper than K where the text repeats, so arms keyed by depth would credit
         predictable stretches to long K."""
         self.rounds += 1
