@@ -51,13 +51,16 @@ from .target import make_runner
 from .tree import Tree
 
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
-SERVING_REV = "prefill-groups-1"
+SERVING_REV = "finished-rows-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
 CONTROLLER_REV = "pooled-acceptance-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 # A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
 # the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
 PREFILL_WASTE = 0.2
+# The target stops computing finished rows once at most this share of the rows it computes still run: a
+# speculating batch's rows finish at different rounds (32 rows: 37 rounds where a row needed 29 on average)
+DROP_SHARE = 0.75
 WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to measure what speculation must beat
 K_WARMUP = 4  # k="auto": the K of the rounds that first measure alpha and c
 PROBE_EVERY = 16  # k="auto": a probe of another K every this many rounds (with speculation off, at first)
@@ -247,6 +250,7 @@ class SpeculativeDecoder:
         self._begin(s, feats)
 
         while not all(s.done):
+            self._drop_finished(s)
             k = self._choose_k(s, ctl)  # 0: a plain step
             if k > 0 and not s.synced:  # back on after plain rounds
                 self._resync(s, ctl)
@@ -355,6 +359,20 @@ class SpeculativeDecoder:
             s.stats.draft_prefill_s += time.perf_counter() - t
             s.synced = True
 
+    def _drop_finished(self, s: "_Batch"):
+        """Once at most DROP_SHARE of the rows the target computes are still running, its K/V cache keeps
+        only theirs and later rounds compute them alone (the proposer still drafts for every row; a
+        finished row's round is filled in by _spread and frozen by _update)."""
+        if not self.runner.row_groups or self.static or s.logprobs:
+            return
+        live = s.live_host if s.live_host is not None else list(range(len(s.prompts)))
+        keep = [i for i, b in enumerate(live) if not s.done[b]]
+        if not keep or len(keep) > DROP_SHARE * len(live):
+            return
+        self.runner.keep(torch.tensor(keep, device=self.device))
+        s.live_host = [live[i] for i in keep]
+        s.live = torch.tensor(s.live_host, device=self.device)
+
     def _choose_k(self, s: "_Batch", ctl: "KController | None") -> int:
         """This round's K: 0 (a plain step) without a proposer, k="auto"'s choice, or the fixed k."""
         if self.proposer is None:
@@ -394,17 +412,21 @@ class SpeculativeDecoder:
         t = time.perf_counter()
         inp = torch.cat([s.cur[:, None], drafts], 1)  # [B, k+1]
         pos = s.n[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
-        logits, feats = self._fwd(inp, pos, s.s_full or max(s.n_host) + k + 1)  # [B, k+1, V], [B, k+1, H]
+        L = s.live  # the rows the target computes: [g] or None (all)
+        x, xd, xq = (inp, drafts, q) if L is None else (inp[L], drafts[L], q[L] if q is not None else None)
+        logits, feats = self._fwd(x, pos if L is None else pos[L], s.s_full or max(s.n_host) + k + 1)  # [g, k+1, V], [g, k+1, H]
         st.max_verify = max(st.max_verify, k + 1)
-        st.max_rows = max(st.max_rows, B * (k + 1))
+        st.max_rows = max(st.max_rows, x.shape[0] * (k + 1))
         if k == 0:
             self._keep_logprobs(s, logits[:, 0])
         if s.sampling.greedy:
-            n_acc, bonus = verify_greedy(logits, drafts)
+            n_acc, bonus = verify_greedy(logits, xd)
         elif k == 0:  # a plain sampled step: nothing to accept, the next token from p
-            n_acc, bonus = torch.zeros(B, dtype=torch.long, device=dev), s.sampling.sample(s.sampling.probs(logits[:, 0]))
+            n_acc, bonus = torch.zeros(x.shape[0], dtype=torch.long, device=dev), s.sampling.sample(s.sampling.probs(logits[:, 0]))
         else:
-            n_acc, bonus = verify_sample(s.sampling.probs(logits), q, drafts, s.sampling)
+            n_acc, bonus = verify_sample(s.sampling.probs(logits), xq, xd, s.sampling)
+        if L is not None:
+            n_acc, bonus, feats = _spread(L, s.cur, n_acc, bonus, feats)
         host = torch.cat([n_acc[:, None], bonus[:, None], drafts], 1).tolist()  # host sync: the accept decision
         st.verify_s += time.perf_counter() - t
         return _Round(k, inp, pos, feats, n_acc, bonus, host)
@@ -415,19 +437,24 @@ class SpeculativeDecoder:
         path, padded by repeating its last node; K is the tree's depth (its longest candidate)."""
         dev, st, n = self.device, s.stats, s.n
         t = time.perf_counter()
-        with cpu_gemv(len(s.prompts), dev):
-            tree = Tree.from_lists(self.proposer.propose_tree(k), dev)
+        L, B = s.live_host, len(s.prompts)
+        with cpu_gemv(B, dev):
+            lists = self.proposer.propose_tree(k)
+            tree = Tree.from_lists(lists if L is None else [lists[b] for b in L], dev)  # the target's rows
+        if L is not None:
+            n = n[s.live]
         st.tree_rounds += 1
         st.draft_s += time.perf_counter() - t
         st.draft_steps += max(tree.max_depth - 1, 0)
 
         t = time.perf_counter()
         N1 = tree.depth.shape[1]
-        inp = torch.cat([s.cur[:, None], tree.tokens], 1)  # [B, N+1]
+        cur = s.cur if L is None else s.cur[s.live]
+        inp = torch.cat([cur[:, None], tree.tokens], 1)  # [g, N+1]: g = B, or the rows still computed
         s_len = max(s.n_host) + N1
-        slots = n[:, None] + torch.arange(N1, device=dev)  # [B, N+1]: one cache slot per node
+        slots = n[:, None] + torch.arange(N1, device=dev)  # [g, N+1]: one cache slot per node
         logits, feats = self.runner(inp, n[:, None] + tree.depth, s_len, slots=slots,
-                                    mask=tree.mask(n, s_len))  # [B, N+1, V], [B, N+1, H]
+                                    mask=tree.mask(n, s_len))  # [g, N+1, V], [g, N+1, H]
         st.max_verify = max(st.max_verify, N1)
         st.max_rows = max(st.max_rows, inp.shape[0] * N1)
         if s.sampling.greedy:
@@ -443,9 +470,14 @@ class SpeculativeDecoder:
         inp = inp.gather(1, path_idx)  # [B, D+1]
         feats = feats.gather(1, path_idx[..., None].expand(-1, -1, feats.shape[-1]))  # [B, D+1, H]
         st.verify_s += time.perf_counter() - t
-        host = [[a, bn] + row[1:] for (_, a, bn), row in zip(dec, inp.tolist())]
+        n_acc, bonus = torch.tensor([[a, bn] for _, a, bn in dec], device=dev).unbind(1)  # [g] each
+        if L is not None:  # a finished row's round: its current token, nothing accepted (frozen by _update)
+            n_acc, bonus, feats = _spread(s.live, s.cur, n_acc, bonus, feats)
+            full = s.cur[:, None].repeat(1, D + 1)
+            full[s.live] = inp
+            inp, n = full, s.n
+        host = torch.cat([n_acc[:, None], bonus[:, None], inp[:, 1:]], 1).tolist()  # [a, bonus, path...] per row
         pos = n[:, None] + torch.arange(D + 1, device=dev)  # [B, D+1]
-        n_acc, bonus = torch.tensor([[a, bn] for _, a, bn in dec], device=dev).unbind(1)  # [B] each
         return _Round(tree.max_depth, inp, pos, feats, n_acc, bonus, host)
 
     @staticmethod
@@ -522,6 +554,8 @@ class _Batch:
     out: list[list[int]] = field(default_factory=list)  # new tokens per row
     done: list[bool] = field(default_factory=list)
     featbuf: torch.Tensor | None = None  # [B, max_len, H] target features by position (k="auto" resyncs)
+    live: torch.Tensor | None = None  # [g] the rows the target still computes, in its cache's order (None: all B)
+    live_host: list[int] | None = None  # the same rows, on the host
     synced: bool = False  # the proposer has seen every verified token
     logprobs: int = 0  # top log-probs kept per step (generate(logprobs=N))
     steps_lp: list = field(default_factory=list)  # per step (ids [B, N], log-probs [B, N])
@@ -558,6 +592,18 @@ class _Round:
     n_acc: torch.Tensor  # [B] drafts accepted
     bonus: torch.Tensor  # [B] the target's token after them
     host: list[list[int]]  # per row [n_acc, bonus, drafts...]: the round's one host sync
+
+
+def _spread(live: torch.Tensor, cur: torch.Tensor, n_acc, bonus, feats):
+    """A round computed for the rows `live` [g] -> the same for all B rows: a finished row accepts nothing,
+    keeps its current token as the bonus, and has zero features -> (n_acc [B], bonus [B], feats [B, T, H])."""
+    full_n = torch.zeros_like(cur)
+    full_n[live] = n_acc
+    full_b = cur.clone()
+    full_b[live] = bonus
+    full_f = feats.new_zeros(cur.shape[0], *feats.shape[1:])
+    full_f[live] = feats
+    return full_n, full_b, full_f
 
 
 def prefill_groups(lengths: list[int], waste: float = PREFILL_WASTE) -> list[list[int]]:

@@ -62,7 +62,7 @@ class HFFallback:
     trees = True  # slots/mask/move(): a token tree's nodes verified in one forward
     row_invariant = False  # ATen's matmuls: a row's numbers may depend on the others in the forward
     invariant_rows = 0
-    row_groups = False  # no rows(): the prefill pads every prompt to the batch's longest
+    row_groups = False  # no rows()/keep(): the prefill pads every prompt to the batch's longest, finished rows run on
     aux_layers: tuple[int, ...] | None = None  # features = hidden_states[i] for these layers, concatenated
 
     def __init__(self, model):

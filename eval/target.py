@@ -67,7 +67,7 @@ class LeanLlama:
 
     path = "lean"
     trees = True  # slots/mask/move(): a token tree's nodes verified in one forward
-    row_groups = True  # rows(): a forward over some of the batch's rows (a prefill in groups of like length)
+    row_groups = True  # rows() and keep(): forwards over some of the batch's rows (grouped prefill, finished rows dropped)
     aux_layers: tuple[int, ...] | None = None  # features = the residual streams entering these layers
 
     def __init__(self, model, fuse: bool = True):
@@ -186,6 +186,11 @@ class LeanLlama:
             self.caches = caches
         self.K[:, :, :, :length].index_copy_(1, idx, tk)
         self.V[:, :, :, :length].index_copy_(1, idx, tv)
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Keep only the cache rows idx [g], in that order: later forwards compute those g rows alone."""
+        self.K, self.V = self.K[:, idx], self.V[:, idx]  # [L, g, nkv, S_max, hd], copies
+        self.caches = [KVCache.over(k, v) for k, v in zip(self.K, self.V)]
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads before

@@ -222,6 +222,21 @@ def test_grouped_prefill_equals_one_padded_forward(target, draft, monkeypatch):
         assert torch.allclose(K_grouped[:, b, :, :len(p)], padded.runner.K[:, b, :, :len(p)], atol=1e-5)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_finished_rows_leave_the_targets_forward(target, draft, tree):
+    """Rows of a speculating batch finish at different rounds (lookups accept more on the repetitive
+    prompts); once at most DROP_SHARE of them run, the target computes only those, and every
+    row's output still equals plain decoding's."""
+    prompts = PROMPTS + [PROMPTS[0][:2], PROMPTS[2][3:]]
+    prop = HybridProposer(DraftLMProposer(draft, V), min_match=1) if tree else NgramProposer()
+    dec = SpeculativeDecoder(target, prop, k=3)
+    ref = SpeculativeDecoder(target, None).generate(prompts, max_new_tokens=40).sequences
+    res = dec.generate(prompts, max_new_tokens=40)
+    assert res.sequences == ref
+    assert dec.runner.K.shape[1] < len(prompts)  # the cache was cut down to the rows still running
+    assert res.stats["tree_rounds"] > 0 if tree else res.stats["tree_rounds"] == 0
+
+
 # ---------------------------------------------------------------- the k="auto" controller alone
 
 def _run(ctl, rounds, plain_s, spec_s, tokens=1.0, alpha=0.8, c=0.1, accept_s=0.0):
