@@ -369,7 +369,7 @@ class SpeculativeDecoder:
         keep = [i for i, b in enumerate(live) if not s.done[b]]
         if not keep or len(keep) > DROP_SHARE * len(live):
             return
-        self.runner.keep(torch.tensor(keep, device=self.device))
+        self.runner.keep(keep, max(s.n_host))
         s.live_host = [live[i] for i in keep]
         s.live = torch.tensor(s.live_host, device=self.device)
 

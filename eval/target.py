@@ -187,9 +187,14 @@ class LeanLlama:
         self.K[:, :, :, :length].index_copy_(1, idx, tk)
         self.V[:, :, :, :length].index_copy_(1, idx, tv)
 
-    def keep(self, idx: torch.Tensor) -> None:
-        """Keep only the cache rows idx [g], in that order: later forwards compute those g rows alone."""
-        self.K, self.V = self.K[:, idx], self.V[:, idx]  # [L, g, nkv, S_max, hd], copies
+    def keep(self, idx: list[int], used: int) -> None:
+        """Keep only the cache rows idx (ascending), moved in place to the front with their slots below
+        `used` (the later ones are never attended): later forwards compute those len(idx) rows alone."""
+        for i, b in enumerate(idx):  # ascending: a row is read before any later row lands on it
+            if b != i:
+                self.K[:, i, :, :used] = self.K[:, b, :, :used]
+                self.V[:, i, :, :used] = self.V[:, b, :, :used]
+        self.K, self.V = self.K[:, :len(idx)], self.V[:, :len(idx)]  # [L, g, nkv, S_max, hd] views
         self.caches = [KVCache.over(k, v) for k, v in zip(self.K, self.V)]
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
