@@ -45,7 +45,7 @@ import torch
 
 from .proposers import Proposer, Sampling, load_proposer
 from .kernels import MAX_ROWS
-from .speedup import A_MAX, best_k, expected_speedup
+from .speedup import best_k, clamped, expected_speedup
 from .cpu import cpu_gemv, greedy_argmax, inductor_refusal
 from .target import make_runner
 from .tree import Tree
@@ -262,8 +262,7 @@ class SpeculativeDecoder:
                 r = self._chain_round(s, k)
             new = self._record(s, r, active)
             if ctl is not None:  # scored under the K it chose: a hybrid's tree depth (r.k) follows the text
-                ctl.observe(k, sum(len(t) for t in new), time.perf_counter() - t_round,
-                            [h[0] for h, a in zip(r.host, active) if a])
+                ctl.observe(k, time.perf_counter() - t_round, [h[0] for h, a in zip(r.host, active) if a])
             yield s.emit(new)
             self._update(s, r, ctl, plain=k == 0)
 
@@ -654,8 +653,8 @@ class KController:
         self.rounds = self.spec_rounds = 0  # rounds observed, and those that proposed drafts
         self.off_rounds = 0  # choices of K = 0 after the warm-up
         self.expected_speedup: float | None = None  # the best K's score over the plain step's, last choice
-        # per K: decayed sums of [weight, tokens per row, seconds, a lookup's depth past K per row] of the
-        # rounds run at that K
+        # per K: decayed sums of [weight, seconds, a lookup's depth past K per row] of the rounds run at that K
+        # (its tokens come from the pooled acceptance below)
         self.arms: dict[int, list[float]] = {}
         # per draft position j (index j - 1): decayed counts of rows that reached j in a round proposing it,
         # and of those that accepted it
@@ -735,15 +734,15 @@ class KController:
             return 1.0
         tokens, alive = 1.0, 1.0
         for j in range(k):
-            alive *= self.accepted[j] / self.reached[j] if self.reached[j] > 0 else min(max(alpha_hat, 0.0), A_MAX)
+            alive *= self.accepted[j] / self.reached[j] if self.reached[j] > 0 else clamped(alpha_hat)
             tokens += alive
         near = min((j for j in self.arms if j > 0), key=lambda j: (abs(j - k), j), default=None)
-        return tokens + (self._mean(near, 3) if near is not None else 0.0)
+        return tokens + (self._mean(near, 2) if near is not None else 0.0)
 
     def _cost_line(self) -> tuple[float, float, float]:
         """The least-squares line of a round's seconds against K over plain and the measured K ->
         (mean K, mean seconds, slope >= 0)."""
-        pts = [(j, self._mean(j, 2)) for j in self.arms]
+        pts = [(j, self._mean(j, 1)) for j in self.arms]
         kbar = sum(j for j, _ in pts) / len(pts)
         tbar = sum(t for _, t in pts) / len(pts)
         var = sum((j - kbar) ** 2 for j, _ in pts)
@@ -752,17 +751,17 @@ class KController:
 
     def _seconds(self, k: int, line: tuple[float, float, float]) -> float:
         if k in self.arms:
-            return self._mean(k, 2)
+            return self._mean(k, 1)
         kbar, tbar, slope = line
-        return max(tbar + slope * (k - kbar), self._mean(0, 2))  # a draft never costs less than none
+        return max(tbar + slope * (k - kbar), self._mean(0, 1))  # a draft never costs less than none
 
     def _pick(self, k: int) -> int:
         self.choices.append(k)
         return k
 
-    def observe(self, k: int, tokens: int, seconds: float, accepted: list[int]):
-        """A round ran at the K this controller chose (0: a plain step): `tokens` new over its active rows,
-        `accepted` each active row's drafts accepted. Keyed by the choice, not by what the proposer made of
+    def observe(self, k: int, seconds: float, accepted: list[int]):
+        """A round ran at the K this controller chose (0: a plain step) in `seconds`; `accepted`: each active
+        row's drafts accepted. Keyed by the choice, not by what the proposer made of
         it: a hybrid's lookups run deeper than K where the text repeats, so arms keyed by depth would credit
         predictable stretches to long K."""
         self.rounds += 1
@@ -774,9 +773,9 @@ class KController:
             self._pool(k, accepted)
         if self.call_rounds == 1:  # the first round after prefill runs slow: left out of the timings
             return
-        w = self.arms.setdefault(k, [0.0, 0.0, 0.0, 0.0])
+        w = self.arms.setdefault(k, [0.0, 0.0, 0.0])
         beyond = sum(max(a - k, 0) for a in accepted) / rows
-        for i, x in enumerate((1.0, tokens / rows, seconds, beyond)):
+        for i, x in enumerate((1.0, seconds, beyond)):
             w[i] = self.DECAY * w[i] + x
 
     def _pool(self, k: int, accepted: list[int]):
@@ -793,7 +792,7 @@ class KController:
         if resync:
             self.resync_s = seconds if not self.resync_s else self.DECAY * self.resync_s + (1 - self.DECAY) * seconds
         elif self.last_k in self.arms and self.last_k > 0:
-            self.arms[self.last_k][2] += seconds
+            self.arms[self.last_k][1] += seconds
 
     def next_call(self):
         """A new stream() at the same batch size: the scores carry over, the call's own counters start afresh."""

@@ -11,9 +11,14 @@ from __future__ import annotations
 A_MAX = 0.999  # a = 1 divides by zero; the formula is flat this close to it
 
 
+def clamped(alpha: float) -> float:
+    """alpha clamped to [0, A_MAX]: a per-token acceptance the formulas can take."""
+    return min(max(alpha, 0.0), A_MAX)
+
+
 def tokens_per_round(alpha: float, k: float) -> float:
     """(1 - a^(K+1)) / (1 - a): a chain round's expected tokens, a = alpha clamped to [0, A_MAX]."""
-    a = min(max(alpha, 0.0), A_MAX)
+    a = clamped(alpha)
     return (1 - a ** (k + 1)) / (1 - a)
 
 

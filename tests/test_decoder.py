@@ -246,7 +246,7 @@ def _run(ctl, rounds, plain_s, spec_s, tokens=1.0, alpha=0.8, c=0.1, accept_s=0.
     for _ in range(rounds):
         k = ctl.choose(alpha, c, measured=ctl.spec_rounds > 0)
         n = 1 if k == 0 else round(tokens + alpha * k)
-        ctl.observe(k, n, plain_s if k == 0 else spec_s, [n - 1])
+        ctl.observe(k, plain_s if k == 0 else spec_s, [n - 1])
         if k > 0:
             ctl.charge(accept_s)
     return ctl.choices
@@ -268,7 +268,7 @@ def _machine(ctl, rounds, plain_s, draft_s, alpha, rows=16):
     for _ in range(rounds):
         k = ctl.choose(alpha, 0.1, measured=ctl.spec_rounds > 0)
         acc = _geo_rows(alpha, k, rows)
-        ctl.observe(k, sum(a + 1 for a in acc), plain_s + k * draft_s, acc)
+        ctl.observe(k, plain_s + k * draft_s, acc)
     return ctl.choices
 
 
@@ -295,8 +295,9 @@ def test_controller_warms_up_plain_then_measures_at_k_warmup():
     ks = _run(ctl, 5, plain_s=0.010, spec_s=0.012)
     assert ks == [0, 0, 0, 4, 4] and ctl.expected_speedup is None
     two = 1 + KController.DECAY  # the weight of two rounds: the first round (after prefill) is left out
-    assert ctl.arms[0] == pytest.approx([two, two, 0.010 * two, 0])
-    assert ctl.arms[4] == pytest.approx([two, two * round(1 + 0.8 * 4), 0.012 * two, 0]) and set(ctl.arms) == {0, 4}
+    assert ctl.arms[0] == pytest.approx([two, 0.010 * two, 0])
+    assert ctl.arms[4] == pytest.approx([two, 0.012 * two, 0]) and set(ctl.arms) == {0, 4}
+    assert ctl._tokens(4, 0.8) == pytest.approx(round(1 + 0.8 * 4)) and ctl._tokens(0, 0.8) == 1.0
     assert ctl.warm_choices == 5
 
 
@@ -321,14 +322,14 @@ def test_controller_pools_each_positions_acceptance_over_every_round():
     chain); a position never proposed takes alpha_hat; a lookup's depth past K counts at that K."""
     ctl = KController(k_max=8)
     acc = [0, 1, 4, 3]
-    ctl.observe(4, sum(a + 1 for a in acc), 0.010, acc)
+    ctl.observe(4, 0.010, acc)
     for k in range(1, 5):
         assert ctl._tokens(k, 0.5) == pytest.approx(sum(min(a, k) + 1 for a in acc) / len(acc))
     assert ctl._tokens(6, 0.5) == pytest.approx(ctl._tokens(4, 0.5) + 0.25 * 0.5 + 0.25 * 0.5 ** 2)
-    ctl.observe(2, 0, 0.010, [5, 0])  # timed (the call's second round): a lookup ran 3 past K=2 in one row
+    ctl.observe(2, 0.010, [5, 0])  # timed (the call's second round): a lookup ran 3 past K=2 in one row
     d = KController.POOL_DECAY  # the older round's counts weigh d: position 1 reached 4d + 2, accepted 3d + 1
     s1 = (3 * d + 1) / (4 * d + 2)
-    assert ctl.arms[2][3] == pytest.approx(1.5)
+    assert ctl.arms[2][2] == pytest.approx(1.5)
     assert ctl._tokens(2, 0.5) == pytest.approx(1 + s1 + s1 * (2 * d + 1) / (3 * d + 1) + 1.5)
 
 
@@ -339,7 +340,7 @@ def _regimes(ctl, rounds, plain_s, draft_s, alphas, block, rows):
     for r in range(rounds):
         k = ctl.choose(0.6, 0.1, measured=ctl.spec_rounds > 0)
         acc = _geo_rows(alphas[(r // block) % len(alphas)], k, rows)
-        ctl.observe(k, sum(a + 1 for a in acc), plain_s + k * draft_s, acc)
+        ctl.observe(k, plain_s + k * draft_s, acc)
         tokens, seconds = tokens + sum(a + 1 for a in acc) / rows, seconds + plain_s + k * draft_s
     return tokens / seconds
 
@@ -380,7 +381,7 @@ def test_controller_turns_back_on_only_when_it_repays_the_resync():
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=16)
     _run(ctl, 5, plain_s=0.010, spec_s=0.012)  # K=4: 4 tokens in 12 ms, 3.3x plain's rate
     ctl.choose(0.8, 0.1)
-    ctl.observe(0, 1, 0.010, [0])  # a plain round: the proposer is behind
+    ctl.observe(0, 0.010, [0])  # a plain round: the proposer is behind
     ctl.charge(10.0, resync=True)  # a resync dearer than 16 rounds save (~0.45 s)
     assert ctl.choose(0.8, 0.1) == 0
     ctl.resync_s = 0.001
