@@ -97,8 +97,8 @@ class HFFallback:
         """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads first)."""
         for layer in self.cache.layers:
             for t in (layer.keys, layer.values):  # [B, nkv, S_max, hd]
-                idx_s = src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])  # [B, nkv, P, hd]
-                t.scatter_(2, dst[:, None, :, None].expand_as(idx_s), t.gather(2, idx_s))
+                rows = torch.arange(t.shape[0], device=src.device)[:, None]  # [B, 1]
+                t[rows, :, dst] = t[rows, :, src]  # the right side is a copy: every read before any write
 
     def __call__(self, tokens, pos, s_len, logit_idx=None, slots=None, mask=None):
         with cpu_gemv(tokens.numel(), self.device):

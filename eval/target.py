@@ -205,8 +205,8 @@ class LeanLlama:
                 t0 = t[:, 0]  # [L, nkv, S_max, hd]
                 t0.index_copy_(2, dst[0], t0.index_select(2, src[0]))
                 continue
-            idx_s = src[None, :, None, :, None].expand(t.shape[0], -1, t.shape[2], -1, t.shape[4])  # [L, B, nkv, P, hd]
-            t.scatter_(3, dst[None, :, None, :, None].expand_as(idx_s), t.gather(3, idx_s))
+            rows = torch.arange(t.shape[1], device=src.device)[:, None]  # [B, 1]
+            t[:, rows, :, dst] = t[:, rows, :, src]  # index_put_, not gather/scatter_ (docs/reference/verify-cost.md)
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, s_len: int,
                  logit_idx: torch.Tensor | None = None, slots: torch.Tensor | None = None,
