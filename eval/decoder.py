@@ -36,6 +36,7 @@ Statistics (GenerationResult.stats), counted over active rows only:
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "index-writes-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "pooled-acceptance-1"
+CONTROLLER_REV = "row-bands-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 # A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
 # the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
@@ -378,7 +379,8 @@ class SpeculativeDecoder:
             return 0
         if ctl is None:
             return self.k
-        return ctl.choose(s.stats.alpha_hat, s.stats.c, measured=s.stats.reached > 0)
+        rows = len(s.live_host) if s.live_host is not None else len(s.prompts)  # the rows the target computes
+        return ctl.choose(s.stats.alpha_hat, s.stats.c, measured=s.stats.reached > 0, rows=rows)
 
     def _resync(self, s: "_Batch", ctl: "KController | None"):
         """Re-prefill the proposer on every row's tokens before its current one (it missed the plain rounds)."""
@@ -620,6 +622,12 @@ def prefill_groups(lengths: list[int], waste: float = PREFILL_WASTE) -> list[lis
     return groups + [cur]
 
 
+def row_band(rows: int) -> int:
+    """The band of a round's computed rows whose seconds k="auto" scores together: half an octave wide
+    (1, 2, 3, 4, 5-6, 7-9, 10-13, 14-19, 20-26, 27-38, ...)."""
+    return round(2 * math.log2(max(rows, 1)))
+
+
 class KController:
     """k="auto": the K of each round (0: a plain step) that maximises measured throughput
     (docs/reference/k-auto.md).
@@ -637,7 +645,9 @@ class KController:
     geometric model); a hybrid's lookups past K add what they added at that K. Seconds are measured at
     each K, and a K not run yet lies on the line through the measured rounds' times against K, so a
     verify that grows with the batch (the forward stops being bandwidth-bound) prices long drafts out,
-    and K = 0 wins where no K pays. Every `probe_every`
+    and K = 0 wins where no K pays. Seconds are kept per band of the rows the target computes (finished rows
+    leave the forward, so a call's later rounds cost less at every K): a band first met starts from the last
+    band's scores at the weight of one round. Every `probe_every`
     rounds the best K's neighbour runs once, to keep the scores fresh; while off, the best K runs once
     as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). Turning
     speculation back on re-prefills the proposer (a resync): it is switched on only when the time the
@@ -655,8 +665,10 @@ class KController:
         self.off_rounds = 0  # choices of K = 0 after the warm-up
         self.expected_speedup: float | None = None  # the best K's score over the plain step's, last choice
         # per K: decayed sums of [weight, seconds, a lookup's depth past K per row] of the rounds run at that K
-        # (its tokens come from the pooled acceptance below)
-        self.arms: dict[int, list[float]] = {}
+        # (its tokens come from the pooled acceptance below), one table per band of computed rows (row_band)
+        self.tables: dict[int, dict[int, list[float]]] = {}
+        self.band: int | None = None
+        self.arms: dict[int, list[float]] = {}  # the current band's table
         # per draft position j (index j - 1): decayed counts of rows that reached j in a round proposing it,
         # and of those that accepted it
         self.reached = [0.0] * k_max
@@ -670,9 +682,11 @@ class KController:
         self.alpha = 0.0  # the last measured per-token acceptance (a new call's own starts unmeasured)
         self.warm_choices = 0  # choices of the current call made during the warm-up
 
-    def choose(self, alpha_hat: float, c: float, measured: bool = True) -> int:
+    def choose(self, alpha_hat: float, c: float, measured: bool = True, rows: int = 1) -> int:
         """The next round's K, from what the rounds so far measured; alpha_hat (the per-token
-        acceptance) models the K not measured yet (measured: some draft position was reached)."""
+        acceptance) models the K not measured yet (measured: some draft position was reached); rows: how many
+        rows the target computes this round."""
+        self._at(row_band(rows))
         if not self.ready:
             if self.rounds < self.warmup or self.spec_rounds < 2 or not measured:
                 self.warm_choices += 1
@@ -713,10 +727,27 @@ class KController:
         return (spec if rate[spec] > rate[0] else 0), spec, rate
 
     def settled(self) -> int | None:
-        """The K this controller's scores pick now (0: off), None before its warm-up ended."""
-        if not self.ready or 0 not in self.arms:
+        """The K this controller's scores pick for its widest band of rows, the whole batch (0: off), None
+        before its warm-up ended."""
+        band = max(self.tables, default=None)
+        if not self.ready or band is None or 0 not in self.tables[band]:
             return None
-        return self._best(self.alpha)[0]
+        current, self.arms = self.arms, self.tables[band]
+        try:
+            return self._best(self.alpha)[0]
+        finally:
+            self.arms = current
+
+    def _at(self, band: int):
+        """Score this round's seconds in `band`; a band first met starts from the current one's scores, each at
+        the weight of one round, so that its own rounds soon outweigh them, and (while off) probes at once."""
+        if band == self.band:
+            return
+        if band not in self.tables:
+            self.tables[band] = {k: [1.0, w[1] / w[0], w[2] / w[0]] for k, w in self.arms.items()}
+            if self.band is not None:  # the scores carried over are another band's prices: measure this one's
+                self.gap, self.next_probe = self.probe_every, len(self.choices)
+        self.band, self.arms = band, self.tables[band]
 
     def rate(self, k: int, alpha_hat: float, line: tuple[float, float, float]) -> float:
         """Tokens per row per second at K = k: measured there, or modelled from the nearest measured K and

@@ -157,8 +157,8 @@ def test_stream_equals_generate(target, draft):
 class _SpyController(KController):
     """KController recording what the decoder told it before each choice."""
 
-    def choose(self, alpha_hat, c, measured=True):
-        k = super().choose(alpha_hat, c, measured)
+    def choose(self, alpha_hat, c, measured=True, rows=1):
+        k = super().choose(alpha_hat, c, measured, rows)
         self.seen = getattr(self, "seen", []) + [(alpha_hat, c, measured, self.spec_rounds, k)]
         return k
 
@@ -357,6 +357,28 @@ def test_controller_keeps_up_with_the_best_fixed_k_when_the_text_changes(draft_s
     assert _regimes(KController(), 400, 0.010, draft_s, alphas, block, rows) >= 0.96 * fixed(best), best
 
 
+def test_controller_scores_seconds_per_band_of_computed_rows():
+    """Finished rows leave the target's forward, so a call's later rounds cost less at every K. On a machine
+    where speculation loses with 32 rows computed and wins with 6, rounds priced at 6 rows must not be read as
+    the price at 32: each call's full-batch rounds settle off, its few-row rounds speculate."""
+    def round_s(k, rows):  # 32 rows: a drafted token costs 60% of a step; 6 rows: 5%
+        step = 0.004 + 0.0008 * rows
+        return step * (1 + k * (0.6 if rows > 8 else 0.05))
+
+    ctl, phases = KController(), []
+    for call in range(4):
+        if call:
+            ctl.next_call()
+        for r in range(60):
+            rows = 32 if r < 30 else 6
+            k = ctl.choose(0.5, 0.1, measured=ctl.spec_rounds > 0, rows=rows)
+            ctl.observe(k, round_s(k, rows), _geo_rows(0.5, k, rows))
+        phases.append((ctl.choices[:30], ctl.choices[30:]))
+    for full, few in phases[1:]:  # later calls: the full batch's rounds past their probes run plain
+        assert sum(k > 0 for k in full[5:]) <= 3, full
+        assert sum(k > 0 for k in few) >= 25, few
+    assert ctl.settled() == 0  # the whole batch's band: what the report recommends for 32 rows
+
 def test_controller_turns_off_when_speculation_loses_and_probes_back():
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=4)
     ks = _run(ctl, 5 + 40, plain_s=0.010, spec_s=0.100, alpha=0.8, c=0.1)  # 10x slower rounds: a loss
@@ -405,7 +427,7 @@ def test_k_auto_scores_the_k_it_chose_not_the_trees_depth(target, draft, monkeyp
     """A hybrid's lookups (k_ngram=6) run deeper than the K chosen: the round is scored under that K, so a K's
     score is what choosing it gave, not the rounds where the text happened to repeat."""
     class AlwaysOne(KController):
-        def choose(self, alpha_hat, c, measured=True):
+        def choose(self, alpha_hat, c, measured=True, rows=1):
             return self._pick(1)
     monkeypatch.setattr(D, "KController", AlwaysOne)
     dec = SpeculativeDecoder(target, HybridProposer(DraftLMProposer(draft, V), min_match=1, k_ngram=6), k="auto")
