@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .decoder import SpeculativeDecoder
-from .proposers import NoDraft, Proposer, Sampling, serve_with
+from .proposers import NoDraft, Proposer, Sampling, check_sampling, serve_with
 from .cpu import greedy_argmax
 from .tree import Tree, build_trie
 
@@ -63,17 +63,21 @@ class _Recorder(NoDraft):
 
 @torch.inference_mode()
 def reference(target, prompts: list[list[int]], max_new_tokens: int, extra: int = 17,
-              feature_layers: tuple[int, ...] | None = None) -> Reference:
-    """Each prompt decoded greedily for max_new_tokens + extra tokens, EOS ignored: a round of the
-    replay may accept past the end of the emitted output or past EOS (the decoder counts those tokens
-    in τ too), up to the tree's depth, which `extra` must exceed (a kernel forward holds <= 16 rows).
-    The features kept are the final ones, or those of `feature_layers` (a proposer's, e.g. EAGLE-3's)."""
+              feature_layers: tuple[int, ...] | None = None, sampling: dict | None = None) -> Reference:
+    """Each prompt decoded for max_new_tokens + extra tokens, EOS ignored: a round of the replay may
+    accept past the end of the emitted output or past EOS (the decoder counts those tokens in τ too), up
+    to the tree's depth, which `extra` must exceed (a kernel forward holds <= 16 rows). Greedily, or with
+    `sampling` ({"temperature", "top_p", "top_k", "seed"}: prompt i drawn with seed + i) the target's own
+    sampled continuation. The features kept are the final ones, or those of `feature_layers` (a
+    proposer's, e.g. EAGLE-3's)."""
     rec = _Recorder()
     rec.feature_layers = feature_layers
     dec = SpeculativeDecoder(target, rec, k=1)
+    sampling = sampling or {}
+    warp = {key: sampling[key] for key in ("temperature", "top_p", "top_k") if key in sampling}
     seqs, feats = [], []
-    for p in prompts:
-        seqs.append(dec.generate([p], max_new_tokens + extra).sequences[0])
+    for i, p in enumerate(prompts):
+        seqs.append(dec.generate([p], max_new_tokens + extra, seed=sampling.get("seed", 0) + i, **warp).sequences[0])
         feats.append(torch.cat(rec.feats))  # [len(p) + len(seq) - 1, H]
     return Reference(prompts, seqs, feats)
 
@@ -91,14 +95,20 @@ def _accepted(seq: list[int], j: int, tokens: list[int], parents: list[int]) -> 
 @torch.inference_mode()  # as the decoder's stream(): proposers write their caches in place
 def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=(),
            verify_ms: dict[int, float] | None = None, draft_ms: float | None = 0.0, host_ms: float = 0.0) -> dict:
-    """Run `proposer` through the decoder's greedy rounds on `ref` -> {"tau", "rounds", "tokens",
+    """Run `proposer` through the decoder's rounds on `ref` -> {"tau", "rounds", "tokens",
     "rows" (mean tokens per verify forward), "hist" (accepted drafts per round that proposed any, the
     decoder's accept_len_hist)}; given verify_ms (rows -> ms of one verify forward) also
     "est_ms_per_round" and "est_speedup": plain decoding at verify_ms[1] a token against each round's
     verify_ms[rows] (the largest row count measured, for more rows) + host_ms, + draft_ms when the
     model ran (a hybrid's lookup-only rounds do not run it), or with draft_ms=None the proposer's own
     time in the round (propose and accept, measured here: "proposer_ms" is its mean). Trees where the
-    proposer has `propose_tree`, else chains of k."""
+    proposer has `propose_tree`, else chains of k.
+
+    On a sampled reference this is the decoder's sampled rounds for a proposer whose drafts are fixed
+    tokens (lookups, argmax chains and runner-ups: one-hot q). Verifying a node's one-hot children in turn
+    accepts child c with probability p(c), as drawing the next token from p and following the child it
+    names does, so the accepted lengths have the distribution of walking the target's own sampled text
+    (docs/reference/trees.md). A proposer that samples its drafts from q is not replayed this way."""
     eos = {eos} if isinstance(eos, int) else set(eos or ())  # one id, as the decoder takes it, or several
     timed = verify_ms is not None and draft_ms is None
     cuda = bool(ref.feats) and ref.feats[0].is_cuda
@@ -199,13 +209,17 @@ HOST_MS = 1.0
 
 
 def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_new_tokens: int, eos=(),
-               budgets=(4, 6, 8, 10, 12), costs: dict[int, float] | None = None) -> dict:
+               budgets=(4, 6, 8, 10, 12), costs: dict[int, float] | None = None,
+               sampling: dict | None = None) -> dict:
     """The tree's node budget (`max_nodes`) that this machine serves fastest, for each tree proposer.
 
     What a node costs depends on the machine (docs/reference/trees.md): Sequoia (Chen et al., 2024)
     sizes its trees from the hardware's measured forward times for the same reason. Each budget is
     replayed (greedy acceptance is exact, so no timing noise enters τ) and costed with verify times
     measured here and the proposer's own time measured in the replay; the best estimated speedup wins.
+    With `sampling` (the serving temperature's settings, see reference()) the replay walks the target's
+    sampled text, which is how the argmax tree accepts when serving samples: there a node's siblings each
+    add their token's probability, so a wider tree than greedy's can pay.
 
     proposers: {name: a zero-argument function building a fresh proposer with `max_nodes`}; costs:
     rows -> verify ms (measured here when None) ->
@@ -225,7 +239,7 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
             layers = proposer.feature_layers
             if layers not in refs:
                 refs[layers] = reference(target, prompts, max_new_tokens, extra=max(17, budgets[-1] + 2),
-                                         feature_layers=layers)
+                                         feature_layers=layers, sampling=sampling)
             r = replay(proposer, refs[layers], k, max_new_tokens, eos, verify_ms=costs, draft_ms=None,
                        host_ms=HOST_MS)
             by[n] = {key: r[key] for key in ("tau", "rows", "est_speedup", "proposer_ms")}
@@ -271,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="one more configuration replayed on the same reference (on top of --set; k=N sets K); "
                          "repeatable, each a row of the output")
     ap.add_argument("--costs", action="store_true", help="measure verify times here and estimate the speedup")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="replay along the target's text sampled at this temperature (the proposer's fixed "
+                         "drafts accept as they would when serving it); 0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="prompt i's sampled reference is drawn with seed + i")
     args = ap.parse_args(argv)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -279,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         tok = AutoTokenizer.from_pretrained(path)
         target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         prompts = encode_prompts(load_prompts(args.prompts, args.n_prompts), tok)
+        check_sampling(args.temperature, 0, args.top_p)
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed} \
+            if args.temperature > 0 else None
         configs = [_parse_set(args.set)] + [_parse_set(args.set + [t]) for t in args.tries]
 
         def make(cfg: dict):
@@ -297,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replay: {e}", file=sys.stderr)
         return 2
     t = time.time()
-    ref = reference(target, prompts, args.max_new_tokens)
+    ref = reference(target, prompts, args.max_new_tokens, sampling=sampling)
     print(f"reference: {len(prompts)} prompts decoded in {time.time() - t:.0f}s", file=sys.stderr)
     costs = verify_ms(target) if args.costs else None
     if costs:

@@ -265,7 +265,8 @@ class EvaluateConfig:
     hybrid: bool = _f(True, "Also evaluate the best checkpoint served as a hybrid (n-gram lookups where "
                             "they match, the draft elsewhere); promoted if it is faster.")
     tree_budgets: list[int] = _f([4, 6, 8, 10, 12], "Node budgets (max_nodes) tried for the hybrid's token "
-                                 "trees: each is replayed on validation prompts and costed with verify "
+                                 "trees: each is replayed on validation prompts (sampled at "
+                                 "evaluate.temperature when that is > 0) and costed with verify "
                                  "times measured on this machine, and the best is served and promoted. "
                                  "One value fixes the budget without a fit.")
     fit_prompts: int = _f(16, "Validation prompts (never held-out ones) replayed to fit the tree budget.")

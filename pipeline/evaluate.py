@@ -282,17 +282,22 @@ def served_sources(ck_dir: str) -> list[tuple[str, str]]:
 
 def fit_tree_budget(held: HeldOut, recipe, run_dir: Path, tokenizer, best_ck: dict, sources: list[str]) -> dict | None:
     """Step 2: the node budget each served form runs fastest with on this machine, replayed on the
-    validation prompts (cached under the checkpoint's name); None when the recipe fixes one budget."""
+    validation prompts (cached under the checkpoint's name); None when the recipe fixes one budget. A recipe
+    served sampled replays the target's text sampled at its temperature, where the tree's siblings earn
+    more than under greedy decoding (eval.replay.fit_budget)."""
     cfg = recipe.evaluate
     if len(cfg.tree_budgets) <= 1:
         return None
-    name = f"{best_ck['name']}.tree-budget"
-    fit = held.cache.read(name, best_ck["source"])
+    name, sampling = f"{best_ck['name']}.tree-budget", held.sampling
+    extra = {"sampling": sampling} if sampling else None
+    fit = held.cache.read(name, best_ck["source"], extra)
     if fit is None:
         split, fit_ids = fit_prompt_ids(recipe, run_dir, tokenizer)
         makers = {src: functools.partial(load_proposer, src, held.target) for src in sources}
-        fit = fit_budget(held.target, makers, fit_ids, cfg.k, cfg.max_new_tokens, held.eos, cfg.tree_budgets)
-        fit = held.cache.store(name, fit | {"prompts": split, "n_prompts": len(fit_ids)}, best_ck["source"])
+        fit = fit_budget(held.target, makers, fit_ids, cfg.k, cfg.max_new_tokens, held.eos, cfg.tree_budgets,
+                         sampling=sampling)
+        fit = held.cache.store(name, fit | {"prompts": split, "n_prompts": len(fit_ids), "sampling": sampling},
+                               best_ck["source"], extra)
     return fit
 
 
@@ -315,8 +320,8 @@ def sampled_candidates(cfg, best_ck: dict, fit: dict | None) -> list[Candidate]:
     does (eval.decoder.verify_tree_sample), so its datastore and node budget count and each form is
     measured; whether the model's branches are its argmax chain and runner-ups or its sampled chain pays
     differently by temperature (docs/reference/trees.md), so both are. Only the best checkpoint: measuring
-    every one again would double evaluate's time, and greedy τ already ordered them. The budget is greedy's
-    fit (a node costs the same when sampling; what it earns is less)."""
+    every one again would double evaluate's time, and greedy τ already ordered them. The budget is the one
+    fitted at the serving temperature (fit_tree_budget)."""
     served = served_candidates(cfg, best_ck, fit)
     twins = [dataclasses.replace(c, name=f"{c.name}+sampled", sampled_chain=True) for c in served if c.role == SERVED]
     return [Candidate(best_ck["name"], best_ck["source"], cfg.k, CHECKPOINT)] + served + twins
@@ -616,7 +621,7 @@ def _budget_fit(fit: dict | None, p: Promotion) -> dict | None:
     if fit is None or p.served is None:
         return None
     return {"prompts": fit["prompts"], "n_prompts": fit["n_prompts"], "verify_ms": fit["verify_ms"],
-            "budgets": fit["fits"][p.result["source"]]["budgets"]}
+            "budgets": fit["fits"][p.result["source"]]["budgets"], "sampling": fit.get("sampling")}
 
 
 def metrics_for(recipe, held: HeldOut, results: list[dict], baseline: dict | None, fit: dict | None,

@@ -18,8 +18,8 @@ from helpers import TINY_BUDGET
 
 # top_k=2 peaks the tiny random target's near-uniform distribution, so drafts get accepted at T=0.7.
 SAMPLING = ["evaluate.temperature=0.7", "evaluate.top_p=0.9", "evaluate.top_k=2"]
-# Fewer prompts, one checkpoint and a fixed tree budget keep the run small; the sampled step is under test.
-SMALL = ["data.max_prompts=12", "train.steps=2", "train.save_every=2", "evaluate.tree_budgets=[4]"]
+# Fewer prompts, one checkpoint and two tree budgets keep the run small; the sampled step is under test.
+SMALL = ["data.max_prompts=12", "train.steps=2", "train.save_every=2", "evaluate.tree_budgets=[4, 6]"]
 
 
 def _args(stage, tiny_target, runs_dir, *extra) -> list[str]:
@@ -115,6 +115,19 @@ def test_report_gives_both_temperatures_for_the_draft_and_the_baseline(sampled_r
     assert (f"| n-gram baseline | 0.7 | {bs['alpha']:.3f} | {bs['tau']:.2f} | "
             f"{bs['mean_acceptance_length']:.2f} | {bs['speedup']:.2f}× |") in report
     assert "## Data" not in report  # no data.json in this run
+
+
+def test_tree_budget_fitted_at_the_serving_temperature(sampled_run):
+    """The budget is replayed along the target's text sampled as served (eval.replay.fit_budget), and the
+    report says so."""
+    fit = json.loads(next((sampled_run / "eval").glob("*.tree-budget.json")).read_text())
+    assert fit["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 2, "seed": 0}
+    assert fit["key"]["sampling"] == fit["sampling"]
+    m = _metrics(sampled_run)
+    if m["tree_budget_fit"] is not None:
+        assert m["tree_budget_fit"]["sampling"] == fit["sampling"]
+        assert f"replayed on {fit['n_prompts']} {fit['prompts']} prompts sampled at T=0.7 with its measured" \
+            in (sampled_run / "report.md").read_text()
 
 
 def test_evaluate_again_reads_the_sampled_measurements_back(sampled_run, tiny_target, monkeypatch):

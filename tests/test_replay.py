@@ -2,6 +2,8 @@
 token trees, with EOS and max_new_tokens stopping, the replayed rounds are the decoder's, round for
 round, so τ figures and tree-policy rankings made with it are the decoder's too."""
 
+import statistics
+
 import pytest
 import torch
 
@@ -66,6 +68,31 @@ def test_replay_gives_the_decoders_rounds(target, name):
         assert {a: c for a, c in enumerate(hist) if c} == rep["hist"], (name, i)
         accepted_any |= any(a > 0 for a in rep["hist"])
     assert accepted_any, f"{name}: no draft accepted anywhere, so the test would not tell"
+
+
+def test_replay_on_sampled_text_gives_the_decoders_sampled_tau(target):
+    """Verifying one-hot children in turn accepts child c with probability p(c), as following the target's
+    next sampled token does: a tree of fixed drafts (lookups, the heads' argmax and runner-ups) replayed
+    along the target's sampled text accepts as the sampled decoder does, within sampling error; the greedy
+    reference does not (it overstates sampled τ). The reference is plain sampled decoding, seed + i."""
+    T, n = 0.1, 15
+    make = lambda: HybridProposer(MedusaProposer(_heads(target), target), max_nodes=6)
+    plain = SpeculativeDecoder(target, None)
+    replayed, decoded = [], []
+    for seed in range(0, len(PROMPTS) * n, len(PROMPTS)):
+        ref = reference(target, PROMPTS, N_NEW, sampling={"temperature": T, "seed": seed})
+        if seed == 0:
+            assert ref.seqs[1] == plain.generate([PROMPTS[1]], N_NEW + 17, temperature=T, seed=1).sequences[0]
+        for i in range(len(PROMPTS)):
+            one = Reference([ref.prompts[i]], [ref.seqs[i]], [ref.feats[i]])
+            replayed.append(replay(make(), one, 2, N_NEW)["tau"])
+        dec = SpeculativeDecoder(target, make(), k=2)
+        decoded += [dec.generate([p], N_NEW, temperature=T, seed=10 ** 5 + seed + i).stats["tau"]
+                    for i, p in enumerate(PROMPTS)]
+    se = (statistics.variance(replayed) / len(replayed) + statistics.variance(decoded) / len(decoded)) ** 0.5
+    assert abs(statistics.mean(replayed) - statistics.mean(decoded)) < 4 * se, (replayed, decoded)
+    greedy = replay(make(), reference(target, PROMPTS, N_NEW), 2, N_NEW)["tau"]
+    assert greedy - statistics.mean(decoded) > 8 * se
 
 
 def test_replay_estimates_speed_from_verify_costs(target):
