@@ -95,9 +95,9 @@ class HFFallback:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads first)."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]  # [B, 1]
         for layer in self.cache.layers:
             for t in (layer.keys, layer.values):  # [B, nkv, S_max, hd]
-                rows = torch.arange(t.shape[0], device=src.device)[:, None]  # [B, 1]
                 t[rows, :, dst] = t[rows, :, src]  # the right side is a copy: every read before any write
 
     def __call__(self, tokens, pos, s_len, logit_idx=None, slots=None, mask=None):

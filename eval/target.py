@@ -200,12 +200,12 @@ class LeanLlama:
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads before
         any write): after a tree round, the accepted path's nodes move to consecutive positions."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]  # [B, 1]
         for t in (self.K, self.V):  # [L, B, nkv, S_max, hd]
-            if t.shape[1] == 1:  # one row: index_select/index_copy_, cheaper than the gather/scatter
+            if t.shape[1] == 1:  # one row: index_select/index_copy_, cheaper than indexing
                 t0 = t[:, 0]  # [L, nkv, S_max, hd]
                 t0.index_copy_(2, dst[0], t0.index_select(2, src[0]))
                 continue
-            rows = torch.arange(t.shape[1], device=src.device)[:, None]  # [B, 1]
             t[:, rows, :, dst] = t[:, rows, :, src]  # index_put_, not gather/scatter_ (docs/reference/verify-cost.md)
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, s_len: int,
