@@ -5,11 +5,11 @@ Each chain is one run directory: the first run is killed at the chain's first po
 command, same run id) at the next, ... and a last clean rerun finishes it. Its outputs must then equal
 the uninterrupted reference's: the generated rows (none lost or duplicated), every checkpoint's
 weights, the train log, every candidate's measured acceptance, the promoted draft; and nothing
-half-written is left or counted as complete. The reference and the chains run as parallel processes.
+half-written is left or counted as complete. The reference and the chains run in parallel.
 After every kill the champion pointer is still the one from before the run, unless the kill came after its
-move (AFTER_MOVE). Each run goes through tests/faulted.py: the CLI in-process, killed at its point, with the
-gate's judged timing given (a challenger 1.3x the champion) so that the real gate promotes on every run alike;
-on a tiny model measured timing is noise.
+move (AFTER_MOVE). Each run goes through tests/faulted.py: the CLI in a child forked from one server process
+that has imported it once, killed at its point, with the gate's judged timing given (a challenger 1.3x
+the champion) so that the real gate promotes on every run alike; on a tiny model measured timing is noise.
 
 To add a stage: append a Chain to CHAINS with its command and its kill points; with
 `before` (commands run uninterrupted first, e.g. the distill that makes a champion) when it needs a state
@@ -26,7 +26,8 @@ import re
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -198,7 +199,10 @@ CHAINS = [
         "train.after_rename@1",  # checkpoint-2 complete: the rerun resumes from it
         "train.after_rename@1",  # checkpoint-4 complete, no train manifest
         "train.before_manifest",
-        # distill admits its best/ (pipeline/retrain.py admit_distill): the first draft, promoted
+    ]),
+    # distill admits its best/ (pipeline/retrain.py admit_distill): the first draft, promoted. A chain of its own
+    # so that the two run side by side: the first run here goes through every stage before its kill.
+    Chain("admit", distill_command, [
         "registry.entry_copied",  # the entry built aside, not renamed into entries/
         "registry.entry_published",  # the entry in place, the run's registered.json not written
         "retrain.after_register",
@@ -246,10 +250,46 @@ def _env() -> dict:
     return env
 
 
-def _draftsmith(args: list[str], kill: str | None = None, gate: str = "promote") -> subprocess.CompletedProcess:
-    faulted = [sys.executable, str(ROOT / "tests" / "faulted.py"), *(["--kill-at", kill] if kill else []),
-               "--timing", gate, "--"]
-    return subprocess.run([*faulted, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+class Runner:
+    """One `tests/faulted.py --serve` process that runs every chain's commands, each in a child forked from it: a
+    SIGKILLed child is a SIGKILLed CLI process, without a fresh interpreter's imports each time. Thread-safe:
+    each chain's thread waits for its own answers."""
+
+    def __init__(self, logs: Path):
+        self.logs, self.n, self.lock, self.waiting = logs, 0, threading.Lock(), {}
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "faulted.py"), "--serve"], cwd=ROOT,
+                                     env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.reader = threading.Thread(target=self._answers, daemon=True)
+        self.reader.start()
+
+    def _answers(self) -> None:
+        for line in self.proc.stdout:
+            answer = json.loads(line)
+            with self.lock:
+                future = self.waiting.pop(answer["id"])
+            future.set_result(answer)
+        with self.lock:  # the server ended: nothing more will be answered
+            for future in self.waiting.values():
+                future.set_exception(RuntimeError(f"tests/faulted.py --serve exited with {self.proc.wait()}"))
+
+    def __call__(self, args: list[str], kill: str | None = None, gate: str = "promote") -> tuple[int, str]:
+        """(return code, the tail of its output) of one run of the CLI with `args`, killed at `kill`."""
+        future = Future()
+        with self.lock:
+            self.n += 1
+            rid, log = str(self.n), self.logs / f"{self.n:03d}.log"
+            self.waiting[rid] = future
+            self.proc.stdin.write(json.dumps({"id": rid, "args": args, "kill": kill, "timing": gate,
+                                              "log": str(log), "timeout": 600}) + "\n")
+            self.proc.stdin.flush()
+        answer = future.result()
+        tail = log.read_text()[-3000:] if log.exists() else ""
+        assert not answer["timed_out"], f"{args} killed after 600 s\n{tail}"
+        return answer["returncode"], tail
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def _champion(runs: Path) -> str | None:
@@ -257,34 +297,39 @@ def _champion(runs: Path) -> str | None:
     return json.loads(p.read_text())["id"] if p.exists() else None
 
 
-def _run_chain(chain: Chain, target: Path, runs: Path, kills: list[str]) -> list[tuple]:
-    """[(kill point or None, return code, stderr tail, champion after it)] for each run of the chain (kills=[]:
+def _run_chain(draftsmith: Runner, chain: Chain, target: Path, runs: Path, kills: list[str]) -> list[tuple]:
+    """[(kill point or None, return code, output tail, champion after it)] for each run of the chain (kills=[]:
     its reference); the first element: (None, 0, "", the champion before the chain's command)."""
     for args in chain.before(target, runs):
-        p = _draftsmith(args, gate=chain.gate)
-        assert p.returncode == 0, p.stderr[-3000:]
+        rc, tail = draftsmith(args, gate=chain.gate)
+        assert rc == 0, tail
     out = [(None, 0, "", _champion(runs))]
     for kill in kills + [None]:
-        p = _draftsmith(chain.command(target, runs), kill, chain.gate)
-        out.append((kill, p.returncode, p.stderr[-3000:], _champion(runs)))
-        if p.returncode not in (0, -signal.SIGKILL):
+        rc, tail = draftsmith(chain.command(target, runs), kill, chain.gate)
+        out.append((kill, rc, tail, _champion(runs)))
+        if rc not in (0, -signal.SIGKILL):
             break
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_target, tmp_path_factory):
-    """{chain name, or ("reference", chain name): (runs dir, [(kill, return code, stderr, champion after)], champion
-    before)}: every chain and one
-    uninterrupted reference per distinct (before, command), all as parallel processes."""
+    """{chain name, or ("reference", chain name): (runs dir, [(kill, return code, output tail, champion after)],
+    champion before)}: every chain and one uninterrupted reference per distinct (before, command), all in
+    parallel, each run a process forked from one server."""
     refs = {}
     for c in CHAINS:
         refs.setdefault(c.reference, c)
     jobs = [(("reference", c.name), c, []) for c in refs.values()] + [(c.name, c, c.kills) for c in CHAINS]
     dirs = {key: tmp_path_factory.mktemp("-".join(key) if isinstance(key, tuple) else key) for key, _, _ in jobs}
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {key: pool.submit(_run_chain, c, tiny_target, dirs[key], kills) for key, c, kills in jobs}
-        out = {key: (dirs[key], f.result()[1:], f.result()[0][3]) for key, f in futures.items()}
+    draftsmith = Runner(tmp_path_factory.mktemp("logs"))  # the logs apart from the runs, whose files are compared
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = {key: pool.submit(_run_chain, draftsmith, c, tiny_target, dirs[key], kills)
+                       for key, c, kills in jobs}
+            out = {key: (dirs[key], f.result()[1:], f.result()[0][3]) for key, f in futures.items()}
+    finally:
+        draftsmith.close()
     for c in CHAINS:  # each chain's reference under its own name too
         out.setdefault(("reference", c.name), out[("reference", refs[c.reference].name)])
     return out
