@@ -116,20 +116,17 @@ def test_the_store_agrees_with_eval_datastore_on_the_first_token():
         assert ours.continuation(h[-n:], 1).tokens == c
 
 
-def test_lookup_is_deterministic_and_fast_enough_on_a_real_sized_corpus():
-    import time
-
+def test_lookup_is_deterministic_on_a_real_sized_corpus():
+    """The same proposals from a fresh lookup asked in the opposite order: none depends on what was asked before."""
     rng = np.random.default_rng(2)
     flat = rng.integers(0, 2000, size=200_000).astype(np.int32)
     flat[rng.integers(0, len(flat), size=2000)] = SEP
-    t = time.perf_counter()
-    L = SuffixLookup(flat)
-    build = time.perf_counter() - t
     ctx = flat[1000:1300][flat[1000:1300] != SEP]
-    a = [L.propose(ctx[:i], 4) for i in range(20, 120)]
-    assert a == [SuffixLookup(flat).propose(ctx[:i], 4) for i in range(20, 120)]
-    assert build < 10  # ~0.1 s here; the point is that loading in vLLM costs no minutes
-
+    lengths = range(20, 120)
+    first, fresh = SuffixLookup(flat), SuffixLookup(flat)
+    a = [first.propose(ctx[:i], 4) for i in lengths]
+    assert a == [fresh.propose(ctx[:i], 4) for i in reversed(lengths)][::-1]
+    assert any(a)  # the contexts are the corpus's own text: the lookup finds them
 
 # ------------------------------------------------------------------------------------------ the vLLM class
 
