@@ -124,6 +124,8 @@ def child(req: dict) -> None:
 
 def serve() -> None:
     """Fork a child for each request as it arrives, answer each as its child ends (requests run in parallel)."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever else writes to stdout (an import's print) goes to stderr, not into the answers
     preload()
     # fork copies only the calling thread: a thread started by an import would be missing in every child
     assert threading.active_count() == 1, f"an import started a thread: {threading.enumerate()}"
@@ -152,7 +154,7 @@ def serve() -> None:
             if done:
                 del running[pid]
                 print(json.dumps({"id": rid, "returncode": os.waitstatus_to_exitcode(status),
-                                  "timed_out": timed_out}), flush=True)
+                                  "timed_out": timed_out}), file=answers, flush=True)
 
 
 if __name__ == "__main__":
