@@ -128,6 +128,7 @@ def test_lookup_is_deterministic_on_a_real_sized_corpus():
     assert a == [fresh.propose(ctx[:i], 4) for i in reversed(lengths)][::-1]
     assert any(a)  # the contexts are the corpus's own text: the lookup finds them
 
+
 # ------------------------------------------------------------------------------------------ the vLLM class
 
 def vllm_config(k=3, max_model_len=64, k_by_batch=None):
