@@ -247,7 +247,8 @@ TINY_BUDGET = [
     "train.steps=4", "train.save_every=2", "train.batch_size=4", "train.seq_len=64", "train.draft_vocab_size=512",
     "evaluate.n_prompts=2", "evaluate.max_new_tokens=12", "evaluate.fp32_prompts=1", "evaluate.fit_prompts=2",
     # the report's curves (pipeline/sweeps.py), which every distill measures: two points each
-    "report.n_prompts=2", "report.ks=[1,2]", "report.batch_sizes=[1,2]", "report.temperatures=[0,1.0]",
+    "report.n_prompts=2", "report.max_new_tokens=12", "report.ks=[1,2]", "report.batch_sizes=[1,2]",
+    "report.temperatures=[0,1.0]",
     # the gate judges the 2 held-out prompts (its default minimum is 8 prompts, 512 tokens)
     "retrain.min_prompts=2", "retrain.min_tokens=8",
 ]

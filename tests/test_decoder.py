@@ -14,7 +14,7 @@ from eval.speedup import best_k
 from helpers import DECODER_V as V, N_NEW, PROMPTS, decoder_llama as tiny, first_drafts
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_paths]
 
 
 @pytest.fixture(scope="module")

@@ -248,6 +248,7 @@ def test_distill_again_on_a_finished_run_starts_a_new_one(distilled, tiny_target
 
 
 @pytest.mark.integration
+@pytest.mark.cpu_paths
 def test_distill_real_embedded_target_tiny_budget(tmp_path, monkeypatch):
     """The real SmolLM2-135M target, a handful of prompts and steps: every stage runs for real."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -12,6 +12,8 @@ from eval.target import LeanLlama
 
 CPU = torch.device("cpu")
 
+pytestmark = pytest.mark.cpu_paths
+
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize("bias", [False, True])
