@@ -102,7 +102,10 @@ for _kind in (
         DraftKind("self_spec", layer_by_layer=True, load="eval.proposers.draft_lm:load_self_spec",
                   module="eval.drafts:SelfSpecDraft", wrap="eval.proposers.draft_lm:serve_self_spec"),
         # nothing: built from the target at load time
-        DraftKind("int8", stores_weights=False, layer_by_layer=True, load="eval.proposers.draft_lm:load_int8")):
+        DraftKind("int8", stores_weights=False, layer_by_layer=True, load="eval.proposers.draft_lm:load_int8"),
+        # head.safetensors: a DFlash draft (a block per forward over fused target layers), speculators' weight names
+        DraftKind("dflash", load="eval.proposers.dflash:load", module="eval.heads:DFlashHead",
+                  wrap="eval.proposers.dflash:DFlashProposer", exports=("speculators-dflash",))):
     register_kind(_kind)
 
 

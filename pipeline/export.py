@@ -93,6 +93,9 @@ def resolve_verifier(verifier: str | None, meta: dict, src: Path) -> Verifier:
     return Verifier(path, config, None)
 
 
+AUX_KINDS = ("eagle3", "dflash")  # drafts over the target's aux layers: head_config names them and the target's width
+
+
 def _draft_shape(meta: dict, src: Path, weights: bool = True) -> dict:
     """What the draft was built around, in the verifier config's key names (weights=False: the target it
     records only, for a format that exports no weights)."""
@@ -100,7 +103,7 @@ def _draft_shape(meta: dict, src: Path, weights: bool = True) -> dict:
              if k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}
     if not weights:
         return shape
-    if meta["kind"] == "eagle3":
+    if meta["kind"] in AUX_KINDS:
         hc = meta["head_config"]
         shape |= {"vocab_size": hc["vocab_size"], "hidden_size": hc.get("target_hidden_size") or hc["hidden_size"]}
     elif meta["kind"] == "medusa":
@@ -120,7 +123,7 @@ def check_verifier(meta: dict, src: Path, v: Verifier, weights: bool = True) -> 
             raise ExportError(f"{src} was trained for a target with {key}={want!r}, but verifier "
                               f"{v.name_or_path} has {key}={have!r}; pass the --verifier it was trained for"
                               + (f" ({meta['target']})" if meta.get("target") else ""))
-    if weights and meta["kind"] == "eagle3":
+    if weights and meta["kind"] in AUX_KINDS:
         n = v.config.get("num_hidden_layers")
         bad = [i for i in meta["head_config"]["aux_layers"] if n is not None and not 0 <= i <= n]
         if bad:
@@ -135,7 +138,7 @@ def check_files(src: Path, meta: dict, fmt: str) -> None:
                               f"target's own outputs); export a checkpoint trained with train.datastore=true "
                               f"(runs/<domain>/<run>/train/checkpoint-N/; best/ keeps it only when promoted with it)")
         return
-    need = {"eagle3": [HEAD_FILE], "medusa": [HEAD_FILE], "draft_lm": ["config.json"]}[meta["kind"]]
+    need = {"eagle3": [HEAD_FILE], "dflash": [HEAD_FILE], "medusa": [HEAD_FILE], "draft_lm": ["config.json"]}[meta["kind"]]
     if meta["kind"] == "draft_lm" and not any(src.glob("*.safetensors")) and not (src / "pytorch_model.bin").exists():
         need.append("model.safetensors")
     for name in need:

@@ -5,6 +5,7 @@ read FORMATS; nothing else lists formats. Which draft kinds a format holds is de
 (eval/draft_dir.py DraftKind.exports), so a new method exports to an existing format without an edit here.
 
   speculators  eagle3    vLLM's native format: `vllm serve <out>` alone (verifier and K in config.json)
+  speculators-dflash  dflash  vLLM's native DFlash format (speculators 0.9): `vllm serve <out>` alone
   eagle3       eagle3    the EAGLE-3 checkpoint layout (LlamaForCausalLMEagle3, midlayer.*) that SGLang
                          (--speculative-algorithm EAGLE3) and vLLM (method "eagle3") load
   medusa       medusa    vLLM's MedusaModel; independent heads over the full vocabulary only (recurrent
@@ -224,6 +225,54 @@ def write_eagle3(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
     _save(state, tmp / "model.safetensors")
 
 
+def qwen3_layer_config(hc: dict, v: Verifier) -> dict:
+    """The DFlash draft's decoder layers as a Qwen3Config dict (speculators' transformer_layer_config): full
+    attention, no sliding window (our draft attends to the whole context)."""
+    rope = {"rope_type": "default", "rope_theta": hc["rope_theta"]}
+    n = hc["num_layers"]
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": hc["hidden_size"],
+            "num_attention_heads": hc["num_attention_heads"], "num_key_value_heads": hc["num_key_value_heads"],
+            "head_dim": hc["head_dim"], "intermediate_size": hc["intermediate_size"], "hidden_act": "silu",
+            "rms_norm_eps": hc["rms_norm_eps"], "rope_theta": hc["rope_theta"], "rope_parameters": rope,
+            "max_position_embeddings": hc["max_position_embeddings"], "vocab_size": hc["vocab_size"],
+            "num_hidden_layers": n, "attention_bias": False, "tie_word_embeddings": False,
+            "use_sliding_window": False, "sliding_window": None, "layer_types": ["full_attention"] * n,
+            "bos_token_id": v.config.get("bos_token_id"),
+            "eos_token_id": v.config.get("eos_token_id"), "pad_token_id": v.config.get("pad_token_id")}
+
+
+def write_speculators_dflash(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
+    # Written for speculators/models/dflash/config.py (DFlashSpeculatorConfig, 0.9) and vLLM 0.32's
+    # transformers_utils/configs/speculators/algos.py (update_dflash) with models/qwen3_dflash.py's load_weights.
+    hc = meta["head_config"]
+    if not 1 <= k <= hc["block_size"] - 1:
+        raise ExportError(f"K={k}: a DFlash block of {hc['block_size']} drafts 1 to {hc['block_size'] - 1} tokens; "
+                          f"pass --k {hc['block_size'] - 1} or fewer")
+    config = {
+        "speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+        "transformer_layer_config": qwen3_layer_config(hc, v),
+        "draft_vocab_size": hc["draft_vocab_size"], "target_hidden_size": hc["target_hidden_size"],
+        "block_size": hc["block_size"], "aux_hidden_state_layer_ids": list(hc["aux_layers"]),
+        "mask_token_id": hc["mask_token_id"],
+        # vLLM serves every layer causal unless this is true (dflash_config.causal = not it)
+        "sliding_window_non_causal": not hc["causal"], "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": v.name_or_path, "architectures": v.config.get("architectures") or []},
+        },
+        "speculators_version": "0.9.0",
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    state = _load(src)
+    state.pop("embed_tokens.weight")  # speculators 0.9 never saves it: vLLM takes the verifier's
+    if hc["draft_vocab_size"] == hc["vocab_size"]:  # no vocabulary map over the full vocabulary
+        state.pop("d2t", None), state.pop("t2d", None)
+    _save(state, tmp / "model.safetensors")
+
+
 def write_medusa(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
     # Written for vllm/transformers_utils/configs/medusa.py (MedusaConfig) and
     # vllm/model_executor/models/medusa.py (Medusa.load_weights).
@@ -321,7 +370,9 @@ def _speculators_k(config: dict) -> int | None:
 # In detection order: the first whose `recognizes` holds names an export's format (verify-export).
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
     ExportFormat("speculators", ("vllm",), "eagle3", write_speculators,
-                 lambda c: bool(c.get("speculators_model_type")), _speculators_k, self_contained=True),
+                 lambda c: c.get("speculators_model_type") == "eagle3", _speculators_k, self_contained=True),
+    ExportFormat("speculators-dflash", ("vllm",), "dflash", write_speculators_dflash,
+                 lambda c: c.get("speculators_model_type") == "dflash", _speculators_k, self_contained=True),
     ExportFormat("eagle3", ("sglang",), "eagle3", write_eagle3,
                  lambda c: any(a in EAGLE3_ARCHS for a in _archs(c)), sglang_algorithm="EAGLE3"),
     ExportFormat("medusa", ("vllm",), "medusa", write_medusa,

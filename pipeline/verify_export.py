@@ -57,8 +57,8 @@ def _read_json(p: Path, what: str) -> dict:
 
 def infer_format(config: dict) -> str:
     """An export's format from its config.json (when it has no draftsmith_export.json)."""
-    if config.get("speculators_model_type") not in (None, "eagle3"):
-        raise VerifyError(f"speculators_model_type {config['speculators_model_type']!r}: only eagle3 "
+    if config.get("speculators_model_type") not in (None, "eagle3", "dflash"):
+        raise VerifyError(f"speculators_model_type {config['speculators_model_type']!r}: only eagle3 and dflash "
                           f"speculators exports are verified")
     for f in FORMATS.values():
         if f.recognizes(config):

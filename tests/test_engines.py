@@ -147,8 +147,9 @@ def test_formats_are_read_from_config_json():
     assert infer_format({"architectures": ["LlamaForCausalLMEagle3"]}) == "eagle3"
     assert infer_format({"architectures": ["MedusaModel"], "num_heads": 3}) == "medusa"
     assert infer_format({"architectures": ["LlamaForCausalLM"]}) == "hf"
-    with pytest.raises(VerifyError, match="only eagle3"):
-        infer_format({"speculators_model_type": "dflash"})
+    assert infer_format({"speculators_model_type": "dflash"}) == "speculators-dflash"
+    with pytest.raises(VerifyError, match="only eagle3 and dflash"):
+        infer_format({"speculators_model_type": "mlp"})
     with pytest.raises(VerifyError, match="no format"):
         infer_format({"architectures": ["BertModel"]})
 

@@ -59,6 +59,18 @@ def eagle3_draft(d, target_dir, aux=(0, 1, 2), norm_before_residual=False, **met
     return d, sd
 
 
+def dflash_draft(d, target_dir):
+    """A DFlash draft on medusa_target: one layer, blocks of 4, every other id in its vocabulary."""
+    from helpers import medusa_target
+
+    from eval.heads import DFlashHead
+
+    t = medusa_target()
+    head = DFlashHead.from_target(t, 1, 4, 1, draft_ids=torch.arange(0, V, 2))
+    head.save(d, {"target": str(target_dir), "target_config": t.config.to_dict(), "step": 7})
+    return d
+
+
 def medusa_draft(d, target_dir, draft_ids=None, recurrent=False, layers=1):
     """Medusa heads on medusa_target with random residual blocks (fresh ones are the identity)."""
     from helpers import MEDUSA_NH, medusa_target
@@ -311,7 +323,8 @@ def test_refuses_a_kind_the_format_cannot_hold(tmp_path, target_dir, capsys):
         d = tmp_path / kind
         draft_dir.write_meta(d, {"kind": kind, "target": str(target_dir)})
         refused(capsys, ["export", "--draft", str(d), "--format", "eagle3", "--out", str(out)],
-                out, rf"not '{kind}': no engine format holds this kind; train train.method=eagle3 \(speculators or eagle3\), medusa \(medusa\), draft_lm \(hf\)")
+                out, rf"not '{kind}': no engine format holds this kind; train train.method=eagle3 \(speculators or "
+                r"eagle3\), medusa \(medusa\), draft_lm \(hf\), dflash \(speculators-dflash\)")
 
 
 def test_refuses_recurrent_medusa_naming_independent_heads(tmp_path, target_dir, capsys):
@@ -366,7 +379,7 @@ def test_refuses_missing_files_targets_and_bad_arguments(tmp_path, target_dir, c
     src, _ = eagle3_draft(tmp_path / "draft", target_dir)
     out = tmp_path / "out"
     argv = ["export", "--draft", str(src), "--out", str(out), "--format"]
-    refused(capsys, argv + ["onnx"], out, r"unknown export format 'onnx'; use one of speculators, eagle3, medusa, hf")
+    refused(capsys, argv + ["onnx"], out, r"unknown export format 'onnx'; use one of speculators, speculators-dflash, eagle3, medusa, hf")
     refused(capsys, argv + ["eagle3", "--k", "0"], out, r"--k 0")
     (src / "head.safetensors").unlink()
     refused(capsys, argv + ["eagle3"], out, r"has no head\.safetensors")
@@ -398,7 +411,7 @@ def test_refuses_a_non_empty_out_unless_forced(tmp_path, target_dir, capsys):
 
 # ------------------------------------------------------------------------------- one object per format
 
-@pytest.mark.parametrize("fmt", ["speculators", "eagle3", "medusa", "hf"])
+@pytest.mark.parametrize("fmt", ["speculators", "speculators-dflash", "eagle3", "medusa", "hf"])
 def test_a_format_is_one_object_that_export_and_verify_export_both_read(tmp_path, target_dir, lora_draft, fmt):
     """pipeline/formats.py: what the writer writes is what verify-export recognizes and loads it as, and the
     manifest's serve commands are the object's, with vLLM's speculative config the one verify-export runs."""
@@ -410,9 +423,12 @@ def test_a_format_is_one_object_that_export_and_verify_export_both_read(tmp_path
     elif fmt == "medusa":
         src, verifier = tmp_path / "draft", target_dir
         medusa_draft(src, target_dir)
+    elif fmt == "speculators-dflash":
+        src, verifier = dflash_draft(tmp_path / "draft", target_dir), target_dir
     else:
         src, verifier = eagle3_draft(tmp_path / "draft", target_dir)[0], target_dir
-    assert FORMATS is objects and list(FORMATS) == ["speculators", "eagle3", "medusa", "hf", "vllm-proposer"]
+    assert FORMATS is objects and list(FORMATS) == ["speculators", "speculators-dflash", "eagle3", "medusa", "hf",
+                                                    "vllm-proposer"]
     out = export_draft(src, fmt, tmp_path / "out", verifier=str(verifier), k=2)
     assert infer_format(json.loads((out / "config.json").read_text())) == fmt  # read without the manifest
     m = json.loads((out / MANIFEST).read_text())
@@ -420,7 +436,7 @@ def test_a_format_is_one_object_that_export_and_verify_export_both_read(tmp_path
     p = plan_export(out)
     assert (p.format, p.k, p.source_draft) == (fmt, 2, str(src.resolve()))
     model, spec = p.vllm_load(str(verifier))
-    if fmt == "speculators":  # its config.json names this verifier at K=2: `vllm serve <out>` alone
+    if fmt.startswith("speculators"):  # its config.json names this verifier at K=2: `vllm serve <out>` alone
         assert (model, spec) == (str(out.resolve()), None) and m["serve"]["vllm"] == f"vllm serve {out.resolve()}"
     else:
         assert model == str(verifier) and spec == {"method": FORMATS[fmt].vllm_method, "model": str(out.resolve()),

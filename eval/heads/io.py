@@ -19,7 +19,8 @@ def save_head(module: nn.Module, directory: str | Path, meta: dict) -> None:
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(d / HEAD_FILE))
+    # a clone each: tied weights (DFlash's shared k_norm) are one tensor under several names, which safetensors refuses
+    save_file({k: v.detach().cpu().clone() for k, v in module.state_dict().items()}, str(d / HEAD_FILE))
     draft_dir.write_meta(d, meta)
 
 

@@ -5,6 +5,7 @@
   ngram.py     prompt lookup                      draft_lm.py  a small causal LM (HF, self-spec, int8)
   eagle.py     an EAGLE head over the features    medusa.py    Medusa heads over the features
   eagle3.py    an EAGLE-3 head over three target layers
+  dflash.py    a DFlash draft: a block of drafts in one forward over fused target layers
   hybrid.py    lookups and a model as one token tree per round
   loader.py    load_proposer (a draft directory, module or name -> its proposer), serve_with
 
@@ -14,6 +15,7 @@ function of the draft kind it serves (eval/draft_dir.py DraftKind), which load_p
 
 from ..draft_dir import SERVE_KEYS, SERVED_AS
 from .base import NoDraft, Proposer, Sampling, check_sampling, draw, to_target_vocab, verified_input
+from .dflash import DFlashProposer
 from .draft_lm import DraftLMProposer
 from .eagle import EagleProposer
 from .eagle3 import Eagle3Proposer
@@ -22,6 +24,6 @@ from .loader import load_proposer, serve_with
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
 
-__all__ = ["SERVE_KEYS", "SERVED_AS", "DraftLMProposer", "Eagle3Proposer", "EagleProposer", "HybridProposer",
+__all__ = ["SERVE_KEYS", "SERVED_AS", "DFlashProposer", "DraftLMProposer", "Eagle3Proposer", "EagleProposer", "HybridProposer",
            "MedusaProposer", "NgramProposer", "NoDraft", "Proposer", "Sampling", "check_sampling", "draw",
            "load_proposer", "serve_with", "to_target_vocab", "verified_input"]

@@ -18,6 +18,7 @@ from eval import draft_dir
 
 from ..formats import check_exports
 from .base import DraftMethod
+from .dflash import DFlash, DFlashOptions
 from .draft_lm import DraftLM, DraftLMOptions
 from .eagle import Eagle, EagleOptions
 from .eagle3 import Eagle3, Eagle3Options
@@ -52,7 +53,7 @@ def register_method(method: DraftMethod) -> DraftMethod:
     return method
 
 
-BUILTIN = (Eagle(), Eagle3(), Medusa(), DraftLM(), SelfSpec(), Int8())
+BUILTIN = (Eagle(), Eagle3(), Medusa(), DraftLM(), SelfSpec(), Int8(), DFlash())
 for _m in BUILTIN:
     register_method(_m)
 
@@ -117,5 +118,5 @@ def get_method(name: str) -> DraftMethod:
 
 
 __all__ = ["BUILTIN", "METHODS", "DraftMethod", "check_applies", "get_method", "methods_for", "register_method",
-           "sections", "variants", "DraftLMOptions", "Eagle3Options", "EagleOptions", "MedusaOptions",
+           "sections", "variants", "DFlashOptions", "DraftLMOptions", "Eagle3Options", "EagleOptions", "MedusaOptions",
            "SelfSpecOptions"]
