@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..layers import KVCache, RMSNorm, apply_rope, rope_cos_sin
 from .eagle import HeadConfig, init_norm
-from .eagle3 import Eagle3MLP, default_aux_layers
+from .eagle3 import Eagle3MLP, SpeculatorsHead, default_aux_layers
 from .io import load_head, save_head
 
 
@@ -159,11 +159,9 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashHead(nn.Module):
-    """aux features -> context keys/values per layer; [anchor, masks] -> one forward -> draft logits.
-
-    `d2t` [Vd] holds offsets (target id = draft id + d2t), `t2d` [V] marks the target ids in the draft
-    vocabulary; `draft_ids` [Vd] is the absolute map."""
+class DFlashHead(SpeculatorsHead):
+    """aux features -> context keys/values per layer; [anchor, masks] -> one forward -> draft logits, over the
+    draft vocabulary of SpeculatorsHead."""
 
     def __init__(self, c: DFlashConfig, d2t: torch.Tensor | None = None):
         super().__init__()
@@ -176,16 +174,7 @@ class DFlashHead(nn.Module):
         self.layers = nn.ModuleList([DFlashLayer(c) for _ in range(c.num_layers)])
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
-        if d2t is None:
-            d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long)
-        if d2t.shape != (c.draft_vocab_size,):
-            raise ValueError(f"d2t has shape {tuple(d2t.shape)}; it must hold one offset per draft row "
-                             f"({c.draft_vocab_size})")
-        ids = torch.arange(c.draft_vocab_size) + d2t.long().cpu()
-        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        self.register_buffer("d2t", d2t.long(), persistent=True)
-        self.register_buffer("t2d", t2d, persistent=True)
+        self.register_vocab(c.vocab_size, c.draft_vocab_size, d2t)
 
     @classmethod
     def from_target(cls, target, num_layers: int, block_size: int, mask_token_id: int, aux_layers=None,
@@ -205,11 +194,6 @@ class DFlashHead(nn.Module):
             head.fc.weight.zero_()
             head.fc.weight[:, (A - 1) * Ht:].copy_(torch.eye(c.hidden_size, Ht))
         return head
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """[Vd] the target id of each draft row (absolute: arange + d2t)."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux features [B, T, A*Ht] -> the context [B, T, H]."""
@@ -235,15 +219,6 @@ class DFlashHead(nn.Module):
             else:
                 x = layer(x, pos, kv[i][0], kv[i][1], mask)
         return x
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[B, Q, H] pre-norm hidden -> [B, Q, draft_vocab_size]; map rows to target ids with draft_ids."""
-        return self.lm_head(self.norm(h))
-
-    def new_caches(self, batch: int, max_len: int, dtype=None, device=None) -> list[KVCache]:
-        c, p = self.config, self.fc.weight
-        return [KVCache(batch, c.num_key_value_heads, max_len, c.head_dim, dtype or p.dtype, device or p.device)
-                for _ in self.layers]
 
     def save(self, directory: str | Path, extra: dict | None = None) -> None:
         save_head(self, directory, {"kind": "dflash", "head_config": asdict(self.config), **(extra or {})})

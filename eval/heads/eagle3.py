@@ -130,7 +130,38 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Head(nn.Module):
+class SpeculatorsHead(nn.Module):
+    """What speculators' heads (EAGLE-3, DFlash) share: `fc` over the target's aux layers, decoder `layers` with a
+    KV cache each, a final `norm` and an `lm_head` over a draft vocabulary held as `d2t` [Vd] offsets (target id =
+    draft id + d2t) and `t2d` [V] marking the target ids it covers, both saved; `draft_ids` [Vd] is the absolute map."""
+
+    def register_vocab(self, vocab_size: int, draft_vocab_size: int, d2t: torch.Tensor | None) -> None:
+        if d2t is None:
+            d2t = torch.zeros(draft_vocab_size, dtype=torch.long)
+        if d2t.shape != (draft_vocab_size,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}; it must hold one offset per draft row "
+                             f"({draft_vocab_size})")
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[torch.arange(draft_vocab_size) + d2t.long().cpu()] = True
+        self.register_buffer("d2t", d2t.long(), persistent=True)
+        self.register_buffer("t2d", t2d, persistent=True)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[Vd] the target id of each draft row (absolute: arange + d2t)."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] pre-norm hidden -> [B, T, draft_vocab_size]; map rows to target ids with draft_ids."""
+        return self.lm_head(self.norm(h))
+
+    def new_caches(self, batch: int, max_len: int, dtype=None, device=None) -> list[KVCache]:
+        c, p = self.config, self.fc.weight
+        return [KVCache(batch, c.num_key_value_heads, max_len, c.head_dim, dtype or p.dtype, device or p.device)
+                for _ in self.layers]
+
+
+class Eagle3Head(SpeculatorsHead):
     """fc(aux features) or the previous step's output, ⊕ embed(next token) -> the next step's hidden
     state -> draft logits over the draft vocabulary.
 
@@ -147,16 +178,7 @@ class Eagle3Head(nn.Module):
         self.layers = nn.ModuleList([Eagle3Layer(c)])
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
-        if d2t is None:
-            d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long)
-        if d2t.shape != (c.draft_vocab_size,):
-            raise ValueError(f"d2t has shape {tuple(d2t.shape)}; it must hold one offset per draft row "
-                             f"({c.draft_vocab_size})")
-        ids = torch.arange(c.draft_vocab_size) + d2t.long().cpu()
-        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        self.register_buffer("d2t", d2t.long(), persistent=True)
-        self.register_buffer("t2d", t2d, persistent=True)
+        self.register_vocab(c.vocab_size, c.draft_vocab_size, d2t)
 
     @classmethod
     def from_target(cls, target, aux_layers=None, draft_ids: torch.Tensor | None = None) -> "Eagle3Head":
@@ -177,11 +199,6 @@ class Eagle3Head(nn.Module):
             head.fc.weight[:, 2 * Ht:].copy_(torch.eye(c.hidden_size, Ht))
         return head
 
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """[Vd] the target id of each draft row (absolute: arange + d2t)."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
-
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux features [B, T, 3H] -> the fused feature [B, T, H]."""
         return self.fc(aux)
@@ -195,15 +212,6 @@ class Eagle3Head(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, emb, pos, None if caches is None else caches[i], mask)
         return x
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[B, T, H] pre-norm hidden -> [B, T, draft_vocab_size]; map rows to target ids with draft_ids."""
-        return self.lm_head(self.norm(h))
-
-    def new_caches(self, batch: int, max_len: int, dtype=None, device=None) -> list[KVCache]:
-        c, p = self.config, self.fc.weight
-        return [KVCache(batch, c.num_key_value_heads, max_len, c.head_dim, dtype or p.dtype, device or p.device)
-                for _ in self.layers]
 
     def save(self, directory: str | Path, extra: dict | None = None) -> None:
         save_head(self, directory, {"kind": "eagle3", "head_config": asdict(self.config), **(extra or {})})

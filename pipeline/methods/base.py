@@ -124,6 +124,32 @@ def draft_ids(tc, target, rows) -> torch.Tensor | None:
     return None if len(d2t) == V else d2t
 
 
+def aux_feature_cache(name: str, o, layers: list[int], target, n_tokens: int) -> tuple[int, ...] | None:
+    """DraftMethod.feature_cache for a method over the target's aux layers (eagle3, dflash), whose section `o`
+    has `features` and `max_cache_gb`: the layers to cache, or None (online) when asked or when the cache of
+    `n_tokens` tokens would pass max_cache_gb (features=auto)."""
+    from eval.family import aux_bytes_per_token
+
+    per_token = aux_bytes_per_token(target, len(layers))
+    gb = n_tokens * per_token / 1e9
+    mode = o.features if o.features != "auto" else "cache" if gb <= o.max_cache_gb else "online"
+    print(f"{name} aux features (layers {layers}): {per_token} bytes/token x {n_tokens} tokens = {gb:.2f} GB; "
+          f"features={o.features} -> {mode}")
+    return tuple(layers) if mode == "cache" else None
+
+
+def batch_aux(batch: dict, target, layers) -> torch.Tensor:
+    """The target's aux features of a batch [B, L, n*H] in float32: the cached ones ("feat"), or a forward now
+    (outside the loop's autocast, in the target's dtype, as the cache computes them)."""
+    from eval.family import aux_hidden_states
+
+    if "feat" in batch:
+        return batch["feat"].float()
+    ids = batch["ids"]
+    with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
+        return aux_hidden_states(target, ids, batch["valid"].long(), layers).float()
+
+
 def frozen_embedding(target) -> nn.Embedding:
     """A frozen copy of the target's token embedding, for heads that read tokens (EAGLE, recurrent Medusa)."""
     return nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)

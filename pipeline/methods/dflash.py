@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from eval.family import aux_bytes_per_token, aux_hidden_states
 from eval.heads.dflash import DFlashConfig, DFlashHead, mask_token_for
 
 from ..losses import divergence
 from ..options import RecipeError, one_of, option, positive
-from .base import DraftMethod, draft_ids
+from .base import DraftMethod, aux_feature_cache, batch_aux, draft_ids
 
 
 @dataclass
@@ -129,11 +128,7 @@ class DFlashTrainer(nn.Module):
         object.__setattr__(self, "target", target)  # not a submodule: never trained, saved or moved
 
     def aux(self, batch) -> torch.Tensor:
-        if "feat" in batch:
-            return batch["feat"].float()
-        ids = batch["ids"]
-        with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
-            return aux_hidden_states(self.target, ids, batch["valid"].long(), self.layers).float()
+        return batch_aux(batch, self.target, self.layers)
 
     def forward(self, batch):
         head, c, o = self.head, self.head.config, self.tc.dflash
@@ -191,13 +186,7 @@ class DFlash(DraftMethod):
         return DFlashConfig.from_target(target.config, 1, 2, 0, tc.dflash.aux_layers or None).aux_layers
 
     def feature_cache(self, tc, target, n_tokens):
-        o, layers = tc.dflash, self.layers(tc, target)
-        per_token = aux_bytes_per_token(target, len(layers))
-        gb = n_tokens * per_token / 1e9
-        mode = o.features if o.features != "auto" else "cache" if gb <= o.max_cache_gb else "online"
-        print(f"dflash aux features (layers {layers}): {per_token} bytes/token x {n_tokens} tokens = {gb:.2f} GB; "
-              f"features={o.features} -> {mode}")
-        return tuple(layers) if mode == "cache" else None
+        return aux_feature_cache("dflash", tc.dflash, self.layers(tc, target), target, n_tokens)
 
     def build(self, tc, target, tokenizer, rows, resume):
         o = tc.dflash

@@ -25,12 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eval.family import aux_bytes_per_token, aux_hidden_states
 from eval.heads import Eagle3Config, Eagle3Head
 
 from ..losses import divergence
 from ..options import RecipeError, one_of, option, positive
-from .base import DraftMethod, draft_ids
+from .base import DraftMethod, aux_feature_cache, batch_aux, draft_ids
 
 
 @dataclass
@@ -68,13 +67,7 @@ class Eagle3Trainer(nn.Module):
         object.__setattr__(self, "target", target)  # not a submodule: never trained, saved or moved
 
     def aux(self, batch) -> torch.Tensor:
-        """The target's aux features [B, L, 3H] in float32: the cached ones, or a forward now (outside the
-        loop's autocast, in the target's dtype, as the cache computes them)."""
-        if "feat" in batch:
-            return batch["feat"].float()
-        ids = batch["ids"]
-        with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
-            return aux_hidden_states(self.target, ids, batch["valid"].long(), self.layers).float()
+        return batch_aux(batch, self.target, self.layers)
 
     def forward(self, batch):
         tc, head, unroll = self.tc, self.head, self.tc.eagle3.unroll
@@ -126,13 +119,7 @@ class Eagle3(DraftMethod):
         return Eagle3Config.from_target(target.config, tc.eagle3.aux_layers or None, 0).aux_layers
 
     def feature_cache(self, tc, target, n_tokens):
-        o, layers = tc.eagle3, self.layers(tc, target)
-        per_token = aux_bytes_per_token(target, len(layers))
-        gb = n_tokens * per_token / 1e9
-        mode = o.features if o.features != "auto" else "cache" if gb <= o.max_cache_gb else "online"
-        print(f"eagle3 aux features (layers {layers}): {per_token} bytes/token x {n_tokens} tokens = {gb:.2f} GB; "
-              f"features={o.features} -> {mode}")
-        return tuple(layers) if mode == "cache" else None
+        return aux_feature_cache("eagle3", tc.eagle3, self.layers(tc, target), target, n_tokens)
 
     def build(self, tc, target, tokenizer, rows, resume):
         head = Eagle3Head.from_target(target, self.layers(tc, target), draft_ids(tc, target, rows)).float()
