@@ -157,7 +157,7 @@ def test_proposer_blocks_equal_the_training_forward(target, causal):
         _, q2 = prop.propose(2)  # fewer slots: causal blocks keep their first ones
     if causal:
         torch.testing.assert_close(q2[0], ref_q[1, :2], atol=1e-5, rtol=1e-4)
-    assert prop.max_k == BLOCK - 1 and prop.propose(9)[1].shape[1] == BLOCK - 1
+    assert prop.block_k == BLOCK - 1 and prop.propose(9)[1].shape[1] == BLOCK - 1
 
 
 @pytest.mark.parametrize("k", [1, 4, "auto"])

@@ -25,7 +25,7 @@ class DFlashProposer(Proposer):
         p = target.get_output_embeddings().weight
         self.head = head.to(device=p.device, dtype=p.dtype).eval()
         self.feature_layers = tuple(head.config.aux_layers)
-        self.max_k = head.config.block_size - 1  # a block drafts at most this many tokens
+        self.block_k = head.config.block_size - 1  # the most a block drafts (asked for more, it gives these)
         self.draft_ids = self.head.draft_ids  # [Vd] draft row -> target id
         self.vocab_size = target.config.vocab_size
 
@@ -38,14 +38,14 @@ class DFlashProposer(Proposer):
     def begin(self, prompts, first, max_len, sampling, features=None):
         self.sampling = sampling
         B, dev = len(prompts), first.device
-        self.caches = self.head.new_caches(B, max_len + self.max_k + 1)
+        self.caches = self.head.new_caches(B, max_len + self.block_k + 1)
         T = features.shape[1]
         self._write_context(features, torch.arange(T, device=dev).expand(B, T))  # past a prompt's end: junk, masked
         self.anchor = torch.tensor([len(p) for p in prompts], device=dev)  # [B] the current token's position
         self.cur = first  # [B]
 
     def propose(self, k):
-        k = min(k, self.max_k)
+        k = min(k, self.block_k)
         pos = self.anchor[:, None] + torch.arange(k + 1, device=self.anchor.device)  # [B, k + 1]
         mask = block_mask(self.anchor, k, self.caches[0].k.shape[2], self.head.config.causal)  # [B, 1, k + 1, S]
         h = self.head(self.head.block_input(self.cur, k), pos, None, mask, self.caches)[:, 1:]  # [B, k, H]

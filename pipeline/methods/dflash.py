@@ -156,9 +156,9 @@ class DFlashTrainer(nn.Module):
             metrics[f"acc_{s - 1}"] = 0.0
             if n == 0:
                 continue
-            div = divergence(self.tc.divergence, logits[:, :, s].reshape(B * A, -1), topk_ids=tk_ids[:, :, s].reshape(B * A, -1),
-                             topk_logprobs=tk_lp[:, :, s].reshape(B * A, -1), d2t=d2t, beta=self.tc.jsd_beta,
-                             temperature=self.tc.temperature, mask=m)
+            div = divergence(self.tc.divergence, logits[:, :, s].reshape(B * A, -1),
+                             topk_ids=tk_ids[:, :, s].reshape(B * A, -1), topk_logprobs=tk_lp[:, :, s].reshape(B * A, -1),
+                             d2t=d2t, beta=self.tc.jsd_beta, temperature=self.tc.temperature, mask=m)
             total = total + self.weights[s] * div * n
             count += n
             with torch.no_grad():
