@@ -32,11 +32,12 @@ distill: $(STAMP)
 	$(BIN)/draftsmith distill --recipe recipes/$(DOMAIN).yaml $(ARGS)
 
 # The suite on this CPU's own path, then the tests marked cpu_paths (the kernels against F.linear, exactness
-# against HF, bf16 speculative against plain, the embedded target's tiny distill) again on every other CPU path this CPU runs (eval/cpu.py), so a change made on an
-# AVX-512 machine cannot silently break an AVX2 one. For avx2 and generic, ATEN_CPU_CAPABILITY=avx2 gives PyTorch's
-# own kernels an AVX2-only CPU's too; avx512-bf16 (forced on an AMX CPU) keeps ATen's AVX-512, as on the CPUs it
-# is picked on (capped, torch's bf16 SDPA still takes its AMX route and stops: "pack_vnni2 is only supported when
-# avx512 is supported"). Each pytest run ends with the line naming the path it ran on.
+# against HF, bf16 speculative against plain, the embedded target's tiny distill) again on every other CPU path
+# this CPU runs (eval/cpu.py), so a change made on an AVX-512 machine cannot silently break an AVX2 one. For avx2
+# and generic, ATEN_CPU_CAPABILITY=avx2 gives PyTorch's own kernels an AVX2-only CPU's too; avx512-bf16 (forced on
+# an AMX CPU) keeps ATen's AVX-512, as on the CPUs it is picked on (capped, torch's bf16 SDPA still takes its AMX
+# route and stops: "pack_vnni2 is only supported when avx512 is supported"). Each pytest run ends with the line
+# naming the path it ran on.
 test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q $(ARGS)
 	@for p in $$($(BIN)/python -c "from eval import cpu; print(*[p for p in cpu.PATHS if cpu.runs(p) and p != cpu.cpu_path().name])"); do \

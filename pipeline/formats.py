@@ -92,7 +92,7 @@ class ExportFormat:
     served_by: tuple[str, ...]  # the engines that serve a draft of its kind in this format (evaluate.serve)
     vllm_method: str  # vLLM's speculative_config "method" for it
     writer: Callable  # (src, meta, tmp, verifier, k): the files into tmp
-    recognizes: Callable[[dict], bool]  # an export's config.json is of this format
+    recognizes: Callable[[dict], bool] | None = None  # an export's config.json is of this format (None: by speculators_type)
     k_in_config: Callable[[dict], int | None] = lambda config: None  # K as config.json records it
     self_contained: bool = False  # config.json names the verifier and K: `vllm serve <out>` alone
     sglang_algorithm: str | None = None  # SGLang's --speculative-algorithm, where SGLang loads it
@@ -105,6 +105,14 @@ class ExportFormat:
     # What an export in this format does beyond its files (a shipped proposer's rule): a measurement of an
     # export (evaluate.engine_rank's cache) is read back only under the same revision; None: the files alone
     revision: str | None = None
+    speculators_type: str | None = None  # its config.json's speculators_model_type, for the speculators formats
+
+    def __post_init__(self):
+        if self.recognizes is None:
+            if self.speculators_type is None:
+                raise ValueError(f"export format {self.name!r}: give `recognizes` or `speculators_type`")
+            t = self.speculators_type
+            object.__setattr__(self, "recognizes", lambda config: config.get("speculators_model_type") == t)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -174,6 +182,21 @@ def llama_layer_config(hc: dict, v: Verifier) -> dict:
             "eos_token_id": v.config.get("eos_token_id"), "pad_token_id": v.config.get("pad_token_id")}
 
 
+def speculators_header(algorithm: str, k: int, v: Verifier, **proposal) -> dict:
+    """The keys every speculators config carries (speculators/config.py SpeculatorsConfig): its algorithm, a greedy
+    proposal of K tokens (plus `proposal`'s fields), and the verifier vLLM serves it with."""
+    return {
+        "speculators_config": {
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  **proposal}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": v.name_or_path, "architectures": v.config.get("architectures") or []},
+        },
+        "speculators_version": "0.9.0",
+    }
+
+
 def write_speculators(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
     # Written for vllm/transformers_utils/configs/speculators/{base,algos}.py (update_eagle3) and
     # speculators/models/eagle3/config.py (Eagle3SpeculatorConfig); weights for llama_eagle3.py's load_weights.
@@ -185,14 +208,7 @@ def write_speculators(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> 
         # vLLM defaults a missing key to true; the contract's default is false: always write it
         "norm_before_residual": bool(hc["norm_before_residual"]),
         "eagle_aux_hidden_state_layer_ids": list(hc["aux_layers"]),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": v.name_or_path, "architectures": v.config.get("architectures") or []},
-        },
-        "speculators_version": "0.9.0",
-    }
+    } | speculators_header("eagle3", k, v)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _save(_eagle3_state(src, hc), tmp / "model.safetensors")  # the contract's names are the speculators names
 
@@ -226,19 +242,12 @@ def write_eagle3(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
 
 
 def qwen3_layer_config(hc: dict, v: Verifier) -> dict:
-    """The DFlash draft's decoder layers as a Qwen3Config dict (speculators' transformer_layer_config): full
-    attention, no sliding window (our draft attends to the whole context)."""
-    rope = {"rope_type": "default", "rope_theta": hc["rope_theta"]}
+    """The DFlash draft's decoder layers as a Qwen3Config dict (speculators' transformer_layer_config): the EAGLE-3
+    layer's fields, with its layer count, full attention and no sliding window (it attends to the whole context)."""
     n = hc["num_layers"]
-    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": hc["hidden_size"],
-            "num_attention_heads": hc["num_attention_heads"], "num_key_value_heads": hc["num_key_value_heads"],
-            "head_dim": hc["head_dim"], "intermediate_size": hc["intermediate_size"], "hidden_act": "silu",
-            "rms_norm_eps": hc["rms_norm_eps"], "rope_theta": hc["rope_theta"], "rope_parameters": rope,
-            "max_position_embeddings": hc["max_position_embeddings"], "vocab_size": hc["vocab_size"],
-            "num_hidden_layers": n, "attention_bias": False, "tie_word_embeddings": False,
-            "use_sliding_window": False, "sliding_window": None, "layer_types": ["full_attention"] * n,
-            "bos_token_id": v.config.get("bos_token_id"),
-            "eos_token_id": v.config.get("eos_token_id"), "pad_token_id": v.config.get("pad_token_id")}
+    llama = {key: val for key, val in llama_layer_config(hc, v).items() if key != "mlp_bias"}  # Qwen3 has none
+    return llama | {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": n,
+                    "use_sliding_window": False, "sliding_window": None, "layer_types": ["full_attention"] * n}
 
 
 def write_speculators_dflash(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
@@ -256,15 +265,7 @@ def write_speculators_dflash(src: Path, meta: dict, tmp: Path, v: Verifier, k: i
         "mask_token_id": hc["mask_token_id"],
         # vLLM serves every layer causal unless this is true (dflash_config.causal = not it)
         "sliding_window_non_causal": not hc["causal"], "sample_from_anchor": False,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
-                                  "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": v.name_or_path, "architectures": v.config.get("architectures") or []},
-        },
-        "speculators_version": "0.9.0",
-    }
+    } | speculators_header("dflash", k, v, accept_tolerance=0.0)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     state = _load(src)
     state.pop("embed_tokens.weight")  # speculators 0.9 never saves it: vLLM takes the verifier's
@@ -369,10 +370,10 @@ def _speculators_k(config: dict) -> int | None:
 
 # In detection order: the first whose `recognizes` holds names an export's format (verify-export).
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
-    ExportFormat("speculators", ("vllm",), "eagle3", write_speculators,
-                 lambda c: c.get("speculators_model_type") == "eagle3", _speculators_k, self_contained=True),
-    ExportFormat("speculators-dflash", ("vllm",), "dflash", write_speculators_dflash,
-                 lambda c: c.get("speculators_model_type") == "dflash", _speculators_k, self_contained=True),
+    ExportFormat("speculators", ("vllm",), "eagle3", write_speculators, k_in_config=_speculators_k, self_contained=True,
+                 speculators_type="eagle3"),
+    ExportFormat("speculators-dflash", ("vllm",), "dflash", write_speculators_dflash, k_in_config=_speculators_k,
+                 self_contained=True, speculators_type="dflash"),
     ExportFormat("eagle3", ("sglang",), "eagle3", write_eagle3,
                  lambda c: any(a in EAGLE3_ARCHS for a in _archs(c)), sglang_algorithm="EAGLE3"),
     ExportFormat("medusa", ("vllm",), "medusa", write_medusa,

@@ -61,8 +61,9 @@ def infer_format(config: dict) -> str:
         if f.recognizes(config):
             return f.name
     if config.get("speculators_model_type"):
+        ours = ", ".join(f"{f.name} for {f.speculators_type}" for f in FORMATS.values() if f.speculators_type)
         raise VerifyError(f"speculators_model_type {config['speculators_model_type']!r} is not a draft draftsmith "
-                          f"exports (its speculators formats: speculators for eagle3, speculators-dflash for dflash)")
+                          f"exports (its speculators formats: {ours})")
     raise VerifyError(f"config.json names no format draftsmith exports (architectures "
                       f"{config.get('architectures') or []}); give a directory written by `draftsmith export`")
 

@@ -27,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layers import KVCache, RMSNorm, apply_rope, rope_cos_sin
-from .eagle import HeadConfig, init_norm
-from .eagle3 import Eagle3MLP, SpeculatorsHead, default_aux_layers
+from .eagle import HeadConfig
+from .eagle3 import Eagle3MLP, SpeculatorsHead, resolve_aux_layers
 from .io import load_head, save_head
 
 
@@ -69,12 +69,7 @@ class DFlashConfig:
         vLLM's default (eval/heads/eagle3.py default_aux_layers), each in 0..N-1."""
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         h = HeadConfig.from_target(cfg, num_layers, draft_vocab_size)
-        N = cfg.num_hidden_layers
-        layers = list(aux_layers) if aux_layers else default_aux_layers(N)
-        bad = [i for i in layers if not 0 <= i < N]
-        if bad:
-            raise ValueError(f"aux_layers={layers}: layer id {bad[0]} is outside the target's {N} layers "
-                             f"(give ids in 0..{N - 1}, or none for the default {default_aux_layers(N)})")
+        layers = resolve_aux_layers(cfg.num_hidden_layers, aux_layers)
         return cls(h.hidden_size, h.num_attention_heads, h.num_key_value_heads, h.head_dim, h.intermediate_size,
                    h.rms_norm_eps, h.rope_theta, int(getattr(cfg, "max_position_embeddings", 2048)), h.vocab_size,
                    h.draft_vocab_size, cfg.hidden_size, num_layers, block_size, mask_token_id, layers)
@@ -186,13 +181,7 @@ class DFlashHead(SpeculatorsHead):
         c = DFlashConfig.from_target(target.config, num_layers, block_size, mask_token_id, aux_layers, n)
         ids = torch.arange(c.draft_vocab_size) if draft_ids is None else torch.as_tensor(draft_ids).long()
         head = cls(c, ids - torch.arange(len(ids)))
-        with torch.no_grad():
-            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.detach().float())
-            head.lm_head.weight.copy_(target.get_output_embeddings().weight.detach()[ids].float())
-            init_norm(head.norm, target)
-            Ht, A = c.target_hidden_size, len(c.aux_layers)
-            head.fc.weight.zero_()
-            head.fc.weight[:, (A - 1) * Ht:].copy_(torch.eye(c.hidden_size, Ht))
+        head.init_from_target(target, ids)
         return head
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,18 @@ def default_aux_layers(n_layers: int) -> list[int]:
     return [2, N // 2, N - 3] if N >= 6 else [0, N // 2, max(N - 1, 0)]
 
 
+def resolve_aux_layers(N: int, aux_layers=None) -> list[int]:
+    """The aux layer ids for an N-layer target: `aux_layers`, or default_aux_layers(N) when None or empty;
+    ValueError unless each is in 0..N-1 (layer N's input would be the final norm's, which HF's hidden_states
+    give after the norm and vLLM before it)."""
+    layers = list(aux_layers) if aux_layers else default_aux_layers(N)
+    bad = [i for i in layers if not 0 <= i < N]
+    if bad:
+        raise ValueError(f"aux_layers={layers}: layer id {bad[0]} is outside the target's {N} layers "
+                         f"(give ids in 0..{N - 1}, or none for the default {default_aux_layers(N)})")
+    return layers
+
+
 @dataclass
 class Eagle3Config:
     """The EAGLE-3 head's shape; saved as "head_config" in the draft file (the export reads it)."""
@@ -68,12 +80,7 @@ class Eagle3Config:
         HF's hidden_states give after the norm and vLLM before it)."""
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         h = HeadConfig.from_target(cfg, 1, draft_vocab_size)
-        N = cfg.num_hidden_layers
-        layers = list(aux_layers) if aux_layers else default_aux_layers(N)
-        bad = [i for i in layers if not 0 <= i < N]
-        if bad:
-            raise ValueError(f"aux_layers={layers}: layer id {bad[0]} is outside the target's {N} layers "
-                             f"(give ids in 0..{N - 1}, or none for the default {default_aux_layers(N)})")
+        layers = resolve_aux_layers(cfg.num_hidden_layers, aux_layers)
         return cls(h.hidden_size, h.num_attention_heads, h.num_key_value_heads, h.head_dim, h.intermediate_size,
                    h.rms_norm_eps, h.rope_theta, int(getattr(cfg, "max_position_embeddings", 2048)), h.vocab_size,
                    h.draft_vocab_size, cfg.hidden_size, False, layers)
@@ -151,6 +158,18 @@ class SpeculatorsHead(nn.Module):
         """[Vd] the target id of each draft row (absolute: arange + d2t)."""
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
+    @torch.no_grad()
+    def init_from_target(self, target, ids: torch.Tensor) -> None:
+        """Start from `target`: its embedding, its LM head rows `ids` (the draft vocabulary's target ids) and
+        its final norm copied; fc "passes the last aux layer through" (identity on its last block of columns,
+        zeros elsewhere), so the fused feature begins as a real target feature."""
+        self.embed_tokens.weight.copy_(target.get_input_embeddings().weight.detach().float())
+        self.lm_head.weight.copy_(target.get_output_embeddings().weight.detach()[ids].float())
+        init_norm(self.norm, target)
+        H, Ht = self.fc.weight.shape[0], self.config.target_hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, -Ht:].copy_(torch.eye(H, Ht))
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[B, T, H] pre-norm hidden -> [B, T, draft_vocab_size]; map rows to target ids with draft_ids."""
         return self.lm_head(self.norm(h))
@@ -190,13 +209,7 @@ class Eagle3Head(SpeculatorsHead):
         c = Eagle3Config.from_target(target.config, aux_layers, n)
         ids = torch.arange(c.draft_vocab_size) if draft_ids is None else torch.as_tensor(draft_ids).long()
         head = cls(c, ids - torch.arange(len(ids)))
-        with torch.no_grad():
-            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.detach().float())
-            head.lm_head.weight.copy_(target.get_output_embeddings().weight.detach()[ids].float())
-            init_norm(head.norm, target)
-            Ht = c.target_hidden_size
-            head.fc.weight.zero_()
-            head.fc.weight[:, 2 * Ht:].copy_(torch.eye(c.hidden_size, Ht))
+        head.init_from_target(target, ids)
         return head
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from eval.heads.dflash import DFlashConfig, DFlashHead, mask_token_for
+from eval.heads.dflash import DFlashHead, mask_token_for
+from eval.heads.eagle3 import resolve_aux_layers
 
 from ..losses import divergence
 from ..options import RecipeError, one_of, option, positive
@@ -141,10 +142,9 @@ class DFlashTrainer(nn.Module):
         anchors = choose_anchors(cand, o.max_anchors, int(ids.sum()) % (2 ** 31))  # [B, A]
         A = anchors.shape[1]
         logits = block_logits(head, ids, aux, anchors)  # [B, A, S, Vd]
-        a = anchors.clamp(min=0)
-        tgt = (a[..., None] + torch.arange(S, device=ids.device)).clamp(max=L - 1)  # [B, A, S] the slot's token position
-        ok = (anchors[..., None] >= 0) & (a[..., None] + torch.arange(S, device=ids.device) < L) \
-            & has_t.gather(1, tgt.view(B, -1)).view(B, A, S)  # [B, A, S]
+        slot_pos = anchors.clamp(min=0)[..., None] + torch.arange(S, device=ids.device)  # [B, A, S] each slot's token
+        tgt = slot_pos.clamp(max=L - 1)
+        ok = (anchors[..., None] >= 0) & (slot_pos < L) & has_t.gather(1, tgt.view(B, -1)).view(B, A, S)  # [B, A, S]
         tk_ids = batch["tk_ids"].gather(1, tgt.view(B, -1, 1).expand(-1, -1, batch["tk_ids"].shape[-1]))
         tk_lp = batch["tk_lp"].gather(1, tgt.view(B, -1, 1).expand(-1, -1, batch["tk_lp"].shape[-1]))
         tk_ids, tk_lp = tk_ids.view(B, A, S, -1), tk_lp.view(B, A, S, -1)
@@ -183,15 +183,15 @@ class DFlash(DraftMethod):
     unhashed = ("features", "max_cache_gb")  # where the target's features come from: switching them resumes
 
     def layers(self, tc, target) -> list[int]:
-        return DFlashConfig.from_target(target.config, 1, 2, 0, tc.dflash.aux_layers or None).aux_layers
+        cfg = target.config.get_text_config()
+        return resolve_aux_layers(cfg.num_hidden_layers, tc.dflash.aux_layers)
 
     def feature_cache(self, tc, target, n_tokens):
         return aux_feature_cache("dflash", tc.dflash, self.layers(tc, target), target, n_tokens)
 
     def build(self, tc, target, tokenizer, rows, resume):
         o = tc.dflash
-        V = target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config") \
-            else target.config.vocab_size
+        V = target.config.get_text_config().vocab_size
         mask = o.mask_token_id if o.mask_token_id >= 0 else mask_token_for(tokenizer, V, target.config)
         if mask >= V:
             raise RecipeError(f"train.dflash.mask_token_id={mask} is not below the target's vocabulary size {V}")
@@ -205,12 +205,8 @@ class DFlash(DraftMethod):
         return DFlashTrainer(head, target, tc)
 
     def trainable_parameters(self, module):
-        seen, out = set(), []
-        for p in module.head.parameters():  # a tied k_norm is listed once by parameters() already
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        # parameters() lists a tied k_norm once; the embedding (and, by default, the LM head) are frozen
+        return [p for p in module.head.parameters() if p.requires_grad]
 
     def vocab_size(self, module, target):
         return len(module.head.d2t)
