@@ -46,7 +46,9 @@ def build(path: str):
     """The compiled module of `path` (a FLAGS key): `pack(w)`, `linear(x, packed, bias, n_out)`,
     `attend(q, k, v, vis, scale)`, `add_rmsnorm(x, y, w, eps)`, `silu_mul(gate_up)`, `rope(x, n, cos, sin)`,
     `argmax_rows(x)`, `layer(...)`, `pack_i8(w)`, `linear_i8(...)`. Raises KernelBuildError when it does
-    not build. Building does not need the CPU to run the path; calling its kernels does (eval/cpu.py)."""
+    not build. Compiling does not need the CPU to run the path, but importing the module does: its
+    initialisers are compiled with the path's flags, so an AVX2-only CPU loading the AVX-512 build dies of
+    SIGILL. Ask eval.cpu.runs(path) first, as eval/cpu.py does."""
     from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
 
     # One build directory per path and torch installation: the extension links against that torch, and
