@@ -37,14 +37,16 @@ distill: $(STAMP)
 # and generic, ATEN_CPU_CAPABILITY=avx2 gives PyTorch's own kernels an AVX2-only CPU's too; avx512-bf16 (forced on
 # an AMX CPU) keeps ATen's AVX-512, as on the CPUs it is picked on (capped, torch's bf16 SDPA still takes its AMX
 # route and stops: "pack_vnni2 is only supported when avx512 is supported"). Each pytest run ends with the line
-# naming the path it ran on.
+# naming the path it ran on. TEST_JOBS: pytest-xdist workers, one a core by default (0: one process); a module's
+# tests stay on one worker (--dist loadscope), so its module-scoped fixtures (a tiny distill, say) run once.
+TEST_JOBS ?= auto
 test: $(STAMP) chromium
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadscope $(ARGS)
 	@for p in $$($(BIN)/python -c "from eval import cpu; print(*[p for p in cpu.PATHS if cpu.runs(p) and p != cpu.cpu_path().name])"); do \
 		cap=$$(case $$p in avx2|generic) echo ATEN_CPU_CAPABILITY=avx2;; esac); \
 		echo "== the key checks on the $$p path (DRAFTSMITH_CPU_PATH=$$p $$cap)"; \
 		slow=$$([ $$p = generic ] && echo "and not real_embedded"); \
-		env DRAFTSMITH_CPU_PATH=$$p $$cap $(BIN)/python -m pytest -q -p no:cacheprovider \
+		env DRAFTSMITH_CPU_PATH=$$p $$cap $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadscope -p no:cacheprovider \
 			-m cpu_paths -k "not eagle3 $$slow" || exit 1; \
 	done
 

@@ -196,7 +196,7 @@ def decide(env: dict | None = None, flags: frozenset | None = None) -> CpuPath:
     skipped = []
     for name in PATHS[:-1]:
         if not runs(name, flags):
-            skipped.append(f"no {' '.join(f for f in NEEDS[name] if f not in flags)}")
+            skipped.append(f"{name} needs {' '.join(f for f in NEEDS[name] if f not in flags)}")
             continue
         try:
             ext = _kernels(name)

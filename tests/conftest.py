@@ -10,6 +10,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# Under pytest-xdist (`make test` runs one worker a core) each worker, and the processes its tests start,
+# gets its share of the cores, not all of them: more threads than cores only take turns.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -106,6 +113,16 @@ def kernel_path(request, monkeypatch):
     monkeypatch.setattr(cpu, "cpu_path", lambda: path)
     EXERCISED.add(name)
     return path
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand its paths to the controller
+        session.config.workeroutput["cpu_paths_exercised"] = sorted(EXERCISED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    EXERCISED.update(getattr(node, "workeroutput", {}).get("cpu_paths_exercised", ()))
 
 
 def pytest_terminal_summary(terminalreporter):
