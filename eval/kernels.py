@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +39,30 @@ FLAGS = {
 }
 
 
+STALE_LOCK_S = 600  # a build takes 30-90 s on 2 cores; an older lock is a killed build's
+
+
+def build_dir(path: str) -> Path:
+    """Where `path`'s module is built: one directory per path, torch installation and checkout. The module
+    links against that torch, and its build file names the source, so two venvs or two checkouts sharing a
+    directory would rebuild it each time they alternate."""
+    key = f"{torch.__version__}:{Path(torch.__file__).resolve()}:{SOURCE.resolve()}"
+    tag = hashlib.sha1(key.encode()).hexdigest()[:10]
+    return cache_dir() / "ext" / f"draftsmith_kernels_{path.replace('-', '_')}-{tag}"
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's extension builder waits, without end, while its lock file exists; a build killed mid-way
+    (a timed-out CI job) leaves one behind, and every later process would hang at its first forward."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(f"draftsmith: removing {lock}, left {age / 60:.0f} min ago by a kernel build that did not finish")
+        lock.unlink(missing_ok=True)
+
+
 class KernelBuildError(RuntimeError):
     """The kernels of a path did not build here (no compiler, no ninja, an old assembler)."""
 
@@ -51,12 +77,9 @@ def build(path: str):
     SIGILL. Ask eval.cpu.runs(path) first, as eval/cpu.py does."""
     from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
 
-    # One build directory per path and torch installation: the extension links against that torch, and
-    # two venvs sharing one directory would rebuild it each time they alternate.
-    tag = hashlib.sha1(f"{torch.__version__}:{Path(torch.__file__).resolve()}".encode()).hexdigest()[:10]
-    name = "draftsmith_kernels_" + path.replace("-", "_")
-    out = cache_dir() / "ext" / f"{name}-{tag}"
+    name, out = "draftsmith_kernels_" + path.replace("-", "_"), build_dir(path)
     out.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(out / "lock")
     try:
         return load(name, [str(SOURCE)], extra_cflags=FLAGS[path], build_directory=str(out), verbose=False)
     except Exception as e:  # no compiler, no ninja, an old assembler

@@ -45,6 +45,29 @@ def test_builds_where_the_cpu_can_run_it(name):
         assert cpu.decide({cpu.ENV_PATH: name}).kernels is mod
 
 
+def test_a_killed_builds_lock_is_cleared_and_a_running_builds_kept(tmp_path):
+    """torch's builder waits forever on its lock file; a build killed mid-way leaves one behind."""
+    import time
+
+    stale, fresh = tmp_path / "stale" / "lock", tmp_path / "fresh" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    then = time.time() - kernels.STALE_LOCK_S - 60
+    os.utime(stale, (then, then))
+    with pytest.warns(UserWarning, match="did not finish"):
+        kernels._clear_stale_lock(stale)
+    kernels._clear_stale_lock(fresh)
+    assert not stale.exists() and fresh.exists()
+    kernels._clear_stale_lock(stale)  # none: nothing to do
+
+
+def test_each_checkout_builds_in_its_own_directory(monkeypatch):
+    a = kernels.build_dir("avx2")
+    monkeypatch.setattr(kernels, "SOURCE", Path("/elsewhere/eval/csrc/small_gemm.cpp"))
+    assert kernels.build_dir("avx2") != a and kernels.build_dir("avx2").parent == a.parent
+
+
 def _case(rows, n_out, k, bias, seed):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n_out, k, generator=g) * 0.1).to(torch.bfloat16)
