@@ -73,9 +73,15 @@ def cpu_info() -> tuple[str, frozenset]:
     return model, flags
 
 
+def missing(path: str, flags: frozenset | None = None) -> list[str]:
+    """The flags `path`'s instructions need that this CPU (or `flags`) lacks."""
+    have = cpu_info()[1] if flags is None else flags
+    return [f for f in NEEDS[path] if f not in have]
+
+
 def runs(path: str, flags: frozenset | None = None) -> bool:
     """Whether this CPU executes `path`'s instructions."""
-    return all(f in (cpu_info()[1] if flags is None else flags) for f in NEEDS[path])
+    return not missing(path, flags)
 
 
 @dataclass(frozen=True)
@@ -172,9 +178,9 @@ def decide(env: dict | None = None, flags: frozenset | None = None) -> CpuPath:
     if forced and forced not in PATHS:
         raise CpuPathError(f"{ENV_PATH}={forced!r} is not a CPU path: use one of {', '.join(PATHS)}, or unset it")
     if forced and not runs(forced, flags):
-        missing = [f for f in NEEDS[forced] if f not in flags]
         ok = [p for p in PATHS if runs(p, flags)]
-        raise CpuPathError(f"{ENV_PATH}={forced}: this CPU ({model}) lacks {' '.join(missing)}; use one of "
+        lacks = " ".join(missing(forced, flags))
+        raise CpuPathError(f"{ENV_PATH}={forced}: this CPU ({model}) lacks {lacks}; use one of "
                            f"{', '.join(ok)}, or unset it to pick the best")
     if env.get(ENV_KERNELS, "1") == "0" and forced not in ("", "generic"):
         raise CpuPathError(f"{ENV_KERNELS}=0 turns the kernels off, {ENV_PATH}={forced} asks for them: unset one")
@@ -196,7 +202,7 @@ def decide(env: dict | None = None, flags: frozenset | None = None) -> CpuPath:
     skipped = []
     for name in PATHS[:-1]:
         if not runs(name, flags):
-            skipped.append(f"{name} needs {' '.join(f for f in NEEDS[name] if f not in flags)}")
+            skipped.append(f"{name} needs {' '.join(missing(name, flags))}")
             continue
         try:
             ext = _kernels(name)

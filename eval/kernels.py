@@ -47,8 +47,12 @@ def build_dir(path: str) -> Path:
     links against that torch, and its build file names the source, so two venvs or two checkouts sharing a
     directory would rebuild it each time they alternate."""
     key = f"{torch.__version__}:{Path(torch.__file__).resolve()}:{SOURCE.resolve()}"
-    tag = hashlib.sha1(key.encode()).hexdigest()[:10]
-    return cache_dir() / "ext" / f"draftsmith_kernels_{path.replace('-', '_')}-{tag}"
+    return cache_dir() / "ext" / f"{module_name(path)}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def module_name(path: str) -> str:
+    """The Python module `path`'s build is imported as."""
+    return "draftsmith_kernels_" + path.replace("-", "_")
 
 
 def _clear_stale_lock(lock: Path) -> None:
@@ -77,11 +81,11 @@ def build(path: str):
     SIGILL. Ask eval.cpu.runs(path) first, as eval/cpu.py does."""
     from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
 
-    name, out = "draftsmith_kernels_" + path.replace("-", "_"), build_dir(path)
+    out = build_dir(path)
     out.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(out / "lock")
     try:
-        return load(name, [str(SOURCE)], extra_cflags=FLAGS[path], build_directory=str(out), verbose=False)
+        return load(module_name(path), [str(SOURCE)], extra_cflags=FLAGS[path], build_directory=str(out), verbose=False)
     except Exception as e:  # no compiler, no ninja, an old assembler
         first = str(e).splitlines()[0] if str(e) else ""
         raise KernelBuildError(f"the {path} kernels did not build ({type(e).__name__}: {first}): install a C++ "

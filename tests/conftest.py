@@ -106,7 +106,7 @@ def kernel_path(request, monkeypatch):
         flags = cpu._capped(flags, cpu.cpu_path().name)
     if not cpu.runs(name, flags):
         pytest.skip(f"this CPU cannot run the {name} path: it lacks "
-                    f"{' '.join(f for f in cpu.NEEDS[name] if f not in flags)}")
+                    f"{' '.join(cpu.missing(name, flags))}")
     if name == "amx-bf16" and cpu._kernels(name) is None:
         pytest.skip("the OS does not grant this process AMX (Linux 5.16 or later does)")
     path = cpu.decide({cpu.ENV_PATH: name})

@@ -37,8 +37,7 @@ def test_builds_where_the_cpu_can_run_it(name):
     if not (is_ninja_available() and shutil.which("c++")):
         pytest.skip("no compiler or ninja here: the generic path is the expected one")
     if not cpu.runs(name):  # importing the module runs its initialisers, compiled with the path's flags
-        pytest.skip(f"this CPU cannot load the {name} build: it lacks "
-                    f"{' '.join(f for f in cpu.NEEDS[name] if f not in cpu.cpu_info()[1])}")
+        pytest.skip(f"this CPU cannot load the {name} build: it lacks {' '.join(cpu.missing(name))}")
     mod = kernels.build(name)
     assert hasattr(mod, "linear") and hasattr(mod, "argmax_rows")
     if cpu._kernels(name) is not None:
