@@ -413,6 +413,85 @@ static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const f
   });
 }
 
+// Many rows (prefill, generate's batches): each block's weights are widened once into an fp32 panel
+// [K][16] in cache, then R rows at a time run a 6 x 16 register tile over it: one FMA per weight and row,
+// two panel loads per k shared by six rows, as an AVX2 GEMM's micro-kernel does, with none of the per-pass
+// widening and dependent FMA pairs of run_blocks2 (the figures: docs/reference/kernels.md). Each output
+// starts from the bias and adds k = 0, 1, 2, ... one FMA each, run_blocks2's order, so the two kernels give
+// the same bits and the row-invariance holds across PANEL_MIN_ROWS.
+#ifndef PANEL_MIN_ROWS
+#define PANEL_MIN_ROWS 17
+#endif
+
+static void widen_panel(const uint16_t* blk, int64_t Kp, float* panel) {  // one block -> [2 Kp][16] fp32
+  for (int64_t kp = 0; kp < Kp; kp++) {
+    __m256 e[2], o[2];
+    widen(blk + kp * 32, e, o);
+    for (int h = 0; h < 2; h++) {
+      _mm256_storeu_ps(panel + (2 * kp) * 16 + 8 * h, e[h]);
+      _mm256_storeu_ps(panel + (2 * kp + 1) * 16 + 8 * h, o[h]);
+    }
+  }
+}
+
+template <int R>
+static void panel_tile(const float* xf, int64_t K, const float* panel, const float* bias16, uint16_t* y,
+                       int64_t N, int64_t n0) {
+  __m256 acc[R][2];
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; h++) {
+    const __m256 init = bias16 ? _mm256_loadu_ps(bias16 + 8 * h) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < R; m++) acc[m][h] = init;
+  }
+  for (int64_t k = 0; k < K; k++) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * 16), w1 = _mm256_loadu_ps(panel + k * 16 + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < R; m++) {
+      const __m256 xb = _mm256_broadcast_ss(xf + m * K + k);
+      acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+    }
+  }
+  const int64_t left = N - n0 < 16 ? N - n0 : 16;
+#pragma GCC unroll 8
+  for (int m = 0; m < R; m++) {
+    alignas(16) uint16_t out[16];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) _mm_store_si128((__m128i*)(out + 8 * h), bf16x8_pack(acc[m][h]));
+    std::memcpy(y + m * N + n0, out, left * sizeof(uint16_t));
+  }
+}
+
+static void gemm_panel(const float* xf, int64_t M, int64_t K, const uint16_t* p, const float* bias, int64_t Nb,
+                       uint16_t* y, int64_t N) {
+  const int64_t Kp = K / 2;
+  at::parallel_for(0, Nb, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> panel(K * 16);
+    for (int64_t b = b0; b < b1; b++) {
+      widen_panel(p + b * Kp * 32, Kp, panel.data());
+      const float* bb = bias ? bias + b * 16 : nullptr;
+      // ceil(M / 6) tiles of near-equal height: a lone tile of one or two rows would leave the FMA pipes
+      // waiting on its few accumulators.
+      const int64_t tiles = (M + 5) / 6;
+      for (int64_t t = 0, m = 0; t < tiles; t++) {
+        const int64_t r = (M - m) / (tiles - t) + ((M - m) % (tiles - t) ? 1 : 0);
+        const float* xm = xf + m * K;
+        uint16_t* ym = y + m * N;
+        switch (r) {
+          case 1: panel_tile<1>(xm, K, panel.data(), bb, ym, N, b * 16); break;
+          case 2: panel_tile<2>(xm, K, panel.data(), bb, ym, N, b * 16); break;
+          case 3: panel_tile<3>(xm, K, panel.data(), bb, ym, N, b * 16); break;
+          case 4: panel_tile<4>(xm, K, panel.data(), bb, ym, N, b * 16); break;
+          case 5: panel_tile<5>(xm, K, panel.data(), bb, ym, N, b * 16); break;
+          default: panel_tile<6>(xm, K, panel.data(), bb, ym, N, b * 16); break;
+        }
+        m += r;
+      }
+    }
+  });
+}
+
 // bf16 x [M, K] -> fp32 [M, K] (exact): the broadcasts read it.
 static std::vector<float> widen_rows(const uint16_t* x, int64_t n) {
   std::vector<float> xf(n);
@@ -528,7 +607,8 @@ bool amx_ready() {
 
 // The matmul kernel on this path: y [M, N] = x [M, K] @ W^T (+ bias), W packed by `pack` (uint16_t) or
 // `pack_i8` (int8_t, with per-output `scale`). Any M: AVX-512 runs 16 rows at a time (each row's sums are
-// the same whatever the chunk), AVX2 four at a time over cached spans of the weights.
+// the same whatever the chunk), AVX2 five at a time over cached spans of the weights, or from
+// PANEL_MIN_ROWS rows six at a time over each block's weights widened once to fp32 (gemm_panel).
 template <class W>
 static void gemm(const uint16_t* x, int64_t M, int64_t K, const W* p, const float* bias, int64_t Nb, uint16_t* y,
                  int64_t N, const float* scale) {
@@ -562,6 +642,8 @@ static void gemm(const uint16_t* x, int64_t M, int64_t K, const W* p, const floa
   }
 #else
   const auto xf = widen_rows(x, M * K);
+  if constexpr (std::is_same_v<W, uint16_t>)
+    if (M >= PANEL_MIN_ROWS) return gemm_panel(xf.data(), M, K, p, bias, Nb, y, N);
   gemm_rows<W>(xf.data(), M, K, p, bias, Nb, y, N, scale);
 #endif
 }
