@@ -350,27 +350,36 @@ static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bia
   const int64_t Kp = K / 2;
   for (int64_t b = b0; b < b1; b += NB) {
     __m256 acc[R][NB][2];
+#pragma GCC unroll 16
     for (int j = 0; j < NB; j++)
+#pragma GCC unroll 16
       for (int h = 0; h < 2; h++) {
         const __m256 init = bias && !I8 ? _mm256_loadu_ps(bias + (b + j) * 16 + 8 * h) : _mm256_setzero_ps();
+#pragma GCC unroll 16
         for (int m = 0; m < R; m++) acc[m][j][h] = init;
       }
     for (int64_t kp = 0; kp < Kp; kp++) {
+#pragma GCC unroll 16
       for (int j = 0; j < NB; j++) {
         const W* line = p + ((b + j) * Kp + kp) * LINE;
         if constexpr (!I8) _mm_prefetch((const char*)(line + PREFETCH_LINES * LINE), _MM_HINT_T0);
         __m256 we[2], wo[2];
         widen(line, we, wo);
+#pragma GCC unroll 16
         for (int m = 0; m < R; m++) {
           const __m256 xe = _mm256_broadcast_ss(xf + m * K + 2 * kp), xo = _mm256_broadcast_ss(xf + m * K + 2 * kp + 1);
+#pragma GCC unroll 16
           for (int h = 0; h < 2; h++) acc[m][j][h] = _mm256_fmadd_ps(wo[h], xo, _mm256_fmadd_ps(we[h], xe, acc[m][j][h]));
         }
       }
     }
+#pragma GCC unroll 16
     for (int j = 0; j < NB; j++) {
       const int64_t n0 = (b + j) * 16, left = N - n0 < 16 ? N - n0 : 16;
+#pragma GCC unroll 16
       for (int m = 0; m < R; m++) {
         alignas(16) uint16_t out[16];
+#pragma GCC unroll 16
         for (int h = 0; h < 2; h++) {
           __m256 v = acc[m][j][h];
           if constexpr (I8)
