@@ -88,7 +88,7 @@ def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias, k, ext)
     assert (got == ref.to(torch.bfloat16)).float().mean() > 0.97
 
 
-@pytest.mark.parametrize("rows", [9, 16, 17, 40])  # 17, 40: the AVX2 path's panel kernel (PANEL_MIN_ROWS)
+@pytest.mark.parametrize("rows", [9, 16, 17, 19, 40])  # 17-40: the AVX2 path's panel kernel (19: a 4-row tile)
 def test_a_row_rounds_the_same_whatever_the_other_rows(rows, ext, kernel_path):
     if kernel_path.kernel_rows is not None and rows > kernel_path.kernel_rows:
         pytest.skip(f"the {kernel_path.name} path hands more than {kernel_path.kernel_rows} rows to oneDNN")

@@ -170,6 +170,11 @@ static inline void bf16x16_store(uint16_t* p, vf v) {
   _mm_storeu_si128((__m128i*)p, bf16x8_pack(v.lo));
   _mm_storeu_si128((__m128i*)(p + 8), bf16x8_pack(v.hi));
 }
+static inline void bf16x16_store_n(uint16_t* p, vf v, int64_t n) {  // the first n <= 16 of them
+  alignas(16) uint16_t t[16];
+  bf16x16_store(t, v);
+  std::memcpy(p, t, n * sizeof(uint16_t));
+}
 static inline __m256 bf16x8_round(__m256 v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16x8_pack(v)), 16));
 }
@@ -378,15 +383,11 @@ static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bia
       const int64_t n0 = (b + j) * 16, left = N - n0 < 16 ? N - n0 : 16;
 #pragma GCC unroll 16
       for (int m = 0; m < R; m++) {
-        alignas(16) uint16_t out[16];
-#pragma GCC unroll 16
-        for (int h = 0; h < 2; h++) {
-          __m256 v = acc[m][j][h];
-          if constexpr (I8)
-            v = _mm256_fmadd_ps(v, _mm256_loadu_ps(scale + n0 + 8 * h), bias ? _mm256_loadu_ps(bias + n0 + 8 * h) : _mm256_setzero_ps());
-          _mm_store_si128((__m128i*)(out + 8 * h), bf16x8_pack(v));
-        }
-        std::memcpy(y + m * N + n0, out, left * sizeof(uint16_t));
+        __m256 v[2] = {acc[m][j][0], acc[m][j][1]};
+        if constexpr (I8)
+          for (int h = 0; h < 2; h++)
+            v[h] = _mm256_fmadd_ps(v[h], _mm256_loadu_ps(scale + n0 + 8 * h), bias ? _mm256_loadu_ps(bias + n0 + 8 * h) : _mm256_setzero_ps());
+        bf16x16_store_n(y + m * N + n0, {v[0], v[1]}, left);
       }
     }
   }
@@ -431,6 +432,7 @@ static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const f
 #ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 17
 #endif
+static_assert(PANEL_MIN_ROWS >= 8, "gemm_panel's tiles are 4-6 rows only from 8 rows on");
 
 static void widen_panel(const uint16_t* blk, int64_t Kp, float* panel) {  // one block -> [2 Kp][16] fp32
   for (int64_t kp = 0; kp < Kp; kp++) {
@@ -464,12 +466,7 @@ static void panel_tile(const float* xf, int64_t K, const float* panel, const flo
   }
   const int64_t left = N - n0 < 16 ? N - n0 : 16;
 #pragma GCC unroll 8
-  for (int m = 0; m < R; m++) {
-    alignas(16) uint16_t out[16];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) _mm_store_si128((__m128i*)(out + 8 * h), bf16x8_pack(acc[m][h]));
-    std::memcpy(y + m * N + n0, out, left * sizeof(uint16_t));
-  }
+  for (int m = 0; m < R; m++) bf16x16_store_n(y + m * N + n0, {acc[m][0], acc[m][1]}, left);
 }
 
 static void gemm_panel(const float* xf, int64_t M, int64_t K, const uint16_t* p, const float* bias, int64_t Nb,
@@ -480,17 +477,14 @@ static void gemm_panel(const float* xf, int64_t M, int64_t K, const uint16_t* p,
     for (int64_t b = b0; b < b1; b++) {
       widen_panel(p + b * Kp * 32, Kp, panel.data());
       const float* bb = bias ? bias + b * 16 : nullptr;
-      // ceil(M / 6) tiles of near-equal height: a lone tile of one or two rows would leave the FMA pipes
-      // waiting on its few accumulators.
+      // ceil(M / 6) tiles of near-equal height, 4 to 6 rows from 8 rows on: a lone tile of one or two rows
+      // would leave the FMA pipes waiting on its few accumulators.
       const int64_t tiles = (M + 5) / 6;
       for (int64_t t = 0, m = 0; t < tiles; t++) {
         const int64_t r = (M - m) / (tiles - t) + ((M - m) % (tiles - t) ? 1 : 0);
         const float* xm = xf + m * K;
         uint16_t* ym = y + m * N;
         switch (r) {
-          case 1: panel_tile<1>(xm, K, panel.data(), bb, ym, N, b * 16); break;
-          case 2: panel_tile<2>(xm, K, panel.data(), bb, ym, N, b * 16); break;
-          case 3: panel_tile<3>(xm, K, panel.data(), bb, ym, N, b * 16); break;
           case 4: panel_tile<4>(xm, K, panel.data(), bb, ym, N, b * 16); break;
           case 5: panel_tile<5>(xm, K, panel.data(), bb, ym, N, b * 16); break;
           default: panel_tile<6>(xm, K, panel.data(), bb, ym, N, b * 16); break;
