@@ -76,6 +76,9 @@ class GenerationResult:
     # generate(logprobs=N): per prompt (ids [n, N], log-probs [n, N] float32, descending), the target's top N
     # at each new token's step (log-softmax of the raw logits over the full vocabulary), as vLLM's `logprobs`
     logprobs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # generate(features=True): per prompt [len(prompt) + n, H], the target's features (what its LM head reads)
+    # at every position of prompt + new tokens, as a teacher-forced forward over them would give
+    features: list[torch.Tensor] | None = None
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -198,6 +201,7 @@ class SpeculativeDecoder:
         self.controllers: dict[int, KController] = {}  # k="auto": per batch size, kept across calls
         self.last_stats: dict = {}
         self.last_logprobs: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # stream(logprobs=N)
+        self.last_features: list[torch.Tensor] | None = None  # stream(features=True)
         self.static = bool(compile)
         self.static_len = 0  # compile=True: the cache length of every call so far
         if self.static:
@@ -223,26 +227,28 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0,
-                 logprobs: int = 0) -> GenerationResult:
+                 logprobs: int = 0, features: bool = False) -> GenerationResult:
         out = [[] for _ in prompts]
-        gen = self.stream(prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, logprobs)
+        gen = self.stream(prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, logprobs, features)
         for batch in gen:
             for o, new in zip(out, batch):
                 o.extend(new)
-        return GenerationResult(out, self.last_stats, self.last_logprobs)
+        return GenerationResult(out, self.last_stats, self.last_logprobs, self.last_features)
 
     @torch.inference_mode()
     def stream(self, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0, logprobs: int = 0):
+               top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0, logprobs: int = 0,
+               features: bool = False):
         """Yields, once per round, a list (per prompt) of the newly verified tokens. logprobs=N keeps the
-        target's top N log-probs of every step in `last_logprobs` (plain decoding: its step logits are the
-        ones a verify computes, row-invariant kernels, so the generate stage needs no teacher forward)."""
-        if logprobs and self.proposer is not None:
-            raise ValueError("logprobs are kept by plain decoding only: use SpeculativeDecoder(target, None)")
+        target's top N log-probs of every step in `last_logprobs`, and features=True its features at every
+        position in `last_features` (plain decoding: its steps run the row-invariant kernels a verify runs,
+        so the generate stage needs no teacher-forced forward for either)."""
+        if (logprobs or features) and self.proposer is not None:
+            raise ValueError("logprobs and features are kept by plain decoding only: use SpeculativeDecoder(target, None)")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         s = self._setup(prompts, max_new_tokens, Sampling(temperature, top_k, top_p, gen), eos_token_id)
-        s.logprobs = logprobs
-        self.last_logprobs = None
+        s.logprobs, s.keep_features = logprobs, features
+        self.last_logprobs = self.last_features = None
         prop = self.proposer
         ctl = self._controller(len(prompts)) if self.k == "auto" and prop is not None else None
 
@@ -270,6 +276,8 @@ class SpeculativeDecoder:
         self.last_stats = self._finish(s, ctl)
         if logprobs:
             self.last_logprobs = self._logprobs(s)
+        if features:
+            self.last_features = self._features(s)
 
     # ------------------------------------------------------------------ the steps of stream()
     def _controller(self, batch: int) -> "KController":
@@ -347,9 +355,9 @@ class SpeculativeDecoder:
 
     def _begin(self, s: "_Batch", feats: torch.Tensor):
         """Prefill the proposer. With k="auto" a feature-reading proposer keeps the target's features by
-        position, to resync after plain rounds."""
+        position, to resync after plain rounds; stream(features=True) keeps them to return."""
         prop = self.proposer
-        if prop is not None and prop.uses_features and self.k == "auto":
+        if s.keep_features or (prop is not None and prop.uses_features and self.k == "auto"):
             s.featbuf = torch.zeros(len(s.prompts), s.max_len, feats.shape[-1], dtype=feats.dtype,
                                     device=self.device)  # [B, max_len, F]: F = H, or n*H with feature_layers
             s.featbuf[:, : feats.shape[1]] = feats
@@ -363,7 +371,7 @@ class SpeculativeDecoder:
         """Once at most DROP_SHARE of the rows the target computes are still running, its K/V cache keeps
         only theirs and later rounds compute them alone (the proposer still drafts for every row; a
         finished row's round is filled in by _spread and frozen by _update)."""
-        if not self.runner.row_groups or self.static or s.logprobs:
+        if not self.runner.row_groups or self.static or s.logprobs or s.keep_features:
             return
         live = s.live_host if s.live_host is not None else list(range(len(s.prompts)))
         keep = [i for i, b in enumerate(live) if not s.done[b]]
@@ -497,6 +505,17 @@ class SpeculativeDecoder:
         vals = torch.stack([v for _, v in s.steps_lp], 1).cpu()  # [B, steps, N]
         return [(ids[b, : len(o)], vals[b, : len(o)]) for b, o in enumerate(s.out)]
 
+    def _features(self, s: "_Batch") -> list[torch.Tensor]:
+        """Per row its features [len(prompt) + n, H] at every position of prompt + its n new tokens. A row's
+        last token was emitted but never fed (a finished row freezes before it), so one more plain step feeds
+        each row's last token at its position."""
+        dev, B = self.device, len(s.prompts)
+        last = torch.tensor([o[-1] for o in s.out], device=dev)[:, None]  # [B, 1]
+        pos = torch.tensor([len(p) + len(o) - 1 for p, o in zip(s.prompts, s.out)], device=dev)[:, None]  # [B, 1]
+        _, feats = self._fwd(last, pos, s.s_full or int(pos.max()) + 1)  # [B, 1, H]
+        s.featbuf[torch.arange(B, device=dev)[:, None], pos] = feats
+        return [s.featbuf[b, : p + 1].cpu() for b, p in enumerate(pos[:, 0].tolist())]
+
     def _record(self, s: "_Batch", r: "_Round", active: list[bool]) -> list[list[int]]:
         """Count the round -> each active row's new tokens (its accepted drafts and the bonus token)."""
         s.stats.target_forwards += 1
@@ -555,11 +574,12 @@ class _Batch:
     n_host: list[int] = field(default_factory=list)  # the same positions, on the host
     out: list[list[int]] = field(default_factory=list)  # new tokens per row
     done: list[bool] = field(default_factory=list)
-    featbuf: torch.Tensor | None = None  # [B, max_len, H] target features by position (k="auto" resyncs)
+    featbuf: torch.Tensor | None = None  # [B, max_len, H] target features by position (k="auto" resyncs, features=True)
     live: torch.Tensor | None = None  # [g] the rows the target still computes, in its cache's order (None: all B)
     live_host: list[int] | None = None  # the same rows, on the host
     synced: bool = False  # the proposer has seen every verified token
     logprobs: int = 0  # top log-probs kept per step (generate(logprobs=N))
+    keep_features: bool = False  # generate(features=True): every position's features, returned
     steps_lp: list = field(default_factory=list)  # per step (ids [B, N], log-probs [B, N])
 
     def __post_init__(self):

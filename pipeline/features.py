@@ -1,5 +1,6 @@
 """The target's side of training data, computed once and cached on disk: its final-norm features
-for the feature-reading heads (eagle, medusa), the residual streams entering a method's chosen layers
+for the feature-reading heads (eagle, medusa) where the generate stage did not keep them
+(`generated_features`), the residual streams entering a method's chosen layers
 (eagle3's aux features, `DraftMethod.feature_cache`), and raw domain text scored by it (train.raw_windows).
 
 Both caches are one safetensors file whose metadata holds a key of their inputs; a file with another
@@ -18,8 +19,9 @@ import torch
 from eval.family import aux_hidden_states, final_features
 
 from .faults import kill_point
+from .shards import shard_features
 from .models import compute_copy
-from .train_data import right_padded
+from .train_data import TrainError, right_padded
 
 FEATURES_FILE = "features.safetensors"
 RAW_TEACHER_FILE = "raw-teacher.safetensors"
@@ -28,6 +30,21 @@ RAW_TEACHER_FILE = "raw-teacher.safetensors"
 def aux_features_file(layers) -> str:
     """The aux-feature cache of `layers` (its own file: the final-norm cache stays valid beside it)."""
     return f"features-aux-{'-'.join(map(str, layers))}.safetensors"
+
+
+def generated_features(gen_dir: Path, rows) -> list[torch.Tensor] | None:
+    """The final-norm features the generate stage kept for `rows` (train_data.load_rows' rows, each naming
+    its stage row "src"), cut to each row's tokens: the decoder's own, as it serves the draft, at no forward.
+    None where the shards do not hold them (HF or vLLM generated them, or an older run)."""
+    every = shard_features(gen_dir)
+    if every is None:
+        return None
+    feats = [every[r["src"]][:len(r["ids"])] for r in rows]
+    bad = next((r["src"] for r, f in zip(rows, feats) if len(f) != len(r["ids"])), None)
+    if bad is not None:
+        raise TrainError(f"{gen_dir}: row {bad}'s stored features are shorter than its tokens; delete {gen_dir} "
+                         f"and rerun the generate stage")
+    return feats
 
 
 def padded_batches(seqs: list[list[int]], batch_size: int, desc: str):

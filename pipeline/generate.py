@@ -16,7 +16,9 @@ Completions come from this project's decoder (plain decoding, ragged batches on 
 see `make_decoder`), and their top-k log-probs from the same decode loop's logits (`generate(logprobs=k)`):
 its steps run the row-invariant kernels a verify runs, so they are the distribution a draft is judged
 against, and no second forward is needed (it cost as much as the decoding on the AVX2 path:
-docs/reference/kernels.md). `generate.engine` picks HF `generate` or vLLM instead (its own venv,
+docs/reference/kernels.md). For a method that trains on the target's final-norm features (medusa, eagle)
+the same steps keep them too (`generate(features=True)`, saved in each shard: `shards.SHARD_FEATURES`),
+the features the served decoder hands the draft, so the train stage runs no teacher-forced pass for them. `generate.engine` picks HF `generate` or vLLM instead (its own venv,
 through pipeline/engines: `vllm_rows`, whose top-k also come from vLLM's decode loop). HF `generate`'s
 rows get theirs from one teacher-forced HF forward over prompt+completion, untouched by generate's
 logits processors. In bf16 that top-1 can differ from a greedy token at near-ties; position i is still
@@ -88,6 +90,15 @@ def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
     return [enc[i:i + batch_size] for i in range(0, len(enc), batch_size)]
 
 
+def keeps_features(recipe) -> bool:
+    """Whether generate keeps the target's features for the train stage: our decoder generates, and the
+    recipe's method trains on final-norm features of the generated rows."""
+    from .methods import get_method
+
+    return (recipe.generate.engine == "draftsmith" and get_method(recipe.train.method).needs_features
+            and recipe.train.data == "generated")
+
+
 def make_decoder(model, engine: str = "draftsmith"):
     """This project's decoder (eval/decoder.py, plain decoding, ragged batches on every family's runner)
     for the generate stage where generate.engine is 'draftsmith', else None: HF `generate` (engine=hf).
@@ -107,17 +118,22 @@ def engine_name(engine: str) -> str:
 
 @torch.no_grad()
 def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_tokens: int,
-                   temperature: float, top_k: int, seed: int, decoder=None, teacher=None) -> list[dict]:
+                   temperature: float, top_k: int, seed: int, decoder=None, teacher=None,
+                   features: bool = False) -> list[dict]:
     """Generate for one batch and return shard rows with the target's top-k log-probs. `decoder`
-    (make_decoder's) decodes when given, its top-k from its own steps; else HF `generate` over the
-    left-padded batch, its top-k from a teacher-forced forward run by `teacher` (default `model`;
-    models.compute_copy's fp32 copy where bf16 matmuls are slow)."""
+    (make_decoder's) decodes when given, its top-k from its own steps, and with `features` each row's
+    features at every position under "features" (a tensor [len(prompt) + n, H], which `_save` stores
+    beside the rows); else HF `generate` over the left-padded batch, its top-k from a teacher-forced
+    forward run by `teacher` (default `model`; models.compute_copy's fp32 copy where bf16 matmuls are slow)."""
     if decoder is not None:
         # Seeded per batch (its own generator), so the process count does not matter.
         res = decoder.generate([ids for _, ids in batch], max_new_tokens, temperature=temperature,
-                               eos_token_id=eos_ids, seed=seed, logprobs=top_k)  # cut after EOS (kept)
-        return [_row(rid, ids, c, idx, vals)
+                               eos_token_id=eos_ids, seed=seed, logprobs=top_k, features=features)  # cut after EOS (kept)
+        rows = [_row(rid, ids, c, idx, vals)
                 for (rid, ids), c, (idx, vals) in zip(batch, res.sequences, res.logprobs)]
+        for r, f in zip(rows, res.features or []):
+            r["features"] = f
+        return rows
     device = model.device
     P = max(len(ids) for _, ids in batch)
     input_ids = torch.full((len(batch), P), pad_id, dtype=torch.long)
@@ -275,13 +291,14 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
     bar = tqdm(total=n_todo_batches, desc="generate", unit="batch", disable=not is_main)
     decoder = make_decoder(model, g.engine) if todo else None
     teacher = compute_copy(model) if todo and decoder is None else None
+    feats = decoder is not None and keeps_features(recipe)
     for i in todo:
         shard_rows = []
         for b in _shard_batch_ids(i, g, len(batches)):
             shard_rows += generate_batch(model, batches[b], pad_id=pad_id, eos_ids=eos_ids,
                                          max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                          top_k=g.top_k_logprobs, seed=batch_seed(recipe.seed, b), decoder=decoder,
-                                         teacher=teacher)
+                                         teacher=teacher, features=feats)
             bar.update(1)
             kill_point("generate.mid_shard")
         _save(stage, i, shard_rows, header)
@@ -289,9 +306,11 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
 
 
 def _save(stage: Path, i: int, rows: list[dict], header: dict) -> None:
+    """Shard i: the rows, and their target features when generate_batch kept them."""
     from datasets import Dataset
 
-    entry = shards.save_shard(stage, i, Dataset.from_list(rows, features=_features()))
+    feats = [r.pop("features") for r in rows] if rows and "features" in rows[0] else None
+    entry = shards.save_shard(stage, i, Dataset.from_list(rows, features=_features()), features=feats)
     kill_point("generate.shard_saved")
     with _manifest_lock(stage):
         shards.record_shard(stage, i, entry, header)

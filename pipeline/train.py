@@ -55,7 +55,8 @@ from eval.cpu import bf16_matmul_fast
 from eval.datastore import FILE as DATASTORE_FILE, Datastore
 
 from .checkpoints import STATE_FILE, checkpoints, restore, set_aside_foreign, trainer_state, write_checkpoint
-from .features import FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, cache_features, score_raw_windows
+from .features import (FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, cache_features, generated_features,
+                       score_raw_windows)
 from .config import stable_hash
 from .data import read_jsonl
 from .faults import kill_point
@@ -261,8 +262,10 @@ def _dataset(method: DraftMethod, recipe, target, rows, raw_feats, train_dir: Pa
     if not method.needs_features:
         return Sequences(rows)
     n_gen = len(rows) - len(raw_feats)
-    feats = cache_features(target, rows[:n_gen], train_dir / FEATURES_FILE, features_key(recipe, gen_manifest),
-                           batch_size=recipe.train.batch_size)
+    feats = generated_features(train_dir.parent / "generate", rows[:n_gen]) if recipe.train.data == "generated" else None
+    if feats is None:  # the shards do not hold them: one teacher-forced target pass, cached
+        feats = cache_features(target, rows[:n_gen], train_dir / FEATURES_FILE, features_key(recipe, gen_manifest),
+                               batch_size=recipe.train.batch_size)
     return Sequences(rows, feats + list(raw_feats))
 
 

@@ -21,8 +21,8 @@ class TrainError(ValueError):
 
 
 def load_rows(run_dir: Path, target: str, seq_len: int) -> tuple[list[dict], dict]:
-    """The generate stage's rows cut to `seq_len` tokens (train.seq_len), and its manifest; the rows must be
-    `target`'s own outputs."""
+    """The generate stage's rows cut to `seq_len` tokens (train.seq_len), each with "src", its index among the
+    stage's rows, and the stage's manifest; the rows must be `target`'s own outputs."""
     gen = Path(run_dir) / "generate"
     try:
         ds = load_shards(gen)
@@ -34,7 +34,7 @@ def load_rows(run_dir: Path, target: str, seq_len: int) -> tuple[list[dict], dic
                          f"{target!r}; the draft must be trained on its own target's outputs")
     L = seq_len
     rows = []
-    for r in ds:
+    for src, r in enumerate(ds):
         comp = r["completion_ids"]
         if not comp:
             continue
@@ -43,7 +43,8 @@ def load_rows(run_dir: Path, target: str, seq_len: int) -> tuple[list[dict], dic
         if len(ids) - P < 1:  # prompt alone fills seq_len: no teacher in this window
             continue
         n = len(ids) - P
-        rows.append({"ids": ids, "P": P, "tk_ids": r["topk_ids"][:n], "tk_lp": r["topk_logprobs"][:n]})
+        rows.append({"ids": ids, "P": P, "tk_ids": r["topk_ids"][:n], "tk_lp": r["topk_logprobs"][:n],
+                     "src": src})  # its row in the stage (shards.shard_features)
     if not rows:
         raise TrainError(f"{gen} holds no trainable rows (no completions within train.seq_len="
                          f"{L} tokens); regenerate or raise train.seq_len")

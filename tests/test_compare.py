@@ -114,15 +114,17 @@ def test_compare_cache_files_written_before_still_read(tmp_path):
 
 def test_compare_reuses_the_distills_target_features(tiny_target, tmp_path):  # noqa: F811
     """A compare on a distilled run links the train stage's feature cache instead of recomputing it,
-    and recomputes (into the variant's own file, the run's untouched) when its key does not match."""
+    and recomputes (into the variant's own file, the run's untouched) when its key does not match. The run's
+    method trains on no features (draft_lm), so its shards hold none (with medusa they would, and no cache
+    is written at all: test_compare_trains_on_the_shards_features)."""
     import shutil
 
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     args = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
-            f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "--methods", "medusa",
-            "--divergences", "fkl", "--no-raw", "--steps", "1"]
+            f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "train.method=draft_lm",
+            "--methods", "medusa", "--divergences", "fkl", "--no-raw", "--steps", "1"]
     assert main(args) == 0
     run = (tmp_path / "code" / "latest").resolve()
     # Stand in for a distill's train stage: its features where `distill` leaves them, no compare yet.
@@ -144,6 +146,20 @@ def test_compare_reuses_the_distills_target_features(tiny_target, tmp_path):  # 
     assert variant.stat().st_ino != distilled.stat().st_ino
     with safe_open(str(distilled), "pt") as f:
         assert f.metadata()["key"] == "stale"
+
+
+def test_compare_trains_on_the_shards_features(tiny_target, tmp_path):  # noqa: F811
+    """With a method that trains on final-norm features (medusa, the recipe's), generate keeps them in its
+    shards and every variant trains on those: no teacher-forced pass, no feature cache written."""
+    from pipeline.shards import shard_features
+
+    args = ["compare", "--recipe", "recipes/code.yaml", f"target={tiny_target}", "dtype=float32",
+            f"runs_dir={tmp_path}", "wandb.mode=disabled", *TINY_BUDGET, "--methods", "medusa,eagle",
+            "--divergences", "fkl", "--no-raw", "--steps", "1"]
+    assert main(args) == 0
+    run = (tmp_path / "code" / "latest").resolve()
+    assert shard_features(run / "generate") is not None
+    assert not [p for p in run.rglob("features*.safetensors") if p.parent.parent.name != "generate"]
 
 
 def test_compare_measures_the_lift_at_its_own_steps_and_prompts(tiny_target, tmp_path):  # noqa: F811

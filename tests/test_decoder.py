@@ -122,6 +122,25 @@ def test_plain_decoding_keeps_the_teacher_forced_top_logprobs(target, hf_ref):
         SpeculativeDecoder(target, NgramProposer(), k=2).generate(PROMPTS[:1], max_new_tokens=3, logprobs=5)
 
 
+def test_plain_decoding_keeps_the_teacher_forced_features(target, hf_ref):
+    """generate(features=True): each row's features at every position of prompt + new tokens, the last token
+    included, are those of a teacher-forced forward over the row alone (the final norm's output, what the LM
+    head reads), in a ragged batch whose rows stop at EOS or at max_new_tokens at different steps."""
+    eos = hf_ref[0][5]
+    for max_new in (1, N_NEW):
+        res = SpeculativeDecoder(target, None).generate(PROMPTS, max_new_tokens=max_new, eos_token_id=eos,
+                                                        features=True, logprobs=2)
+        assert len(res.features) == len(PROMPTS)
+        for p, seq, f in zip(PROMPTS, res.sequences, res.features):
+            with torch.no_grad():
+                ref = target(torch.tensor([p + seq]), output_hidden_states=True).hidden_states[-1][0]
+            assert f.shape == ref.shape == (len(p) + len(seq), target.config.hidden_size)
+            torch.testing.assert_close(f.float(), ref.float(), atol=1e-4, rtol=1e-4)
+    assert SpeculativeDecoder(target, None).generate(PROMPTS[:1], max_new_tokens=3).features is None
+    with pytest.raises(ValueError, match="plain decoding only"):
+        SpeculativeDecoder(target, NgramProposer(), k=2).generate(PROMPTS[:1], max_new_tokens=3, features=True)
+
+
 def test_self_draft_accepts_everything(target):
     res = SpeculativeDecoder(target, DraftLMProposer(target, V), k=4).generate(PROMPTS, max_new_tokens=N_NEW)
     s = res.stats

@@ -115,6 +115,39 @@ def test_generate_columns_shapes_and_logprobs(tmp_path, tok, model):
         assert r["prompt_ids"] == encode_prompt({"prompt": CODE[int(r["id"][1:])]}, tok, False)
 
 
+def test_generate_keeps_the_target_features_the_train_stage_reads(tmp_path, tok, model):
+    """A method that trains on final-norm features (medusa, the recipe default): each shard holds every row's
+    features at every position of prompt + completion, those of a teacher-forced forward over the row, and
+    the train stage's rows get theirs cut to train.seq_len (features.generated_features). A method that
+    trains on none (draft_lm) keeps none, and the train stage then computes them itself."""
+    import dataclasses
+
+    from pipeline.features import generated_features
+    from pipeline.train_data import load_rows
+
+    recipe, run = setup_run(tmp_path, tok)
+    stage = run_generate(recipe, run, model=model, tokenizer=tok)
+    feats, ds = shards.shard_features(stage), shards.load_shards(stage).to_list()
+    assert len(feats) == len(ds) == 21
+    for r, f in zip(ds, feats):
+        with torch.no_grad():
+            ref = model(torch.tensor([r["prompt_ids"] + r["completion_ids"]]), output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(f, ref, atol=1e-5, rtol=1e-4)
+    L = max(len(r["prompt_ids"]) for r in ds) + 1  # every row trains, the longer ones cut
+    rows, _ = load_rows(run, "tiny", L)
+    got = generated_features(stage, rows)
+    assert len(rows) == 21 and any(len(feats[r["src"]]) > L for r in rows)
+    for r, f in zip(rows, got):
+        assert torch.equal(f, feats[r["src"]][:len(r["ids"])]) and ds[r["src"]]["prompt_ids"] == r["ids"][:r["P"]]
+
+    (tmp_path / "lm").mkdir()
+    recipe2, run2 = setup_run(tmp_path / "lm", tok)
+    lm = dataclasses.replace(recipe2, train=dataclasses.replace(recipe2.train, method="draft_lm"))
+    stage2 = run_generate(lm, run2, model=model, tokenizer=tok)
+    assert shards.shard_features(stage2) is None
+    assert generated_features(stage2, load_rows(run2, "tiny", L)[0]) is None
+
+
 def test_resume_regenerates_only_damaged_shard(tmp_path, tok, model):
     recipe, run = setup_run(tmp_path, tok)
     stage = run_generate(recipe, run, model=model, tokenizer=tok)
