@@ -1,7 +1,7 @@
 """Stage 3, evaluate: every checkpoint inside the project's speculative decoder, judged by measured speed.
 
 The steps of `run_evaluate`:
-1. measure the checkpoints: each on the held-out prompts, greedy, batch 1, against plain decoding in
+1. measure the checkpoints: all on the held-out prompts, greedy, batch 1, against plain decoding in
    the same decoder (taking turns prompt by prompt): α, τ, acceptance per draft position, tokens/s,
    speedup, the draft/target cost ratio c and the speedup predicted from α and c;
 2. fit the tree budget: the hybrid's node budget is fitted to this machine (replayed on validation
@@ -34,8 +34,6 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tqdm.auto import tqdm
 
 from eval import draft_dir
 from eval.cpu import cpu_path
@@ -263,12 +261,11 @@ def best_exportable(results: list[dict]) -> dict:
 # ------------------------------------------------------------------------------- steps
 
 def measure_checkpoints(held: HeldOut, ckpts: list[Path]) -> list[dict]:
-    """Step 1: every checkpoint, alone, against plain decoding in the same decoder."""
-    results = []
-    for ck in tqdm(ckpts, desc="evaluate checkpoints"):
-        c = Candidate(ck.name, str(ck), held.cfg.k, CHECKPOINT)
-        results.append(held.measure([c])[c.name])
-    return results
+    """Step 1: every checkpoint, alone, against plain decoding in the same decoder: all of them taking turns
+    on each prompt with one plain run, so their speeds compare within one run (and plain is decoded once)."""
+    cands = [Candidate(ck.name, str(ck), held.cfg.k, CHECKPOINT) for ck in ckpts]
+    done = held.measure(cands)
+    return [done[c.name] for c in cands]
 
 
 def served_sources(ck_dir: str) -> list[tuple[str, str]]:

@@ -220,8 +220,8 @@ CHAINS = [
         "generate.prompt_file@1",  # one prompt set of three written
         "generate.prompts_written",
         "features.before_rename",  # the features cache written aside
-        "evaluate.measured@1",  # one checkpoint's measurement stored
-        "evaluate.measured@2",  # the other checkpoint's and the n-gram baseline's
+        "evaluate.measured@1",  # one checkpoint's measurement stored, the other's not
+        "evaluate.measured@2",  # both checkpoints', not the served forms' and the n-gram baseline's
         "evaluate.before_best",
         "evaluate.best_copied",  # best/ copied aside
         "evaluate.best_removed",  # the old best/ gone, the new one not yet renamed
