@@ -244,7 +244,8 @@ class SpeculativeDecoder:
         position in `last_features` (plain decoding: its steps run the row-invariant kernels a verify runs,
         so the generate stage needs no teacher-forced forward for either)."""
         if (logprobs or features) and self.proposer is not None:
-            raise ValueError("logprobs and features are kept by plain decoding only: use SpeculativeDecoder(target, None)")
+            raise ValueError("logprobs and features are kept by plain decoding only: "
+                             "use SpeculativeDecoder(target, None)")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         s = self._setup(prompts, max_new_tokens, Sampling(temperature, top_k, top_p, gen), eos_token_id)
         s.logprobs, s.keep_features = logprobs, features

@@ -19,8 +19,8 @@ import torch
 from eval.family import aux_hidden_states, final_features
 
 from .faults import kill_point
-from .shards import shard_features
 from .models import compute_copy
+from .shards import shard_features
 from .train_data import TrainError, right_padded
 
 FEATURES_FILE = "features.safetensors"

@@ -18,11 +18,12 @@ its steps run the row-invariant kernels a verify runs, so they are the distribut
 against, and no second forward is needed (it cost as much as the decoding on the AVX2 path:
 docs/reference/kernels.md). For a method that trains on the target's final-norm features (medusa, eagle)
 the same steps keep them too (`generate(features=True)`, saved in each shard: `shards.SHARD_FEATURES`),
-the features the served decoder hands the draft, so the train stage runs no teacher-forced pass for them. `generate.engine` picks HF `generate` or vLLM instead (its own venv,
-through pipeline/engines: `vllm_rows`, whose top-k also come from vLLM's decode loop). HF `generate`'s
-rows get theirs from one teacher-forced HF forward over prompt+completion, untouched by generate's
-logits processors. In bf16 that top-1 can differ from a greedy token at near-ties; position i is still
-the target's distribution for completion_ids[i].
+the features the served decoder hands the draft, so the train stage runs no teacher-forced pass for them.
+`generate.engine` picks HF `generate` or vLLM instead (its own venv, through pipeline/engines:
+`vllm_rows`, whose top-k also come from vLLM's decode loop). HF `generate`'s rows get theirs from one
+teacher-forced HF forward over prompt+completion, untouched by generate's logits processors. In bf16
+that top-1 can differ from a greedy token at near-ties; position i is still the target's distribution
+for completion_ids[i].
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def generate_batch(model, batch, *, pad_id: int, eos_ids: set[int], max_new_toke
     if decoder is not None:
         # Seeded per batch (its own generator), so the process count does not matter.
         res = decoder.generate([ids for _, ids in batch], max_new_tokens, temperature=temperature,
-                               eos_token_id=eos_ids, seed=seed, logprobs=top_k, features=features)  # cut after EOS (kept)
+                               eos_token_id=eos_ids, seed=seed, logprobs=top_k,
+                               features=features)  # cut after EOS (kept)
         rows = [_row(rid, ids, c, idx, vals)
                 for (rid, ids), c, (idx, vals) in zip(batch, res.sequences, res.logprobs)]
         for r, f in zip(rows, res.features or []):

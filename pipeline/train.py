@@ -262,7 +262,8 @@ def _dataset(method: DraftMethod, recipe, target, rows, raw_feats, train_dir: Pa
     if not method.needs_features:
         return Sequences(rows)
     n_gen = len(rows) - len(raw_feats)
-    feats = generated_features(train_dir.parent / "generate", rows[:n_gen]) if recipe.train.data == "generated" else None
+    gen = recipe.train.data == "generated"
+    feats = generated_features(train_dir.parent / "generate", rows[:n_gen]) if gen else None
     if feats is None:  # the shards do not hold them: one teacher-forced target pass, cached
         feats = cache_features(target, rows[:n_gen], train_dir / FEATURES_FILE, features_key(recipe, gen_manifest),
                                batch_size=recipe.train.batch_size)

@@ -131,7 +131,8 @@ def test_generate_keeps_the_target_features_the_train_stage_reads(tmp_path, tok,
     assert len(feats) == len(ds) == 21
     for r, f in zip(ds, feats):
         with torch.no_grad():
-            ref = model(torch.tensor([r["prompt_ids"] + r["completion_ids"]]), output_hidden_states=True).hidden_states[-1][0]
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+            ref = model(ids, output_hidden_states=True).hidden_states[-1][0]
         torch.testing.assert_close(f, ref, atol=1e-5, rtol=1e-4)
     L = max(len(r["prompt_ids"]) for r in ds) + 1  # every row trains, the longer ones cut
     rows, _ = load_rows(run, "tiny", L)
