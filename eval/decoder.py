@@ -372,12 +372,14 @@ class SpeculativeDecoder:
         """Once at most DROP_SHARE of the rows the target computes are still running, its K/V cache keeps
         only theirs and later rounds compute them alone (the proposer still drafts for every row; a
         finished row's round is filled in by _spread and frozen by _update)."""
-        if not self.runner.row_groups or self.static or s.logprobs or s.keep_features:
+        if not self.runner.row_groups or self.static:
             return
         live = s.live_host if s.live_host is not None else list(range(len(s.prompts)))
         keep = [i for i, b in enumerate(live) if not s.done[b]]
         if not keep or len(keep) > DROP_SHARE * len(live):
             return
+        if s.keep_features:  # the rows dropped now never feed their last token later
+            self._feed_last(s)
         self.runner.keep(keep, max(s.n_host))
         s.live_host = [live[i] for i in keep]
         s.live = torch.tensor(s.live_host, device=self.device)
@@ -492,11 +494,16 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _keep_logprobs(s: "_Batch", logits: torch.Tensor):
-        """logprobs=N: this step's top N log-probs per row, from its logits [B, V] (kept on the device)."""
+        """logprobs=N: this step's top N log-probs per row, from its logits [g, V] of the rows the target
+        computes (kept on the device; a dropped row's are zeros, past its last token)."""
         if s.logprobs:
             x = logits.float()
-            top = x.topk(s.logprobs, dim=-1)  # [B, N] each
-            s.steps_lp.append((top.indices, top.values - x.logsumexp(-1, keepdim=True)))
+            top = x.topk(s.logprobs, dim=-1)  # [g, N] each
+            ids, lp = top.indices, top.values - x.logsumexp(-1, keepdim=True)
+            if s.live is not None:  # [g, N] -> [B, N]
+                ids = ids.new_zeros(len(s.prompts), s.logprobs).index_copy_(0, s.live, ids)
+                lp = lp.new_zeros(len(s.prompts), s.logprobs).index_copy_(0, s.live, lp)
+            s.steps_lp.append((ids, lp))
 
     @staticmethod
     def _logprobs(s: "_Batch") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -506,23 +513,30 @@ class SpeculativeDecoder:
         vals = torch.stack([v for _, v in s.steps_lp], 1).cpu()  # [B, steps, N]
         return [(ids[b, : len(o)], vals[b, : len(o)]) for b, o in enumerate(s.out)]
 
+    def _feed_last(self, s: "_Batch"):
+        """One plain step over the rows the target computes, each fed its last emitted token at its position,
+        and their features there kept. A row's last token is emitted but never fed (a finished row freezes
+        before it); for a running row it is the current token, whose K/V and features the next round writes
+        again at the same position."""
+        dev = self.device
+        rows = s.live_host if s.live_host is not None else list(range(len(s.prompts)))
+        last = torch.tensor([s.out[b][-1] for b in rows], device=dev)[:, None]  # [g, 1]
+        pos = torch.tensor([len(s.prompts[b]) + len(s.out[b]) - 1 for b in rows], device=dev)[:, None]  # [g, 1]
+        _, feats = self._fwd(last, pos, s.s_full or int(pos.max()) + 1)  # [g, 1, H]
+        s.featbuf[torch.tensor(rows, device=dev)[:, None], pos] = feats
+
     def _features(self, s: "_Batch") -> list[torch.Tensor]:
-        """Per row its features [len(prompt) + n, H] at every position of prompt + its n new tokens. A row's
-        last token was emitted but never fed (a finished row freezes before it), so one more plain step feeds
-        each row's last token at its position."""
-        dev, B = self.device, len(s.prompts)
-        last = torch.tensor([o[-1] for o in s.out], device=dev)[:, None]  # [B, 1]
-        pos = torch.tensor([len(p) + len(o) - 1 for p, o in zip(s.prompts, s.out)], device=dev)[:, None]  # [B, 1]
-        _, feats = self._fwd(last, pos, s.s_full or int(pos.max()) + 1)  # [B, 1, H]
-        s.featbuf[torch.arange(B, device=dev)[:, None], pos] = feats
-        return [s.featbuf[b, : p + 1].cpu() for b, p in enumerate(pos[:, 0].tolist())]
+        """Per row its features [len(prompt) + n, H] at every position of prompt + its n new tokens."""
+        self._feed_last(s)
+        return [s.featbuf[b, : len(p) + len(o)].cpu() for b, (p, o) in enumerate(zip(s.prompts, s.out))]
 
     def _record(self, s: "_Batch", r: "_Round", active: list[bool]) -> list[list[int]]:
         """Count the round -> each active row's new tokens (its accepted drafts and the bonus token)."""
         s.stats.target_forwards += 1
-        if s.featbuf is not None:
-            rows = torch.arange(r.pos.shape[0], device=r.pos.device)[:, None]  # [B, 1]
-            s.featbuf[rows, r.pos] = r.feats  # index_put_: a bf16 scatter_ here cost 3.5 ms a round at batch 32
+        if s.featbuf is not None:  # the rows the target computed (a dropped row's round holds zeros)
+            rows = s.live if s.live is not None else torch.arange(r.pos.shape[0], device=r.pos.device)  # [g]
+            pos, feats = (r.pos, r.feats) if s.live is None else (r.pos[s.live], r.feats[s.live])
+            s.featbuf[rows[:, None], pos] = feats  # index_put_: a bf16 scatter_ here cost 3.5 ms a round at batch 32
         s.stats.round(r.k, [h[0] for h in r.host], active)
         return [h[2:2 + h[0]] + [h[1]] if a else [] for h, a in zip(r.host, active)]
 

@@ -125,11 +125,14 @@ def test_plain_decoding_keeps_the_teacher_forced_top_logprobs(target, hf_ref):
 def test_plain_decoding_keeps_the_teacher_forced_features(target, hf_ref):
     """generate(features=True): each row's features at every position of prompt + new tokens, the last token
     included, are those of a teacher-forced forward over the row alone (the final norm's output, what the LM
-    head reads), in a ragged batch whose rows stop at EOS or at max_new_tokens at different steps."""
+    head reads), in a ragged batch whose rows stop at EOS or at max_new_tokens at different steps, finished
+    rows dropped from the target's batch on the way (their last token fed as they leave)."""
     eos = hf_ref[0][5]
     for max_new in (1, N_NEW):
-        res = SpeculativeDecoder(target, None).generate(PROMPTS, max_new_tokens=max_new, eos_token_id=eos,
-                                                        features=True, logprobs=2)
+        dec = SpeculativeDecoder(target, None)
+        res = dec.generate(PROMPTS, max_new_tokens=max_new, eos_token_id=eos, features=True, logprobs=2)
+        if max_new == N_NEW:
+            assert dec.runner.K.shape[1] < len(PROMPTS)  # rows were dropped
         assert len(res.features) == len(PROMPTS)
         for p, seq, f in zip(PROMPTS, res.sequences, res.features):
             with torch.no_grad():
