@@ -13,14 +13,13 @@ import os
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from eval.family import aux_hidden_states, final_features
 
 from .faults import kill_point
 from .models import compute_copy
-from .shards import shard_features
+from .shards import load_row_tensors, save_row_tensors, shard_features
 from .train_data import TrainError, right_padded
 
 FEATURES_FILE = "features.safetensors"
@@ -66,15 +65,10 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
     those layers concatenated [n, len(layers) * H] (eval.family.aux_hidden_states), stored in the target's
     dtype (bf16 by default) in one safetensors file with per-row offsets. Reused when the key (target,
     dtype, seq_len, shard checksums, layers) matches; written to a temporary file and renamed."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     path = Path(path)
-    if path.exists():
-        with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("key") == key:
-                flat, offs = f.get_tensor("features"), f.get_tensor("offsets").tolist()
-                return [flat[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
+    cached = load_row_tensors(path, key) if path.exists() else None
+    if cached is not None:
+        return cached
     device = device or next(target.parameters()).device
     dtype, model = next(target.parameters()).dtype, compute_copy(target)
     feats: list = [None] * len(rows)
@@ -86,12 +80,10 @@ def cache_features(target, rows, path: Path, key: str, batch_size: int = 8, devi
             h = aux_hidden_states(model, ids, am, layers)  # [b, L, len(layers) * H]
         for b, i in enumerate(idx):
             feats[i] = h[b, :len(rows[i]["ids"])].to(dtype).cpu()
-    lens = [len(f) for f in feats]
-    offs = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.long)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".features-", suffix=".safetensors")
     os.close(fd)
-    save_file({"features": torch.cat(feats).contiguous(), "offsets": offs}, tmp, metadata={"key": key})
+    save_row_tensors(Path(tmp), feats, key)
     kill_point("features.before_rename")
     os.replace(tmp, path)
     return feats
