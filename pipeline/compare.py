@@ -73,6 +73,7 @@ def _variant_recipe(recipe, overrides: dict, steps: int | None, n_prompts: int |
         r.train.steps = steps
         r.train.warmup_steps = min(r.train.warmup_steps, max(steps // 10, 1))
     r.train.save_every = r.train.steps  # one checkpoint: the table judges the final one
+    r.train.max_minutes = 0.0  # variants compare at equal steps, not at what one machine fits in a budget
     r.evaluate.hybrid, r.evaluate.baselines, r.evaluate.fp32_prompts = False, False, 0
     if n_prompts:
         r.evaluate.n_prompts = n_prompts

@@ -43,6 +43,19 @@ LATER_KEYS = {("evaluate", "compile"): False, ("evaluate", "engine_rank"): False
               ("train", "temperature"): 1.0}
 
 
+# Time budgets: they limit how long a stage runs on this machine, not what a row or a step computes, so no
+# key holds them; the stage records the cut it made (generate's manifest, train/budget.json).
+BUDGET_KEYS = (("generate", "max_minutes"), ("train", "max_minutes"))
+
+
+def drop_budgets(d: dict) -> dict:
+    """Remove BUDGET_KEYS from the recipe dict `d` (sections absent are skipped); returns d."""
+    for section, key in BUDGET_KEYS:
+        if isinstance(d.get(section), dict):
+            d[section].pop(key, None)
+    return d
+
+
 # The evaluate keys of the engine ranking: they pick among measurements (as `serve` does), so no key holds them.
 ENGINE_RANK_KEYS = ("engine_rank", "engine_candidates", "engine_methods", "engine_batch_sizes", "engine_lookup_k")
 
@@ -116,12 +129,21 @@ class GenerateConfig:
                                    "target is Llama-shaped, else HF generate), 'hf' (HF generate), or 'vllm' "
                                    "(vLLM from .venv-engines, `make engines`; its own top-k log-probs; the engine "
                                    "users scale out with). Same shard columns and manifest for all three.")
+    max_minutes: float = _f(16.0, "Wall-clock budget of the stage on this machine (0 = none): once the next shard "
+                                  "would end past it, the stage stops and trains on the shards written; the "
+                                  "manifest records the cut and a resume keeps it. Sized so that `make distill "
+                                  "DOMAIN=code` fits 45 min on a 2-core AVX2-only CPU (docs/reference/kernels.md); "
+                                  "a faster machine never reaches it. Not hashed: it limits time, not the rows.")
 
     def __post_init__(self):
         for k in ("max_new_tokens", "batch_size", "batches_per_shard", "top_k_logprobs"):
             _positive(f"generate.{k}", getattr(self, k))
         _sampling("generate.", self.temperature)
         _one_of("generate.engine", self.engine, GENERATE_ENGINES)
+        _positive("generate.max_minutes", self.max_minutes, zero_ok=True)
+        if self.max_minutes and self.engine == "vllm":
+            raise RecipeError(f"generate.max_minutes={self.max_minutes} stops between shards, and generate.engine="
+                              f"'vllm' writes every shard from one engine call; set generate.max_minutes=0")
 
 
 _SECTIONS = sections()  # the methods with a section train.<method>, fields of TrainConfig
@@ -163,6 +185,12 @@ class _TrainKeys:
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     warmup_steps: int = _f(20, "Linear warm-up steps.")
     save_every: int = _f(300, "Write a checkpoint every N steps (and at the end).")
+    max_minutes: float = _f(13.0, "Wall-clock budget of the steps on this machine (0 = none): after "
+                                  "BUDGET_PROBE_STEPS steps (within the warm-up, so the schedule is the one planned) "
+                                  "the run plans min(steps, what fits) from their measured time, records the plan "
+                                  "in train/budget.json and anneals to it; a resume keeps it. Sized as "
+                                  "generate.max_minutes; not hashed. TRL's GKDTrainer (train.method=draft_lm, "
+                                  "train.data=onpolicy) runs train.steps and says so.")
     draft_vocab_size: int = _f(8192, "Truncated draft vocabulary: the V most frequent target tokens of the "
                                     "domain (0 = full vocabulary). Verification stays on the full vocabulary.")
     datastore: bool = _f(True, "Save the training completions (the target's own outputs) with each checkpoint "
@@ -187,6 +215,7 @@ class _TrainKeys:
         for k in ("steps", "batch_size", "seq_len", "save_every"):
             _positive(f"train.{k}", getattr(self, k))
         _positive("train.lr", self.lr)
+        _positive("train.max_minutes", self.max_minutes, zero_ok=True)
         _positive("train.draft_vocab_size", self.draft_vocab_size, zero_ok=True)
         if not 0.0 < self.jsd_beta < 1.0:
             raise RecipeError(f"train.jsd_beta={self.jsd_beta} must be in (0, 1)")
@@ -239,7 +268,7 @@ def flat_train(tc: TrainConfig) -> dict:
     changes no other recipe's hash; num_layers is the active method's (1 for a method without one). Keys
     added later (LATER_KEYS) are left out at their defaults."""
     d = dataclasses.asdict(tc)
-    flat = {k: v for k, v in d.items() if k not in SECTIONS}
+    flat = {k: v for k, v in d.items() if k not in SECTIONS and ("train", k) not in BUDGET_KEYS}
     flat["num_layers"] = (d.get(tc.method) or {}).get("num_layers", 1)
     own = _SECTIONS.get(tc.method)
     if own is not None and not own.flat:
@@ -498,7 +527,7 @@ class Recipe:
         every checkpoint's draftsmith_draft.json as "train_key": a run resumes only checkpoints of its own."""
         d = self.to_dict()
         keep = {k: d[k] for k in ("target", "dtype", "seed", "data", "generate")}
-        drop_later_defaults(keep)
+        drop_later_defaults(drop_budgets(keep))
         keep["train"] = {k: v for k, v in flat_train(self.train).items() if k != "save_every"}
         return stable_hash(keep)
 
@@ -511,7 +540,7 @@ class Recipe:
         for k in ENGINE_RANK_KEYS:  # they pick among measurements, as `serve` does
             d["evaluate"].pop(k)
         d.pop("report")  # measured after evaluate from its outputs: no stage resumes on it
-        drop_later_defaults(d)
+        drop_later_defaults(drop_budgets(d))
         d["train"] = flat_train(self.train)
         return stable_hash(d)
 

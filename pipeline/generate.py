@@ -20,7 +20,9 @@ docs/reference/kernels.md). For a method that trains on the target's final-norm 
 the same steps keep them too (`generate(features=True)`, saved in each shard: `shards.SHARD_FEATURES`),
 the features the served decoder hands the draft, so the train stage runs no teacher-forced pass for them.
 `generate.engine` picks HF `generate` or vLLM instead (its own venv, through pipeline/engines:
-`vllm_rows`, whose top-k also come from vLLM's decode loop). HF `generate`'s rows get theirs from one
+`vllm_rows`, whose top-k also come from vLLM's decode loop). `generate.max_minutes` caps the stage's wall
+time: each process stops before a shard that would end past it, and the manifest's "budget" names the shards
+left out (`skipped`), which a resume does not write either. HF `generate`'s rows get theirs from one
 teacher-forced HF forward over prompt+completion, untouched by generate's logits processors. In bf16
 that top-1 can differ from a greedy token at near-ties; position i is still the target's distribution
 for completion_ids[i].
@@ -35,6 +37,7 @@ import json
 import logging
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,7 +45,7 @@ import torch
 from eval.loading import target_eos_ids
 
 from . import shards
-from .config import drop_later_defaults, stable_hash
+from .config import drop_budgets, drop_later_defaults, stable_hash
 from .data import build_prompt_sets, encode_prompt, read_jsonl
 from .faults import kill_point
 from .models import compute_copy
@@ -64,7 +67,7 @@ def generate_hash(recipe) -> str:
     """Hash of what changes the generated rows (target, dtype, seed, data, generate); a resume must match.
     The engine is recorded in the manifest, not hashed: every engine gives the target's own outputs (they
     differ at bf16 near-ties), so a run resumed on another engine keeps its shards."""
-    d = drop_later_defaults(recipe.to_dict())
+    d = drop_later_defaults(drop_budgets(recipe.to_dict()))
     g = {k: v for k, v in d["generate"].items() if k != "engine"}
     return stable_hash({**{k: d[k] for k in ("target", "dtype", "seed", "data")}, "generate": g})
 
@@ -207,6 +210,7 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
 
     from .models import load_target
 
+    started = time.monotonic()  # generate.max_minutes counts from here: loading the target is the stage's time
     run_dir = Path(run_dir)
     stage = run_dir / STAGE
     if recipe.generate.engine == "vllm":
@@ -243,8 +247,9 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
               "engine": engine_name(g.engine), "complete": False}
 
     done = _keep_finished_shards(stage, header, n_shards, accelerator)
-    todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done]
-    _write_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids, is_main)
+    skipped = set(shards.read_manifest(stage).get("budget", {}).get("skipped", []))  # an earlier run's cut stands
+    todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done.keys() | skipped]
+    _write_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids, is_main, started)
     print(f"[generate] process {p}/{n_proc} wrote shards {[shards.shard_name(i) for i in todo]}", file=sys.stderr)
     accelerator.wait_for_everyone()
     if is_main:
@@ -282,8 +287,9 @@ def _shard_batch_ids(i: int, g, n_batches: int) -> range:
 
 
 def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: dict, pad_id, eos_ids,
-                  is_main: bool) -> None:
-    """Generate this process's shards `todo`, each saved and recorded in the manifest when done."""
+                  is_main: bool, started: float) -> None:
+    """Generate this process's shards `todo`, each saved and recorded in the manifest when done; stop before
+    a shard that would end past generate.max_minutes from `started` (time.monotonic()), recording the rest."""
     from tqdm.auto import tqdm
 
     g = recipe.generate
@@ -294,7 +300,8 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
     decoder = make_decoder(model, g.engine) if todo else None
     teacher = compute_copy(model) if todo and decoder is None else None
     feats = decoder is not None and keeps_features(recipe)
-    for i in todo:
+    t_first = time.monotonic()
+    for n, i in enumerate(todo):
         shard_rows = []
         for b in _shard_batch_ids(i, g, len(batches)):
             shard_rows += generate_batch(model, batches[b], pad_id=pad_id, eos_ids=eos_ids,
@@ -304,7 +311,25 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
             bar.update(1)
             kill_point("generate.mid_shard")
         _save(stage, i, shard_rows, header)
+        now = time.monotonic()
+        per_shard = (now - t_first) / (n + 1)
+        if g.max_minutes and n + 1 < len(todo) and now + per_shard - started > 60 * g.max_minutes:
+            _record_cut(stage, todo[n + 1:], todo[: n + 1], now - started, g.max_minutes)
+            break
     bar.close()
+
+
+def _record_cut(stage: Path, skipped: list[int], written: list[int], seconds: float, max_minutes: float) -> None:
+    """The manifest's "budget": the shards this process leaves out (merged with other processes' cuts)."""
+    with _manifest_lock(stage):
+        m = shards.read_manifest(stage)
+        b = m.get("budget", {})
+        names = sorted(set(b.get("skipped", [])) | {shards.shard_name(i) for i in skipped})
+        m["budget"] = {"max_minutes": max_minutes, "skipped": names, "seconds": round(seconds, 1)}
+        shards.write_json_atomic(stage / shards.MANIFEST, m)
+    print(f"[generate] generate.max_minutes={max_minutes:g}: stopped after {len(written)} shards in {seconds / 60:.1f} "
+          f"min; {len(skipped)} shards left out (the next would end past the budget); training on those written",
+          file=sys.stderr)
 
 
 def _save(stage: Path, i: int, rows: list[dict], header: dict) -> None:
@@ -375,6 +400,7 @@ def _mark_complete(stage: Path, header: dict, n_shards: int) -> None:
     """Main process, after every process finished: every shard present, or a ShardError naming the missing."""
     with _manifest_lock(stage):
         ok = shards.complete_shards(stage)
+        ok |= dict.fromkeys(shards.read_manifest(stage).get("budget", {}).get("skipped", []))  # left out by the budget
         missing = [shards.shard_name(i) for i in range(n_shards) if shards.shard_name(i) not in ok]
         if missing:
             raise shards.ShardError(f"{stage}: shards {', '.join(missing)} are missing after generation; "
@@ -436,7 +462,7 @@ def target_fingerprint(spec: str) -> str:
 def reuse_key(recipe) -> str:
     """What a generated row depends on besides its prompt: the target's files, dtype, seed, the generate
     section (not the engine) and the chat wrapping. Shards of an earlier run are reused only under the same key."""
-    g = {k: v for k, v in drop_later_defaults(recipe.to_dict())["generate"].items() if k != "engine"}
+    g = {k: v for k, v in drop_later_defaults(drop_budgets(recipe.to_dict()))["generate"].items() if k != "engine"}
     return stable_hash({"target": target_fingerprint(recipe.target), "dtype": recipe.dtype, "seed": recipe.seed,
                         "generate": g, "chat": recipe.data.chat, "max_prompt_tokens": recipe.data.max_prompt_tokens})
 
@@ -457,7 +483,8 @@ def run_generate_incremental(recipe, run_dir, base: dict | None, model, tokenize
     """run_dir/generate for retrain: the shards of `base` ({"generate": an earlier complete generate dir,
     "reuse_key"}) reused when its reuse_key matches, plus shards generated only for the prompts of
     run_dir/prompts/all_train.jsonl not in them (under run_dir/new/). A changed target regenerates every
-    prompt, and says so. Returns (the stage dir, {"reused_rows", "new_rows", "reused_from", "regenerated"})."""
+    prompt, and says so. Returns (the stage dir, {"reused_rows", "new_rows" (generated), "reused_from", "regenerated",
+    and "left_out_rows" where generate.max_minutes cut the new prompts' generation})."""
     from datasets import load_from_disk
 
     run_dir = Path(run_dir)
@@ -495,8 +522,11 @@ def run_generate_incremental(recipe, run_dir, base: dict | None, model, tokenize
         for j, (name, e) in enumerate(sorted(shards.read_manifest(sub_stage)["shards"].items())):
             _link_copy(sub_stage / name, stage / shards.shard_name(len(reused) + j))
             entries[shards.shard_name(len(reused) + j)] = e
-    info = {"reused_rows": len(have), "new_rows": len(new_rows), "regenerated": regenerated,
+    written = sum(e["rows"] for name, e in entries.items() if int(name.split("-")[1]) >= len(reused))
+    info = {"reused_rows": len(have), "new_rows": written, "regenerated": regenerated,
             "reused_from": str(base["generate"]) if reused else None}
+    if written < len(new_rows):  # generate.max_minutes cut the new prompts' generation
+        info["left_out_rows"] = len(new_rows) - written
     stage.mkdir(parents=True, exist_ok=True)
     shards.write_json_atomic(stage / shards.MANIFEST, {
         "complete": True, "target": recipe.target, "top_k": recipe.generate.top_k_logprobs,

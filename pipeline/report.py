@@ -185,6 +185,25 @@ def data_section(run_dir: Path) -> list[str]:
     return lines
 
 
+def budget_section(run_dir: Path) -> list[str]:
+    """What the time budgets cut, from the stages' own records: generate's manifest ("budget": the shards left
+    out) and train/budget.json (the steps planned); nothing where neither cut."""
+    run_dir, lines = Path(run_dir), []
+    gen = run_dir / "generate" / "manifest.json"
+    g = json.loads(gen.read_text()) if gen.exists() else {}
+    if g.get("budget", {}).get("skipped"):
+        b, kept = g["budget"], g.get("shards", {})
+        lines.append(f"- generate: {len(kept)} of {len(kept) + len(b['skipped'])} shards "
+                     f"({sum(e.get('rows', 0) for e in kept.values())} completions) in {b['seconds'] / 60:.1f} min "
+                     f"(generate.max_minutes={b['max_minutes']:g})")
+    plan = run_dir / "train" / "budget.json"
+    t = json.loads(plan.read_text()) if plan.exists() else {}
+    if t and t["steps"] < t["train_steps"]:
+        lines.append(f"- train: {t['steps']} of {t['train_steps']} steps at {t['seconds_per_step']:.2f} s a step "
+                     f"(train.max_minutes={t['max_minutes']:g}; the schedule anneals to step {t['steps']})")
+    return ["", "## Time budgets", "", "This machine did not fit the whole recipe in its budgets:"] + lines if lines else []
+
+
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     m = json.loads((run_dir / "metrics.json").read_text())
@@ -243,6 +262,7 @@ def write_report(run_dir: Path) -> Path:
               + ", ".join(f(a, 3) for a in m.get("accept_per_pos", []))]
     lines += temperature_section(m)
     lines += data_section(run_dir)
+    lines += budget_section(run_dir)
     lines += [""] + [f"![{p}]({p})" for p in plots]
     lines += serve_section(m)
     lines += compare_section(run_dir)

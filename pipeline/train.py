@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import sys
@@ -71,6 +72,8 @@ from .train_data import (EpochSampler, RawText, Sequences, TrainError, check_voc
 __all__ = ["run_train", "TrainError", "LOG_FILE", "read_log"]
 
 LOG_FILE = "log.jsonl"  # train/log.jsonl: one {"step", "loss", "lr", metrics...} per step, up to the last checkpoint
+BUDGET_FILE = "budget.json"  # train/budget.json: the steps train.max_minutes planned, which a resume keeps
+BUDGET_PROBE_STEPS = 10  # train.max_minutes: the steps timed before the plan (inside the default 20-step warm-up)
 
 
 def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accelerator=None,
@@ -83,6 +86,7 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
     checkpoints started from different weights."""
     from .models import load_target, target_skeleton
 
+    started = time.monotonic()  # train.max_minutes counts from here: loading rows and features is the stage's time
     tc, method = recipe.train, get_method(recipe.train.method)
     if method.layer_by_layer:  # self_spec/int8 run the target's layers themselves: refuse other families now
         check_applies(tc.method, target if target is not None else target_skeleton(recipe.target))
@@ -128,13 +132,17 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
 
     tracker = tracker or NoOpTracker()
     if gkd:  # exactly TRL GKDTrainer's GKD; ours: mix (stored top-k), self_spec (no generate), heads (features)
+        if tc.max_minutes:
+            print(f"[train] train.max_minutes={tc.max_minutes:g} does not apply to TRL's GKDTrainer: it runs "
+                  f"train.steps={tc.steps} (set train.max_minutes=0 to silence this)", file=sys.stderr)
         step, loss, tps = run_gkd(recipe, method, module, rows, target, tokenizer, resume, save, train_dir,
                                   train_dir / LOG_FILE, tracker)
         _on_main(accelerator, lambda: _write_manifest(
             train_dir, recipe, step, [p.name for p in checkpoints(train_dir)], tps, loss,
             method.vocab_size(module, target), step, len(dataset), tracker, trainer="trl.GKDTrainer"))
         return train_dir
-    loop = _Loop(recipe, method, module, dataset, accelerator, target, _eos(tokenizer), tracker, train_dir, save)
+    loop = _Loop(recipe, method, module, dataset, accelerator, target, _eos(tokenizer), tracker, train_dir, save,
+                 started)
     step = loop.run(resume)
     loop.finish(step, len(dataset), method.vocab_size(module, target))
     return train_dir
@@ -188,13 +196,19 @@ def read_log(train_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+def planned_steps(train_dir: Path, tc) -> int:
+    """The run's last step: train.steps, or fewer where train.max_minutes planned them (train/budget.json)."""
+    path = train_dir / BUDGET_FILE  # written atomically (write_json_atomic): never half a file
+    return json.loads(path.read_text())["steps"] if path.exists() else tc.steps
+
+
 def _finished(train_dir: Path, recipe) -> bool:
     """The manifest says this recipe finished, its last checkpoint exists, and so do its datastores."""
     tc = recipe.train
-    done = read_manifest(train_dir)
+    done, last = read_manifest(train_dir), planned_steps(train_dir, tc)
     stored = not tc.datastore or all((ck / DATASTORE_FILE).exists() for ck in checkpoints(train_dir))
-    return (done.get("recipe_hash") == recipe.hash() and done.get("steps") == tc.steps
-            and (train_dir / f"checkpoint-{tc.steps:06d}").exists() and stored)
+    return (done.get("recipe_hash") == recipe.hash() and done.get("steps") == last
+            and (train_dir / f"checkpoint-{last:06d}").exists() and stored)
 
 
 def _training_rows(recipe, rows, target, tokenizer, train_dir: Path):
@@ -289,20 +303,22 @@ def _eos(tokenizer) -> set[int]:
 
 
 class _Loop:
-    """The optimizer, schedule and data order around the method's module: steps until train.steps,
-    checkpoints every train.save_every, and the train manifest at the end."""
+    """The optimizer, schedule and data order around the method's module: steps until train.steps (or the
+    fewer that train.max_minutes plans), checkpoints every train.save_every, and the train manifest at the end."""
 
     def __init__(self, recipe, method: DraftMethod, module, dataset, accelerator, target, eos: set[int],
-                 tracker, train_dir: Path, save):
-        from transformers import get_cosine_schedule_with_warmup
-
+                 tracker, train_dir: Path, save, started: float):
         tc = self.tc = recipe.train
         self.recipe, self.method, self.module, self.accelerator = recipe, method, module, accelerator
         self.device, self.world = accelerator.device, accelerator.num_processes
         self.target, self.eos, self.tracker, self.train_dir, self.save = target, eos, tracker, train_dir, save
+        self.started, self.steps = started, planned_steps(train_dir, tc)  # the last step: a recorded plan stands
         self.params = method.trainable_parameters(module)
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
-        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, min(tc.warmup_steps, tc.steps), tc.steps)
+        # transformers' cosine schedule with warm-up, over self.steps read at each step, so a budget's plan
+        # (made within the warm-up) anneals to its own last step
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: cosine_lr(s, tc.warmup_steps,
+                                                                                              self.steps))
         self.sampler = EpochSampler(len(dataset), recipe.seed)
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=tc.batch_size, sampler=self.sampler,
                                                   collate_fn=collate, drop_last=len(dataset) >= tc.batch_size)
@@ -329,21 +345,42 @@ class _Loop:
             self.module, self.optimizer, self.loader, self.scheduler)
         self.module = self.accelerator.unwrap_model(self.wrapped)
         self.wrapped.train()
-        bar = tqdm(total=tc.steps, initial=step, desc=f"train {tc.method}",
+        bar = tqdm(total=self.steps, initial=step, desc=f"train {tc.method}",
                    disable=not self.accelerator.is_main_process)
-        while step < tc.steps:
+        first, timed = step, None  # timed: when this call's first step ended (the first runs slow)
+        while step < self.steps:
             epoch, skip = divmod(step, len(self.loader))
             self.sampler.use_epoch(epoch)
             for batch in self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader:
                 loss, metrics = self.step(batch, step)
                 step += 1
                 self.log(step, loss, metrics, bar)
-                if step % tc.save_every == 0 or step == tc.steps:
+                timed = timed or time.monotonic()
+                if step - first == BUDGET_PROBE_STEPS and tc.max_minutes and not (self.train_dir / BUDGET_FILE).exists():
+                    self.plan(step, (time.monotonic() - timed) / (BUDGET_PROBE_STEPS - 1), bar)
+                if step % tc.save_every == 0 or step == self.steps:
                     self.checkpoint(step)
-                if step >= tc.steps:
+                if step >= self.steps:
                     break
         bar.close()
         return step
+
+    def plan(self, step: int, per_step: float, bar) -> None:
+        """train.max_minutes: the last step that the measured step time fits in the budget (at most
+        train.steps), agreed by every process (the slowest one's), recorded in train/budget.json."""
+        tc = self.tc
+        left = 60 * tc.max_minutes - (time.monotonic() - self.started)
+        fit = torch.tensor([step + max(int(left / per_step), 1)], device=self.device)
+        self.steps = min(tc.steps, int(self.accelerator.gather(fit).min()))  # one plan for all processes
+        if self.accelerator.is_main_process:
+            write_json_atomic(self.train_dir / BUDGET_FILE, {
+                "steps": self.steps, "train_steps": tc.steps, "max_minutes": tc.max_minutes,
+                "seconds_per_step": round(per_step, 4), "planned_at": step})
+            if self.steps < tc.steps:
+                print(f"[train] train.max_minutes={tc.max_minutes:g}: {per_step:.2f} s a step here, so {self.steps} of "
+                      f"{tc.steps} steps (the schedule anneals to step {self.steps})", file=sys.stderr)
+        bar.total = self.steps
+        bar.refresh()
 
     def step(self, batch: dict, step: int) -> tuple[float, dict]:
         """One optimizer step on `batch`, or on the draft's own samples when this is an on-policy step."""
@@ -415,8 +452,20 @@ class _Loop:
             self.tokens = int(self.accelerator.reduce(torch.tensor(self.tokens, device=self.device), "sum"))
         tps = self.tokens / self.seconds if self.seconds > 0 else None
         if self.accelerator.is_main_process:
+            plan = self.train_dir / BUDGET_FILE
+            more = {"budget": json.loads(plan.read_text())} if plan.exists() else {}
             _write_manifest(self.train_dir, self.recipe, step, self.names, tps, self.last_loss, draft_vocab_size,
-                            self.n_onpolicy, n_sequences, self.tracker)
+                            self.n_onpolicy, n_sequences, self.tracker, **more)
+
+
+def cosine_lr(step: int, warmup: int, total: int) -> float:
+    """The LR factor of transformers' get_cosine_schedule_with_warmup (linear warm-up to 1 over min(warmup,
+    total) steps, then a half cosine to 0 at `total`), with `total` free to change between steps."""
+    warmup = min(warmup, total)
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def _write_manifest(train_dir: Path, recipe, step: int, names: list[str], tps: float | None, final_loss,

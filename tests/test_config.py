@@ -44,6 +44,9 @@ def test_overrides_are_typed():
     (["evaluate.tree_budgets=[]"], "evaluate.tree_budgets"),
     (["evaluate.tree_budgets=[0, 6]"], "evaluate.tree_budgets"),
     (["train.temperature=0"], "train.temperature"),
+    (["train.max_minutes=-1"], "train.max_minutes"),
+    (["generate.max_minutes=.nan"], "generate.max_minutes"),
+    (["generate.engine=vllm", "generate.max_minutes=5"], "generate.engine='vllm' writes every shard"),
     (["train.method=draft_lm", "train.data=onpolicy", "train.temperature=0.7"], "TRL's GKDTrainer"),
 ])
 def test_bad_keys_and_types_are_named(override, needle):
@@ -215,3 +218,15 @@ def test_keys_added_to_a_later_section_leave_its_hash_alone():
     r = load_recipe(domain="code", overrides=["retrain.min_gain=0.05"])
     assert r.hash() == "8a909ce8cdddf714"
     assert load_recipe(domain="code", overrides=["retrain.min_gain=0.05", "retrain.min_prompts=4"]).hash() != r.hash()
+
+
+def test_time_budgets_enter_no_key():
+    """generate.max_minutes and train.max_minutes limit time on this machine: a run resumes across a changed
+    budget (its stages record the cut they made), so neither enters the recipe hash, the train key or the
+    generate hash."""
+    from pipeline.generate import generate_hash
+
+    a = load_recipe(domain="code")
+    b = load_recipe(domain="code", overrides=["generate.max_minutes=0", "train.max_minutes=90"])
+    assert (a.hash(), a.train_key(), generate_hash(a)) == (b.hash(), b.train_key(), generate_hash(b))
+    assert a.generate.max_minutes == 16 and a.train.max_minutes == 13  # recipes/code.yaml's

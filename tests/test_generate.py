@@ -13,7 +13,7 @@ import torch
 from pipeline import shards
 from pipeline.config import DataConfig, GenerateConfig, Recipe
 from pipeline.data import build_prompt_sets, encode_prompt
-from pipeline.generate import run_generate
+from pipeline.generate import generate_hash, run_generate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -237,3 +237,26 @@ def test_decoder_engine_matches_hf_generate_in_fp32(tok, model):
         assert a["completion_ids"] == b["completion_ids"] and a["topk_ids"] == b["topk_ids"]
         assert torch.allclose(torch.tensor(a["topk_logprobs"]), torch.tensor(b["topk_logprobs"]), atol=1e-5)
     assert min(len(r["completion_ids"]) for r in ours) < 12  # a row stopped at EOS: the cut is exercised
+
+
+def test_a_time_budget_stops_between_shards_and_a_resume_keeps_the_cut(tmp_path, tok, model):
+    """generate.max_minutes: once the next shard would end past the budget the stage stops, trains on the
+    shards written (the manifest complete, the rest named in "budget"), and a resume writes no more; the shards
+    written equal an unbudgeted run's."""
+    (tmp_path / "full").mkdir(), (tmp_path / "cut").mkdir()
+    full_recipe, full_run = setup_run(tmp_path / "full", tok, max_minutes=0.0)
+    full = rows_by_id(run_generate(full_recipe, full_run, model=model, tokenizer=tok))
+    recipe, run = setup_run(tmp_path / "cut", tok, max_minutes=1e-6)  # spent before the first shard ends
+    unbudgeted = make_recipe(tmp_path / "cut" / "src.jsonl", max_minutes=0.0)
+    assert recipe.hash() == unbudgeted.hash() and generate_hash(recipe) == generate_hash(unbudgeted)  # time, not rows
+    stage = run_generate(recipe, run, model=model, tokenizer=tok)
+    m = shards.read_manifest(stage)
+    assert m["complete"] is True and sorted(m["shards"]) == ["shard-00000"]
+    assert m["budget"]["skipped"] == ["shard-00001", "shard-00002"] and m["budget"]["max_minutes"] == 1e-6
+    cut = rows_by_id(stage)
+    assert len(cut) == 8 and all(cut[i] == full[i] for i in cut)  # the first shard's 2 batches of 4
+    from pipeline.report import budget_section
+    assert budget_section(run)[-1].startswith("- generate: 1 of 3 shards (8 completions) in ")
+    run_generate(unbudgeted, run, model=model, tokenizer=tok)
+    assert sorted(shards.read_manifest(stage)["shards"]) == ["shard-00000"]
+    assert not (stage / "shard-00001").exists()

@@ -168,3 +168,50 @@ def test_clear_errors(tmp_path, gen_dir, target):
     record_shard(e, 0, ent, header={"complete": True, "target": "tiny"})
     with pytest.raises(TrainError, match="no trainable rows"):
         run_train(_recipe(), tmp_path / "e", target=target)
+
+
+def test_cosine_lr_is_transformers_schedule():
+    """The loop's schedule (a total that a time budget may lower) is transformers' cosine with warm-up."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    from pipeline.train import cosine_lr
+
+    for warmup, total in ((20, 900), (0, 7), (5, 5), (20, 11)):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        ref = get_cosine_schedule_with_warmup(opt, min(warmup, total), total)
+        for step in range(total + 2):
+            assert cosine_lr(step, warmup, total) == pytest.approx(ref.lr_lambdas[0](step), abs=1e-12), (warmup, step)
+
+
+def test_a_time_budget_plans_the_steps_that_fit_and_a_resume_keeps_them(tmp_path, gen_dir, target):
+    """train.max_minutes: after BUDGET_PROBE_STEPS timed steps the run plans the last step the budget fits
+    (train/budget.json, the manifest's "budget"), checkpoints there, and a rerun, even without the budget,
+    finds it finished. A budget not reached changes no weight."""
+    from pipeline.train import BUDGET_PROBE_STEPS
+
+    kw = dict(steps=14, save_every=7, method="medusa", medusa={"heads": 2}, datastore=False)
+    plain, roomy, tight = (_copy_gen(gen_dir, tmp_path / n) for n in ("plain", "roomy", "tight"))
+    run_train(_recipe(max_minutes=0.0, **kw), plain, target=target)
+    run_train(_recipe(max_minutes=600.0, **kw), roomy, target=target)
+    for step in (7, 14):
+        wa = load_file(str(plain / f"train/checkpoint-{step:06d}/head.safetensors"))
+        wb = load_file(str(roomy / f"train/checkpoint-{step:06d}/head.safetensors"))
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+    assert json.loads((roomy / "train/budget.json").read_text())["steps"] == 14
+
+    recipe = _recipe(max_minutes=1e-6, **kw)  # spent before the first step: the plan is one step past the probe
+    assert recipe.train_key() == _recipe(max_minutes=0.0, **kw).train_key()
+    run_train(recipe, tight, target=target)
+    last = BUDGET_PROBE_STEPS + 1
+    plan = json.loads((tight / "train/budget.json").read_text())
+    assert plan["steps"] == last and plan["train_steps"] == 14 and plan["planned_at"] == BUDGET_PROBE_STEPS
+    m = json.loads((tight / "train/manifest.json").read_text())
+    assert m["steps"] == last and m["checkpoints"] == ["checkpoint-000007", f"checkpoint-{last:06d}"]
+    assert m["budget"] == plan and [r["step"] for r in read_log(tight / "train")] == list(range(1, last + 1))
+    from pipeline.report import budget_section
+    assert budget_section(tight)[-1].startswith(f"- train: {last} of 14 steps at ") and not budget_section(roomy)
+    before = (tight / f"train/checkpoint-{last:06d}/head.safetensors").stat().st_mtime_ns
+    run_train(_recipe(max_minutes=0.0, **kw), tight, target=target)  # the recorded plan stands
+    assert (tight / f"train/checkpoint-{last:06d}/head.safetensors").stat().st_mtime_ns == before
+    assert not (tight / "train/checkpoint-000014").exists()
