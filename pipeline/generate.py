@@ -249,8 +249,8 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
     done = _keep_finished_shards(stage, header, n_shards, accelerator)
     skipped = set(shards.read_manifest(stage).get("budget", {}).get("skipped", []))  # an earlier run's cut stands
     todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done.keys() | skipped]
-    _write_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids, is_main, started)
-    print(f"[generate] process {p}/{n_proc} wrote shards {[shards.shard_name(i) for i in todo]}", file=sys.stderr)
+    written = _write_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids, is_main, started)
+    print(f"[generate] process {p}/{n_proc} wrote shards {[shards.shard_name(i) for i in written]}", file=sys.stderr)
     accelerator.wait_for_everyone()
     if is_main:
         _mark_complete(stage, header, n_shards)
@@ -287,21 +287,23 @@ def _shard_batch_ids(i: int, g, n_batches: int) -> range:
 
 
 def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: dict, pad_id, eos_ids,
-                  is_main: bool, started: float) -> None:
+                  is_main: bool, started: float) -> list[int]:
     """Generate this process's shards `todo`, each saved and recorded in the manifest when done; stop before
-    a shard that would end past generate.max_minutes from `started` (time.monotonic()), recording the rest."""
+    a shard that would end past generate.max_minutes from `started` (time.monotonic()), recording the rest.
+    Returns the shards written."""
     from tqdm.auto import tqdm
 
     g = recipe.generate
     if g.engine == "vllm":
-        return _write_vllm_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids)
+        _write_vllm_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids)
+        return todo
     n_todo_batches = sum(len(_shard_batch_ids(i, g, len(batches))) for i in todo)
     bar = tqdm(total=n_todo_batches, desc="generate", unit="batch", disable=not is_main)
     decoder = make_decoder(model, g.engine) if todo else None
     teacher = compute_copy(model) if todo and decoder is None else None
     feats = decoder is not None and keeps_features(recipe)
-    t_first = time.monotonic()
-    for n, i in enumerate(todo):
+    t_first, written = time.monotonic(), []
+    for i in todo:
         shard_rows = []
         for b in _shard_batch_ids(i, g, len(batches)):
             shard_rows += generate_batch(model, batches[b], pad_id=pad_id, eos_ids=eos_ids,
@@ -311,12 +313,14 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
             bar.update(1)
             kill_point("generate.mid_shard")
         _save(stage, i, shard_rows, header)
+        written.append(i)
         now = time.monotonic()
-        per_shard = (now - t_first) / (n + 1)
-        if g.max_minutes and n + 1 < len(todo) and now + per_shard - started > 60 * g.max_minutes:
-            _record_cut(stage, todo[n + 1:], todo[: n + 1], now - started, g.max_minutes)
+        per_shard = (now - t_first) / len(written)
+        if g.max_minutes and len(written) < len(todo) and now + per_shard - started > 60 * g.max_minutes:
+            _record_cut(stage, todo[len(written):], written, now - started, g.max_minutes)
             break
     bar.close()
+    return written
 
 
 def _record_cut(stage: Path, skipped: list[int], written: list[int], seconds: float, max_minutes: float) -> None:
