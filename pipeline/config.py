@@ -40,7 +40,7 @@ LATER_KEYS = {("evaluate", "compile"): False, ("evaluate", "engine_rank"): False
               ("evaluate", "top_p"): 1.0, ("evaluate", "top_k"): 0,
               ("data", "heldout_fraction"): 0.1, ("data", "heldout_max"): 200,
               ("retrain", "min_prompts"): 8, ("retrain", "min_tokens"): 512,
-              ("train", "temperature"): 1.0}
+              ("train", "temperature"): 1.0, ("train", "medusa_shared_lm_head"): False, ("train", "medusa_layers"): 1}
 
 
 # Time budgets: they limit how long a stage runs on this machine, not what a row or a step computes, so no

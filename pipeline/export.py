@@ -44,10 +44,12 @@ def kind_problem(meta: dict, fmt: str) -> str | None:
     if kind == "medusa" and mc.get("recurrent"):
         return ("recurrent Medusa heads read the drafted tokens, which no engine's Medusa does: no engine "
                 "format holds them; train independent heads (train.medusa.recurrent=false)")
-    if kind == "medusa" and fmt == "medusa" and mc["draft_vocab_size"] < mc["vocab_size"]:
-        return (f"Medusa heads over a truncated draft vocabulary ({mc['draft_vocab_size']} of {mc['vocab_size']} "
-                f"ids) do not load in vLLM 0.32: its LM-head loader asserts the full vocabulary, token_map or not "
-                f"(vocab_parallel_embedding.py weight_loader); train them with train.draft_vocab_size=0")
+    if (kind == "medusa" and fmt == "medusa" and mc["draft_vocab_size"] < mc["vocab_size"]
+            and not mc.get("shared_lm_head")):
+        return (f"Medusa heads with an LM head each over a truncated draft vocabulary ({mc['draft_vocab_size']} of "
+                f"{mc['vocab_size']} ids) do not load in vLLM 0.32: it truncates only a shared LM head "
+                f"(original_lm_head + token_map; an LM head each must be the full vocabulary); train them with "
+                f"train.medusa.shared_lm_head=true, or train.draft_vocab_size=0")
     if kind not in FORMATS[fmt].kinds:
         holders = [f.name for f in FORMATS.values() if kind in f.kinds]
         exportable = [f"{k.name} ({' or '.join(k.exports)})" for k in draft_dir.kinds() if k.exports]

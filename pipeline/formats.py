@@ -8,9 +8,9 @@ read FORMATS; nothing else lists formats. Which draft kinds a format holds is de
   speculators-dflash  dflash  vLLM's native DFlash format (speculators 0.9): `vllm serve <out>` alone
   eagle3       eagle3    the EAGLE-3 checkpoint layout (LlamaForCausalLMEagle3, midlayer.*) that SGLang
                          (--speculative-algorithm EAGLE3) and vLLM (method "eagle3") load
-  medusa       medusa    vLLM's MedusaModel; independent heads over the full vocabulary only (recurrent
-                         heads read tokens, which no engine's Medusa does; vLLM 0.32 cannot load
-                         truncated LM heads)
+  medusa       medusa    vLLM's MedusaModel; independent heads, with an LM head each over the full
+                         vocabulary or one shared LM head over a truncated one (original_lm_head +
+                         token_map); recurrent heads read tokens, which no engine's Medusa does
   hf           draft_lm  an ordinary HF causal LM with the tokenizer (HF assistant_model, vLLM draft_model)
   vllm-proposer  any     the draft's datastore (the target's own outputs) with draftsmith's lookup proposer
                          (pipeline/engines/draftsmith_vllm/), which vLLM loads as method "custom_class" with
@@ -284,19 +284,26 @@ def write_medusa(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
         raise ExportError(f"K={k} needs {k} Medusa heads, the draft has {mc['num_heads']}; pass --k {mc['num_heads']} "
                           f"or fewer")
     state = _load(src)
-    d2t = state["d2t"].long()  # [V] absolute target ids (eval/heads/medusa.py); full vocabulary (kind_problem)
+    d2t = state["d2t"].long()  # [Vd] absolute target ids (eval/heads/medusa.py)
     out = {}
     for i in range(mc["num_heads"]):
         for j in range(mc["num_layers"]):  # ResBlock x + SiLU(W x + b) == vLLM's ResidualBlock layer
             out[f"blocks.{i}.layers.{j}.weight"] = state[f"blocks.{i}.{j}.linear.weight"]
             out[f"blocks.{i}.layers.{j}.bias"] = state[f"blocks.{i}.{j}.linear.bias"]
-        W = state[f"lm_heads.{i}.weight"]  # [V, H]: our row r scores target id d2t[r], vLLM's row t id t
-        out[f"lm_heads.{i}.weight"] = torch.zeros_like(W).index_copy_(0, d2t, W)
+        if not mc.get("shared_lm_head"):  # full vocabulary (kind_problem): vLLM's row t scores id t, ours d2t[t]
+            W = state[f"lm_heads.{i}.weight"]  # [V, H]
+            out[f"lm_heads.{i}.weight"] = torch.zeros_like(W).index_copy_(0, d2t, W)
+    vd = mc["vocab_size"]
+    if mc.get("shared_lm_head"):  # vLLM's original_lm_head: one [Vd, H] head, row r scoring id token_map[r] = d2t[r]
+        out["lm_heads.0.weight"], vd = state["lm_heads.0.weight"], mc["draft_vocab_size"]
+        if vd < mc["vocab_size"]:
+            out["token_map"] = d2t
     # Only "num_heads" and "num_hidden_layers" may contain "num": MedusaConfig.from_pretrained renames
     # any key holding "num" and "heads"/"layers" to them.
     config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": mc["hidden_size"],
-              "vocab_size": mc["vocab_size"], "truncated_vocab_size": mc["vocab_size"], "num_heads": mc["num_heads"],
-              "num_hidden_layers": mc["num_layers"], "medusa_fc_bias": True}
+              "vocab_size": mc["vocab_size"], "truncated_vocab_size": vd, "num_heads": mc["num_heads"],
+              "num_hidden_layers": mc["num_layers"], "medusa_fc_bias": True,
+              "original_lm_head": bool(mc.get("shared_lm_head"))}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _save(out, tmp / "model.safetensors")
 

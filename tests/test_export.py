@@ -71,7 +71,7 @@ def dflash_draft(d, target_dir):
     return d
 
 
-def medusa_draft(d, target_dir, draft_ids=None, recurrent=False, layers=1):
+def medusa_draft(d, target_dir, draft_ids=None, recurrent=False, layers=1, shared_lm_head=False):
     """Medusa heads on medusa_target with random residual blocks (fresh ones are the identity)."""
     from helpers import MEDUSA_NH, medusa_target
 
@@ -79,7 +79,7 @@ def medusa_draft(d, target_dir, draft_ids=None, recurrent=False, layers=1):
 
     torch.manual_seed(1)
     heads = MedusaHeads.from_target(medusa_target(), MEDUSA_NH, draft_ids=draft_ids, num_layers=layers,
-                                    recurrent=recurrent)
+                                    recurrent=recurrent, shared_lm_head=shared_lm_head)
     with torch.no_grad():
         for p in heads.blocks.parameters():
             p.normal_(0, 0.3)
@@ -219,7 +219,8 @@ def test_export_refuses_a_k_table_vllm_would_refuse_or_cap(tmp_path, target_dir,
 
 def vllm_medusa_logits(out, feat):
     """vLLM's Medusa forward and compute_logits (model_executor/models/medusa.py) over the exported
-    files: per head x + SiLU(W x + b) per layer, its LM head, logits scattered to token_map's ids."""
+    files: per head x + SiLU(W x + b) per layer, its LM head (with original_lm_head every head's is
+    lm_heads.0, the only one loaded), logits scattered to token_map's ids."""
     config = json.loads((out / "config.json").read_text())
     for k in list(config):  # MedusaConfig.from_pretrained's renaming
         if "num" in k:
@@ -232,7 +233,7 @@ def vllm_medusa_logits(out, feat):
         for j in range(config["num_hidden_layers"]):
             bias = w[f"blocks.{i}.layers.{j}.bias"] if config.get("medusa_fc_bias") else 0
             x = x + torch.nn.functional.silu(x @ w[f"blocks.{i}.layers.{j}.weight"].T + bias)
-        lg = x @ w[f"lm_heads.{i}.weight"].T
+        lg = x @ w[f"lm_heads.{0 if config.get('original_lm_head') else i}.weight"].T
         if token_map is not None:
             full = torch.full((*lg.shape[:-1], config["vocab_size"]), -torch.inf)
             full[..., token_map] = lg
@@ -261,6 +262,25 @@ def test_medusa_export_scores_every_target_id_as_our_heads(tmp_path, target_dir)
         "medusa", ["MedusaModel"], 3, 2)
     assert (config["vocab_size"], config["truncated_vocab_size"], config["hidden_size"]) == (V, V, H)
     assert "token_map" not in load_file(str(out / "model.safetensors"))
+    with torch.no_grad():
+        ours = our_medusa_logits(heads, feat)
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0) and torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+def test_medusa_heads_sharing_an_lm_head_export_a_truncated_vocabulary(tmp_path, target_dir):
+    """Heads with one shared LM head over VD of V ids (train.medusa.shared_lm_head): vLLM's original_lm_head
+    form, one [VD, H] head and token_map = d2t, scores every drafted id as our heads do."""
+    g = torch.Generator().manual_seed(3)
+    heads = medusa_draft(tmp_path / "draft", target_dir, draft_ids=torch.randperm(V, generator=g)[:VD], layers=2,
+                         shared_lm_head=True)
+    assert len({id(lm.weight) for lm in heads.lm_heads}) == 1
+    out = export_draft(tmp_path / "draft", "medusa", tmp_path / "out", k=3)
+    feat = torch.randn(5, H, generator=g)
+    config, theirs = vllm_medusa_logits(out, feat)
+    w = load_file(str(out / "model.safetensors"))
+    assert config["original_lm_head"] is True and (config["vocab_size"], config["truncated_vocab_size"]) == (V, VD)
+    assert torch.equal(w["token_map"], heads.d2t) and w["lm_heads.0.weight"].shape == (VD, H)
+    assert not any(k.startswith("lm_heads.1") for k in w)  # one LM head, loaded once
     with torch.no_grad():
         ours = our_medusa_logits(heads, feat)
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0) and torch.equal(theirs.argmax(-1), ours.argmax(-1))

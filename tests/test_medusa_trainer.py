@@ -156,3 +156,37 @@ def test_recurrent_trained_heads_are_accepted(target, trained_rec, trained):
     s = stats["rec"]
     assert min(s["accept_per_pos"]) > 0.5 and s["tau"] > stats["fresh"]["tau"] + 0.8
     assert s["tau"] >= stats["plain"]["tau"]
+
+
+def test_heads_sharing_the_targets_lm_head_train_their_blocks_only(target):
+    """train.medusa.shared_lm_head (the form vLLM serves over a truncated vocabulary): the method builds
+    independent heads reading out through one LM head, the target's rows of the draft vocabulary, frozen;
+    training moves the residual blocks alone and still teaches head 0 the token at t + 2."""
+    from types import SimpleNamespace
+
+    from pipeline.methods import get_method
+    from pipeline.methods.medusa import MedusaOptions
+    from pipeline.options import RecipeError
+
+    items = medusa_rows(target)
+    opts = MedusaOptions(heads=NH, recurrent=False, shared_lm_head=True, layers=2)
+    tc = SimpleNamespace(**vars(medusa_tc()), medusa=opts, draft_vocab_size=V // 2)
+    method = get_method("medusa")
+    torch.manual_seed(0)
+    trainer = method.build(tc, target, None, [{"ids": it["ids"].tolist()} for it in items], None)
+    heads, params = trainer.heads, method.trainable_parameters(trainer)
+    lm = heads.lm_heads[0].weight
+    assert all(h.weight is lm for h in heads.lm_heads) and not lm.requires_grad and all(p is not lm for p in params)
+    assert len(heads.d2t) == V // 2 and torch.equal(lm, target.get_output_embeddings().weight[heads.d2t].float())
+    before_lm, batch = lm.clone(), collate(items)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    first = None
+    for _ in range(120):
+        loss, metrics = trainer(batch)
+        first = first or metrics
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.equal(lm, before_lm) and metrics["acc_0"] > first["acc_0"] + 0.2, (first, metrics)
+    with pytest.raises(RecipeError, match="train.medusa.shared_lm_head=true is for independent heads"):
+        MedusaOptions(recurrent=True, shared_lm_head=True)

@@ -57,6 +57,7 @@ class MedusaConfig:
     num_heads: int = 4  # heads: head i drafts the token i + 2 positions past its feature
     num_layers: int = 1  # residual blocks per head (Medusa's medusa_num_layers; plain heads only)
     recurrent: bool = False  # heads read the tokens before their target (TokenBlock; see the module doc)
+    shared_lm_head: bool = False  # one LM head for every head (vLLM's original_lm_head: its truncated-vocabulary form)
 
 
 class TokenBlock(nn.Module):
@@ -100,6 +101,10 @@ class MedusaHeads(nn.Module):
     leaving a single small block to carry the whole offset. Memory: num_heads x Vd x H, i.e. 19M
     parameters for 4 heads at Vd = 8192 (76 MB fp32); the full 49,152-token vocabulary would be 113M,
     which is why the recipe's truncated draft vocabulary matters here.
+
+    `shared_lm_head`: every head reads out through ONE LM head (the same module in every `lm_heads` slot),
+    the form in which vLLM's MedusaModel serves a truncated draft vocabulary (`original_lm_head` with a
+    `token_map`); the residual blocks then carry each head's offset (`num_layers` of them).
     """
 
     def __init__(self, c: MedusaConfig, d2t: torch.Tensor | None = None):
@@ -112,7 +117,11 @@ class MedusaHeads(nn.Module):
         else:
             self.blocks = nn.ModuleList([nn.Sequential(*[ResBlock(H) for _ in range(c.num_layers)])
                                          for _ in range(c.num_heads)])
-        self.lm_heads = nn.ModuleList([nn.Linear(H, Vd, bias=False) for _ in range(c.num_heads)])
+        if c.shared_lm_head:
+            lm = nn.Linear(H, Vd, bias=False)
+            self.lm_heads = nn.ModuleList([lm] * c.num_heads)  # [V_d, H] once, in every head's slot
+        else:
+            self.lm_heads = nn.ModuleList([nn.Linear(H, Vd, bias=False) for _ in range(c.num_heads)])
         if d2t is None:
             d2t = torch.arange(Vd)
         assert d2t.shape == (Vd,), "d2t must map every draft row to a target id"
@@ -120,12 +129,13 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def from_target(cls, target, num_heads: int = 4, draft_ids: torch.Tensor | None = None,
-                    num_layers: int = 1, recurrent: bool = False) -> "MedusaHeads":
+                    num_layers: int = 1, recurrent: bool = False, shared_lm_head: bool = False) -> "MedusaHeads":
         """Fresh heads for `target` (an HF causal LM): every LM head starts as the target's LM head
         rows `draft_ids` (all rows when None), every residual block as the identity."""
         cfg = text_config(target)
         n = cfg.vocab_size if draft_ids is None else len(draft_ids)
-        heads = cls(MedusaConfig(cfg.hidden_size, cfg.vocab_size, n, num_heads, num_layers, recurrent), draft_ids)
+        heads = cls(MedusaConfig(cfg.hidden_size, cfg.vocab_size, n, num_heads, num_layers, recurrent, shared_lm_head),
+                    draft_ids)
         W = target.get_output_embeddings().weight.detach()  # [V, H]
         with torch.no_grad():
             for lm in heads.lm_heads:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from eval.heads import MedusaHeads
 
 from ..losses import divergence
-from ..options import option, positive
+from ..options import RecipeError, option, positive
 from .base import DraftMethod, draft_ids, frozen_embedding
 
 
@@ -44,9 +44,20 @@ class MedusaOptions:
     recurrent: bool = option(True, "Each head also reads the previous head's state and the token before the "
                                    "one it predicts (ReDrafter / Hydra-style recurrent heads, eval/heads/medusa.py); "
                                    "false: Medusa-1's independent heads.")
+    shared_lm_head: bool = option(False, "The heads read out through ONE frozen LM head, the target's rows of the "
+                                         "draft vocabulary, as vLLM's MedusaModel serves a truncated vocabulary "
+                                         "(original_lm_head + token_map: `draftsmith export --format medusa`); "
+                                         "independent heads only. false: an LM head each (trained).")
+    layers: int = option(1, "Residual blocks per independent head (Medusa's medusa_num_layers): their capacity when "
+                            "they share the LM head. Recurrent heads have one TokenBlock each.")
 
     def __post_init__(self):
         positive("train.medusa.heads", self.heads)
+        positive("train.medusa.layers", self.layers)
+        if self.recurrent and (self.shared_lm_head or self.layers != 1):
+            key = "shared_lm_head=true" if self.shared_lm_head else f"layers={self.layers}"
+            raise RecipeError(f"train.medusa.{key} is for independent heads; recurrent heads (train.medusa.recurrent="
+                              f"true) have one TokenBlock and an LM head each: set train.medusa.recurrent=false")
 
 
 HEAD_DECAY = 0.8  # Medusa's lambda_i = 0.8 ** i
@@ -126,19 +137,24 @@ class Medusa(DraftMethod):
     # recurrent heads, and Medusa-1's independent ones
     variants = {"medusa": {"medusa": {"recurrent": True}}, "medusa_indep": {"medusa": {"recurrent": False}}}
     flat = True
-    flat_names = {"heads": "medusa_heads", "recurrent": "medusa_recurrent"}
+    flat_names = {"heads": "medusa_heads", "recurrent": "medusa_recurrent", "shared_lm_head": "medusa_shared_lm_head",
+                  "layers": "medusa_layers"}
     needs_features = True
 
     def build(self, tc, target, tokenizer, rows, resume):
         ids = draft_ids(tc, target, rows)
         embed = frozen_embedding(target) if tc.medusa.recurrent else None
-        heads = MedusaHeads.from_target(target, tc.medusa.heads, ids, recurrent=tc.medusa.recurrent).float()
+        mo = tc.medusa
+        heads = MedusaHeads.from_target(target, mo.heads, ids, num_layers=mo.layers, recurrent=mo.recurrent,
+                                        shared_lm_head=mo.shared_lm_head).float()
         if resume is not None:
             heads.load_state_dict(MedusaHeads.load(resume).state_dict())
+        if mo.shared_lm_head:  # the target's own rows, as the engine's original_lm_head reads them
+            heads.lm_heads[0].weight.requires_grad_(False)
         return MedusaTrainer(heads, tc, embed)
 
     def trainable_parameters(self, module):
-        return list(module.heads.parameters())
+        return [p for p in module.heads.parameters() if p.requires_grad]
 
     def vocab_size(self, module, target):
         return len(module.heads.d2t)
