@@ -165,7 +165,7 @@ def manifest(fmt: str, src: Path, meta: dict, tmp: Path, out: Path, v: Verifier,
     m = {"format": fmt, "kind": meta["kind"], "source": str(src.resolve()), "step": meta.get("step"),
          "train_key": meta.get("train_key"), "verifier": v.name_or_path, "k": k, "k_by_batch": k_by_batch,
          "files": {str(p.relative_to(tmp)): _sha256(p) for p in files},
-         "serve": FORMATS[fmt].serve(out.resolve(), v.name_or_path, k, k_by_batch)}
+         "serve": FORMATS[fmt].serve(out.resolve(), v.name_or_path, k, k_by_batch, files=tmp)}
     if meta.get("proposer") == "hybrid" and not FORMATS[fmt].datastore:
         m["note"] = "promoted as a hybrid with n-gram lookups in our decoder; an engine serves the draft alone"
     return m

@@ -68,8 +68,10 @@ def vllm_speculative_config(method: str, k: int | None = None, model: str | Path
     return spec | extra
 
 
-def vllm_serve(model: str | Path, spec: dict | None = None) -> str:
-    return f"vllm serve {model}" + (f" --speculative-config {shlex.quote(json.dumps(spec))}" if spec else "")
+def vllm_serve(model: str | Path, spec: dict | None = None, loader: dict | None = None) -> str:
+    """`vllm serve`, with the speculative config and the model loader's extra config when given."""
+    return (f"vllm serve {model}" + (f" --speculative-config {shlex.quote(json.dumps(spec))}" if spec else "")
+            + (f" --model-loader-extra-config {shlex.quote(json.dumps(loader))}" if loader else ""))
 
 
 def sglang_serve(algorithm: str, verifier: str, out: str | Path, k: int) -> str:
@@ -106,6 +108,8 @@ class ExportFormat:
     # export (evaluate.engine_rank's cache) is read back only under the same revision; None: the files alone
     revision: str | None = None
     speculators_type: str | None = None  # its config.json's speculators_model_type, for the speculators formats
+    # (export dir) -> vLLM's model_loader_extra_config that loading it needs ({}: none); see medusa_loader
+    loader: Callable[[Path], dict] = lambda out: {}
 
     def __post_init__(self):
         if self.recognizes is None:
@@ -124,16 +128,23 @@ class ExportFormat:
         extra = {"num_speculative_tokens_per_batch_size": k_by_batch} if k_by_batch else {}
         return vllm_speculative_config(self.vllm_method, k, self.spec_model or out, **extra)
 
+    def vllm_loader(self, out: str | Path) -> dict:
+        """vLLM's model_loader_extra_config for the export in `out` (engine-wide: `--model-loader-extra-config`)."""
+        return self.loader(Path(out))
+
     def vllm_python_path(self, out: str | Path) -> list[str]:
         """What the vLLM process must have on its Python path to load the export in `out`."""
         return [str(out)] if self.python_path else []
 
-    def serve(self, out: str | Path, verifier: str, k: int, k_by_batch: list | None = None) -> dict[str, str]:
+    def serve(self, out: str | Path, verifier: str, k: int, k_by_batch: list | None = None,
+              files: str | Path | None = None) -> dict[str, str]:
         """{engine: the command that serves the export in `out` with `verifier` at K speculative tokens}; with
         k_by_batch, vLLM's K follows that batch-size table (its speculative config names the verifier, so a
         self-contained export is served through it too)."""
         alone = self.self_contained and not k_by_batch
-        cmds = {"vllm": vllm_serve(out) if alone else vllm_serve(verifier, self.vllm_spec(out, k, k_by_batch))}
+        loader = self.vllm_loader(files or out)  # files: where the export's files are now (a writer's temp dir)
+        cmds = {"vllm": vllm_serve(out, loader=loader) if alone
+                else vllm_serve(verifier, self.vllm_spec(out, k, k_by_batch), loader)}
         if self.python_path:
             cmds["vllm"] = f"PYTHONPATH={shlex.quote(str(out))} " + cmds["vllm"]
         if self.sglang_algorithm:
@@ -308,6 +319,20 @@ def write_medusa(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
     _save(out, tmp / "model.safetensors")
 
 
+def medusa_loader(out: Path) -> dict:
+    """`out`: a medusa export, or the draft directory one would be written from (the owner report's command)."""
+    # vLLM 0.32's Medusa.load_weights loads a token_map but leaves it out of the names it returns, so the loader's
+    # check that every parameter came from the file refuses every truncated export (docs/reference/engines.md,
+    # "Medusa heads vLLM serves"); the check is off for those, the weights load the same.
+    if (out / "config.json").exists():
+        config = json.loads((out / "config.json").read_text())
+        truncated = config.get("truncated_vocab_size", config["vocab_size"]) < config["vocab_size"]
+    else:
+        mc = draft_dir.read_meta(out).get("medusa_config") or {}
+        truncated = bool(mc.get("shared_lm_head")) and mc["draft_vocab_size"] < mc["vocab_size"]
+    return {"enable_weights_track": False} if truncated else {}
+
+
 def write_hf(src: Path, meta: dict, tmp: Path, v: Verifier, k: int) -> None:
     # Written for transformers' AutoModelForCausalLM / AutoTokenizer (HF assistant_model, vLLM draft_model).
     from transformers import AutoTokenizer
@@ -385,7 +410,7 @@ FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
                  lambda c: any(a in EAGLE3_ARCHS for a in _archs(c)), sglang_algorithm="EAGLE3"),
     ExportFormat("medusa", ("vllm",), "medusa", write_medusa,
                  lambda c: c.get("model_type") == "medusa" or "MedusaModel" in _archs(c),
-                 lambda c: c.get("num_heads")),
+                 lambda c: c.get("num_heads"), loader=medusa_loader),
     ExportFormat("hf", ("hf",), "draft_model", write_hf,
                  lambda c: any(a.endswith("ForCausalLM") for a in _archs(c)), hf_assistant=True),
     # served_by=(): it serves the datastore, not the draft, so evaluate.serve never picks it for a kind

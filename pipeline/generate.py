@@ -295,6 +295,9 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
 
     g = recipe.generate
     if g.engine == "vllm":
+        if g.max_minutes and todo:
+            print(f"[generate] generate.max_minutes={g.max_minutes:g} does not apply to generate.engine=vllm: one "
+                  f"engine call writes every shard (set generate.max_minutes=0 to silence this)", file=sys.stderr)
         _write_vllm_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids)
         return todo
     n_todo_batches = sum(len(_shard_batch_ids(i, g, len(batches))) for i in todo)

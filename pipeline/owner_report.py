@@ -650,7 +650,8 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
         if engine == "vllm" and won:  # ranked inside vLLM at the K its export holds: serve it as measured
             lines.append(exports[fmt]["serve"][engine])
             continue
-        lines.append(make + FORMATS[fmt].serve(out, m.get("target"), k)[engine])
+        files = None if fmt in exports else best  # an export still to make: what it needs, read from the draft
+        lines.append(make + FORMATS[fmt].serve(out, m.get("target"), k, files=files)[engine])
     ng = v.ngram
     if ng and ng.get("speedup") and ng["speedup"] > (v.figures.get("speedup") or 0):
         spec = vllm_speculative_config("ngram", m.get("ngram_k", k), prompt_lookup_max=4, prompt_lookup_min=2)

@@ -348,6 +348,8 @@ class _Loop:
         bar = tqdm(total=self.steps, initial=step, desc=f"train {tc.method}",
                    disable=not self.accelerator.is_main_process)
         first, timed = step, None  # timed: when this call's first step ended (the first runs slow)
+        # read once, before any process can write the plan: every process then makes the same choice (plan gathers)
+        to_plan = bool(tc.max_minutes) and not (self.train_dir / BUDGET_FILE).exists()
         while step < self.steps:
             epoch, skip = divmod(step, len(self.loader))
             self.sampler.use_epoch(epoch)
@@ -356,7 +358,7 @@ class _Loop:
                 step += 1
                 self.log(step, loss, metrics, bar)
                 timed = timed or time.monotonic()
-                if step - first == BUDGET_PROBE_STEPS and tc.max_minutes and not (self.train_dir / BUDGET_FILE).exists():
+                if to_plan and step - first == BUDGET_PROBE_STEPS:
                     self.plan(step, (time.monotonic() - timed) / (BUDGET_PROBE_STEPS - 1), bar)
                 if step % tc.save_every == 0 or step == self.steps:
                     self.checkpoint(step)

@@ -105,7 +105,8 @@ def vllm_side(plan: ExportPlan, target_dir: str, prompts, max_new_tokens: int, d
     plain = run_vllm(vllm_job(target_dir, prompts, max_new_tokens, **kw), "plain", workdir=workdir)
     model, spec_config = plan.vllm_load(target_dir)
     job = vllm_job(model, prompts, max_new_tokens, speculative_config=spec_config,
-                   python_path=FORMATS[plan.format].vllm_python_path(plan.export_dir), **kw)
+                   python_path=FORMATS[plan.format].vllm_python_path(plan.export_dir),
+                   loader=FORMATS[plan.format].vllm_loader(plan.export_dir), **kw)
     spec = run_vllm(job, f"{plan.format}-k{plan.k}", workdir=workdir)
     return {"plain": plain, "spec": spec, "spec_job": {k: v for k, v in job.items() if k != "prompts"}}
 

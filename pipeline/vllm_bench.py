@@ -51,6 +51,12 @@ def export_of(method: str) -> tuple[str, Path] | None:
     return (name, Path(rest[1]).resolve()) if name in FORMATS and len(rest) == 2 else None
 
 
+def loader(method: str) -> dict:
+    """vLLM's model_loader_extra_config for `method`: what an export needs to load ({} for vLLM's own methods)."""
+    export = export_of(method)
+    return FORMATS[export[0]].vllm_loader(export[1]) if export else {}
+
+
 def python_path(method: str) -> list[str]:
     """What vLLM must import for `method`: an export that ships its proposer's module (vllm-proposer)."""
     export = export_of(method)
@@ -93,7 +99,8 @@ def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], 
     for method in ["plain"] + [m for m in methods if m != "plain"]:
         spec = speculative_config(method, ngram_min, ngram_max, k_by_batch)
         job = vllm_job(target_dir, prompts, max_new_tokens, speculative_config=spec, batch_sizes=batch_sizes,
-                       dtype=dtype, eos_token_ids=eos, profile=profile, python_path=python_path(method), **draw)
+                       dtype=dtype, eos_token_ids=eos, profile=profile, python_path=python_path(method),
+                       loader=loader(method), **draw)
         try:
             res = run_vllm(job, method.replace(":", "-").replace("/", "_"), workdir=workdir)
         except EngineError as e:

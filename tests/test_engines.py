@@ -577,7 +577,8 @@ def trained_dflash(target, steps=150):
 def source_draft(fmt: str, target_dir, out):
     """A draftsmith draft directory of the kind `fmt` holds, built from the tiny target so that it accepts
     drafts: an EAGLE-3 head started from the target (eval/heads/eagle3.py, as train.method=eagle3 saves it),
-    independent Medusa heads over the full vocabulary (the target's LM head, residual blocks perturbed), or a
+    independent Medusa heads over the full vocabulary (the target's LM head, residual blocks perturbed; "medusa-shared":
+    one LM head over all but 2 ids, the form vLLM truncates with a token_map), or a
     draft LM that is the target's first two layers (the draft_lm kind's files: an HF directory and tokenizer)."""
     from transformers import AutoModelForCausalLM
 
@@ -590,8 +591,9 @@ def source_draft(fmt: str, target_dir, out):
         Eagle3Head.from_target(target).save(out, {"target": str(target_dir), "target_config": target.config.to_dict()})
     elif fmt == "speculators-dflash":
         trained_dflash(target).save(out, {"target": str(target_dir), "target_config": target.config.to_dict()})
-    elif fmt == "medusa":
-        heads = MedusaHeads.from_target(target, num_heads=3)
+    elif fmt in ("medusa", "medusa-shared"):  # -shared: one LM head over all but 2 ids (vLLM's token_map)
+        ids = torch.arange(target.config.vocab_size - 2) if fmt == "medusa-shared" else None
+        heads = MedusaHeads.from_target(target, num_heads=3, draft_ids=ids, shared_lm_head=fmt == "medusa-shared")
         torch.manual_seed(0)
         with torch.no_grad():
             for blk in heads.blocks:
@@ -607,7 +609,7 @@ def source_draft(fmt: str, target_dir, out):
 
 
 @engines
-@pytest.mark.parametrize("fmt", ["speculators", "speculators-dflash", "eagle3", "medusa", "hf"])
+@pytest.mark.parametrize("fmt", ["speculators", "speculators-dflash", "eagle3", "medusa", "medusa-shared", "hf"])
 def test_verify_export_loads_every_production_format_in_vllm(engine, tiny, tmp_path, fmt):
     """Every format as `draftsmith export` writes it (pipeline/formats.py's writers), through the whole
     verify-export command on the tiny target in fp32: vLLM plain and with the export at batch 1 and 4, our
@@ -618,6 +620,7 @@ def test_verify_export_loads_every_production_format_in_vllm(engine, tiny, tmp_p
 
     d, prompts = tiny
     src = source_draft(fmt, d, tmp_path / f"draft-{fmt}")
+    fmt = fmt.removesuffix("-shared")
     exp = export_draft(src, fmt, tmp_path / f"export-{fmt}", verifier=str(d), k=3)
     tok = word_tokenizer()
     pj = tmp_path / "prompts.jsonl"

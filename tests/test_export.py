@@ -262,6 +262,7 @@ def test_medusa_export_scores_every_target_id_as_our_heads(tmp_path, target_dir)
         "medusa", ["MedusaModel"], 3, 2)
     assert (config["vocab_size"], config["truncated_vocab_size"], config["hidden_size"]) == (V, V, H)
     assert "token_map" not in load_file(str(out / "model.safetensors"))
+    assert FORMATS["medusa"].vllm_loader(out) == {} and "loader" not in FORMATS["medusa"].serve(out, "t", 3)["vllm"]
     with torch.no_grad():
         ours = our_medusa_logits(heads, feat)
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0) and torch.equal(theirs.argmax(-1), ours.argmax(-1))
@@ -281,6 +282,10 @@ def test_medusa_heads_sharing_an_lm_head_export_a_truncated_vocabulary(tmp_path,
     assert config["original_lm_head"] is True and (config["vocab_size"], config["truncated_vocab_size"]) == (V, VD)
     assert torch.equal(w["token_map"], heads.d2t) and w["lm_heads.0.weight"].shape == (VD, H)
     assert not any(k.startswith("lm_heads.1") for k in w)  # one LM head, loaded once
+    # vLLM 0.32 loads the token_map but refuses it in its loaded-weights check: the export turns the check off
+    assert FORMATS["medusa"].vllm_loader(out) == {"enable_weights_track": False}
+    serve = FORMATS["medusa"].serve(out, str(target_dir), 3)["vllm"]
+    assert serve.endswith(""" --model-loader-extra-config '{"enable_weights_track": false}'""")
     with torch.no_grad():
         ours = our_medusa_logits(heads, feat)
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0) and torch.equal(theirs.argmax(-1), ours.argmax(-1))

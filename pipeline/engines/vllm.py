@@ -47,7 +47,7 @@ def vllm_job(model, prompts: list[list[int]], max_tokens: int, *, speculative_co
              eos_token_ids=None, ignore_eos: bool = False, max_model_len: int | None = None,
              max_num_seqs: int | None = None, seeds: list[int] | None = None, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eager: bool = False, profile: bool = False,
-             python_path: list[str] | None = None) -> dict:
+             python_path: list[str] | None = None, loader: dict | None = None) -> dict:
     """A worker job (see vllm_worker.py), checked here so that a bad one fails before vLLM's minutes of startup."""
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise EngineError("a vLLM job needs a non-empty list of prompts, each a non-empty list of token ids")
@@ -63,7 +63,7 @@ def vllm_job(model, prompts: list[list[int]], max_tokens: int, *, speculative_co
             "eos_token_ids": sorted(eos_token_ids) if eos_token_ids else None, "ignore_eos": ignore_eos,
             "max_model_len": max_model_len or max(len(p) for p in prompts) + max_tokens + 16,
             "max_num_seqs": max_num_seqs, "enforce_eager": eager, "profile": profile,
-            "python_path": [str(p) for p in python_path or []]}
+            "python_path": [str(p) for p in python_path or []], "model_loader_extra_config": loader or None}
 
 
 def read_result(result: dict, job: dict) -> dict:

@@ -135,6 +135,8 @@ def build_llm(job):
         kw["max_model_len"] = job["max_model_len"]
     if job.get("speculative_config"):
         kw["speculative_config"] = job["speculative_config"]
+    if job.get("model_loader_extra_config"):  # what an export needs to load (pipeline/formats.py ExportFormat.loader)
+        kw["model_loader_extra_config"] = job["model_loader_extra_config"]
     return LLM(**kw)
 
 
