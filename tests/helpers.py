@@ -319,6 +319,20 @@ def frozen_embedding(target):
     return torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
 
 
+def fit_steps(trainer, params, batch, steps: int, lr: float = 1e-2) -> tuple[dict, dict]:
+    """`steps` AdamW steps of `trainer` ((loss, metrics) = trainer(batch)) on one batch -> (the first step's
+    metrics, the last step's)."""
+    opt = torch.optim.AdamW(params, lr=lr)
+    first = metrics = None
+    for _ in range(steps):
+        loss, metrics = trainer(batch)
+        first = first or metrics
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return first, metrics
+
+
 def train_medusa_heads(target, recurrent: bool):
     """Medusa heads trained on the target's greedy continuations (150 steps): (heads, metrics before,
     metrics after, items)."""
@@ -331,14 +345,7 @@ def train_medusa_heads(target, recurrent: bool):
     torch.manual_seed(0)
     heads = MedusaHeads.from_target(target, MEDUSA_NH, recurrent=recurrent)
     trainer = MedusaTrainer(heads, medusa_tc(), frozen_embedding(target) if recurrent else None)
-    opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
-    first = None
-    for _ in range(150):
-        loss, metrics = trainer(batch)
-        first = first or metrics
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    first, _ = fit_steps(trainer, heads.parameters(), batch, 150)
     with torch.no_grad():
         last = trainer(batch)[1]
     return heads.eval(), first, last, items

@@ -8,7 +8,7 @@ import torch
 from eval.decoder import SpeculativeDecoder
 from eval.heads import MedusaHeads
 from eval.proposers import MedusaProposer
-from helpers import (MEDUSA_NH as NH, TOPK, TRAIN_V as V, medusa_rows, medusa_target,
+from helpers import (MEDUSA_NH as NH, TOPK, TRAIN_V as V, fit_steps, medusa_rows, medusa_target,
                      medusa_tc, perturbed_recurrent_heads)
 from pipeline.methods.medusa import MedusaTrainer
 from pipeline.train_data import collate
@@ -178,15 +178,8 @@ def test_heads_sharing_the_targets_lm_head_train_their_blocks_only(target):
     lm = heads.lm_heads[0].weight
     assert all(h.weight is lm for h in heads.lm_heads) and not lm.requires_grad and all(p is not lm for p in params)
     assert len(heads.d2t) == V // 2 and torch.equal(lm, target.get_output_embeddings().weight[heads.d2t].float())
-    before_lm, batch = lm.clone(), collate(items)
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    first = None
-    for _ in range(120):
-        loss, metrics = trainer(batch)
-        first = first or metrics
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    before_lm = lm.clone()
+    first, metrics = fit_steps(trainer, params, collate(items), 120)
     assert torch.equal(lm, before_lm) and metrics["acc_0"] > first["acc_0"] + 0.2, (first, metrics)
     with pytest.raises(RecipeError, match="train.medusa.shared_lm_head=true is for independent heads"):
         MedusaOptions(recurrent=True, shared_lm_head=True)
