@@ -101,6 +101,27 @@ def test_two_processes_resume_one_and_match_its_curve(setup):
         torch.testing.assert_close(weights(two, STEPS)[k], v, rtol=RTOL, atol=1e-6)
 
 
+@multiproc
+def test_two_processes_agree_on_a_time_budgets_plan(setup):
+    """train.max_minutes under DDP: both processes time their probe steps and gather, so they stop at the same
+    planned step (here the budget is spent before the first step: one step past the probe) and neither waits on
+    the other; the main process writes the plan, the log and the checkpoints once."""
+    from pipeline.train import BUDGET_PROBE_STEPS
+
+    root, _ = setup
+    d = yaml.safe_load((root / "recipe.yaml").read_text())
+    d["train"] |= {"steps": 14, "save_every": 7, "max_minutes": 1e-6}
+    (root / "budget.yaml").write_text(yaml.safe_dump(d))
+    run = root / "budget"
+    shutil.copytree(root / "gen" / "generate", run / "generate")
+    launch(root / "budget.yaml", run)
+    last = BUDGET_PROBE_STEPS + 1
+    assert yaml.safe_load((run / "train" / "budget.json").read_text())["steps"] == last
+    assert [r["step"] for r in read_log(run / "train")] == list(range(1, last + 1))
+    assert sorted(p.name for p in (run / "train").iterdir() if p.name.startswith((".", "checkpoint"))) == [
+        "checkpoint-000007", f"checkpoint-{last:06d}"]
+
+
 def test_accelerate_configs_load():
     """The shipped configs (docs/reference/scaling.md) are what accelerate's own loader reads them as."""
     from accelerate.commands.config.config_args import load_config_from_file
