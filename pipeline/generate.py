@@ -247,8 +247,8 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
               "engine": engine_name(g.engine), "complete": False}
 
     done = _keep_finished_shards(stage, header, n_shards, accelerator)
-    skipped = set(shards.read_manifest(stage).get("budget", {}).get("skipped", []))  # an earlier run's cut stands
-    todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in done.keys() | skipped]
+    have = done.keys() | _left_out(shards.read_manifest(stage))  # written, or left out by an earlier run's cut
+    todo = [i for i in range(n_shards) if i % n_proc == p and shards.shard_name(i) not in have]
     written = _write_shards(stage, todo, batches, model, recipe, header, pad_id, eos_ids, is_main, started)
     print(f"[generate] process {p}/{n_proc} wrote shards {[shards.shard_name(i) for i in written]}", file=sys.stderr)
     accelerator.wait_for_everyone()
@@ -326,12 +326,16 @@ def _write_shards(stage: Path, todo: list[int], batches, model, recipe, header: 
     return written
 
 
+def _left_out(manifest: dict) -> set[str]:
+    """The shards generate.max_minutes left out, as a stage manifest's "budget" names them."""
+    return set(manifest.get("budget", {}).get("skipped", []))
+
+
 def _record_cut(stage: Path, skipped: list[int], written: list[int], seconds: float, max_minutes: float) -> None:
     """The manifest's "budget": the shards this process leaves out (merged with other processes' cuts)."""
     with _manifest_lock(stage):
         m = shards.read_manifest(stage)
-        b = m.get("budget", {})
-        names = sorted(set(b.get("skipped", [])) | {shards.shard_name(i) for i in skipped})
+        names = sorted(_left_out(m) | {shards.shard_name(i) for i in skipped})
         m["budget"] = {"max_minutes": max_minutes, "skipped": names, "seconds": round(seconds, 1)}
         shards.write_json_atomic(stage / shards.MANIFEST, m)
     print(f"[generate] generate.max_minutes={max_minutes:g}: stopped after {len(written)} shards in {seconds / 60:.1f} "
@@ -407,7 +411,7 @@ def _mark_complete(stage: Path, header: dict, n_shards: int) -> None:
     """Main process, after every process finished: every shard present, or a ShardError naming the missing."""
     with _manifest_lock(stage):
         ok = shards.complete_shards(stage)
-        ok |= dict.fromkeys(shards.read_manifest(stage).get("budget", {}).get("skipped", []))  # left out by the budget
+        ok |= dict.fromkeys(_left_out(shards.read_manifest(stage)))
         missing = [shards.shard_name(i) for i in range(n_shards) if shards.shard_name(i) not in ok]
         if missing:
             raise shards.ShardError(f"{stage}: shards {', '.join(missing)} are missing after generation; "

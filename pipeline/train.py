@@ -196,10 +196,16 @@ def read_log(train_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def planned_steps(train_dir: Path, tc) -> int:
-    """The run's last step: train.steps, or fewer where train.max_minutes planned them (train/budget.json)."""
+def read_plan(train_dir: Path) -> dict | None:
+    """train.max_minutes' plan (train/budget.json), None where no budget planned this run."""
     path = train_dir / BUDGET_FILE  # written atomically (write_json_atomic): never half a file
-    return json.loads(path.read_text())["steps"] if path.exists() else tc.steps
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def planned_steps(train_dir: Path, tc) -> int:
+    """The run's last step: train.steps, or fewer where train.max_minutes planned them."""
+    plan = read_plan(train_dir)
+    return plan["steps"] if plan else tc.steps
 
 
 def _finished(train_dir: Path, recipe) -> bool:
@@ -349,7 +355,7 @@ class _Loop:
                    disable=not self.accelerator.is_main_process)
         first, timed = step, None  # timed: when this call's first step ended (the first runs slow)
         # read once, before any process can write the plan: every process then makes the same choice (plan gathers)
-        to_plan = bool(tc.max_minutes) and not (self.train_dir / BUDGET_FILE).exists()
+        to_plan = bool(tc.max_minutes) and read_plan(self.train_dir) is None
         while step < self.steps:
             epoch, skip = divmod(step, len(self.loader))
             self.sampler.use_epoch(epoch)
@@ -454,8 +460,8 @@ class _Loop:
             self.tokens = int(self.accelerator.reduce(torch.tensor(self.tokens, device=self.device), "sum"))
         tps = self.tokens / self.seconds if self.seconds > 0 else None
         if self.accelerator.is_main_process:
-            plan = self.train_dir / BUDGET_FILE
-            more = {"budget": json.loads(plan.read_text())} if plan.exists() else {}
+            plan = read_plan(self.train_dir)
+            more = {"budget": plan} if plan else {}
             _write_manifest(self.train_dir, self.recipe, step, self.names, tps, self.last_loss, draft_vocab_size,
                             self.n_onpolicy, n_sequences, self.tracker, **more)
 
