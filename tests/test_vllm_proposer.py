@@ -345,3 +345,53 @@ def test_evaluate_refuses_the_format_before_decoding_when_train_wrote_no_datasto
     off = load_recipe(domain="code", overrides=["export.formats=[vllm-proposer]", "train.datastore=false"])
     with pytest.raises(EvaluateError, match="train.datastore=false wrote none"):
         check_exports(off, [ck])
+
+
+# ------------------------------------------------------------------------------------------ the size replay
+
+def test_lookup_replay_rows_the_datastores_worth_and_refuses_bad_input(tmp_path, tiny_target, real_tokenizer, capsys):
+    """pipeline.lookup_replay on a tiny target: a datastore of its own greedy text is accepted far more than
+    the request's context alone; every row the command promises is there; bad input is one line and exit 2."""
+    from transformers import AutoModelForCausalLM
+
+    from eval.decoder import SpeculativeDecoder
+    from pipeline import lookup_replay
+    from pipeline.data import write_jsonl
+
+    prompts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(3)]
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in prompts])
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    ids = [real_tokenizer(p)["input_ids"] for p in prompts]
+    out = SpeculativeDecoder(target, None).generate(ids, max_new_tokens=40).sequences
+    store = tmp_path / "draft"
+    store.mkdir()
+    Datastore([list(p) + list(o) for p, o in zip(ids, out)]).save(store)
+    np.save(tmp_path / "extra.npy", np.asarray([5, 6, 7, SEP, 8, 9], dtype=np.int64))
+    args = ["--export", str(store), "--prompts", str(tmp_path / "p.jsonl"), "--n-prompts", "3", "--target",
+            str(tiny_target), "--dtype", "float32", "--max-new-tokens", "16", "--k", "8"]
+    assert lookup_replay.main(args + ["--fractions", "0.34,1", "--context-only", "--add", str(tmp_path / "extra.npy"),
+                                      "--json", str(tmp_path / "r.json")]) == 0
+    rows = {r["datastore"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    assert list(rows) == ["context only", "datastore 34%", "datastore 100%", f"datastore + {tmp_path / 'extra.npy'}"]
+    whole = rows["datastore 100%"]
+    assert whole["tau"] > 4 and whole["tau"] > rows["context only"]["tau"] + 1, rows
+    added = rows[f"datastore + {tmp_path / 'extra.npy'}"]
+    assert rows["datastore 34%"]["corpus_tokens"] < whole["corpus_tokens"] < added["corpus_tokens"]
+    assert whole["no_draft_share"] <= rows["context only"]["no_draft_share"]
+    capsys.readouterr()
+    for bad, says in ((["--fractions", "0"], "each fraction must be in (0, 1]"),
+                      (["--add", str(tmp_path / "nope.npy")], "give 'stdlib' or an existing .npy")):
+        assert lookup_replay.main(args + bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+    assert lookup_replay.main(["--export", str(tmp_path), "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    assert "no datastore" in capsys.readouterr().err
+
+
+def test_head_sequences_keeps_whole_sequences():
+    from pipeline.lookup_replay import head_sequences
+
+    c = corpus([1, 2], [3, 4, 5], [6], [7, 8])
+    assert head_sequences(c, 0.5).tolist() == [1, 2, SEP, 3, 4, 5, SEP]
+    assert head_sequences(c, 0.01).tolist() == [1, 2, SEP]  # at least one
+    assert head_sequences(c, 1.0).tolist() == c.tolist()
