@@ -4,9 +4,9 @@
     draftsmith generate|train|evaluate --recipe recipes/code.yaml [--run-id ID] [section.key=value ...]
     draftsmith compare --recipe recipes/code.yaml [--methods eagle,medusa,...] [--steps N] [--docs F]
                        [--lift-steps N] [--lift-prompts P]
-    draftsmith bench --draft runs/code/latest/best --prompts prompts.jsonl [...]
+    draftsmith bench --draft runs/code/champion --prompts prompts.jsonl [...]
     draftsmith prompts --out data/code/humaneval_prompts.jsonl [--run-dir runs/chat/latest]
-    draftsmith export --draft runs/code/latest/best --format speculators|eagle3|medusa|hf --out DIR
+    draftsmith export --draft runs/code/champion --format speculators|eagle3|medusa|hf --out DIR
                       [--verifier TARGET] [--k K] [--force]
     draftsmith verify-export --export DIR [--target HF_DIR] [--prompts P.jsonl] [--n N] [--k K] [--json OUT]
     draftsmith drafts list|show [ID]|rollback [--to ID] --domain D [--runs-dir runs]
@@ -308,8 +308,19 @@ def distill(recipe: Recipe, new: bool = False, command: str | None = None) -> Pa
     kill_point("cli.before_complete")
     _point_latest(run_dir)  # before `complete`: a run killed between the two is found again and finished
     _write_status(run_dir, complete=True, wall_s=time.time() - t0)
-    print(f"draftsmith: done in {time.time() - t0:.0f}s; outputs in {run_dir} (and {run_dir.parent / 'latest'})")
+    print(f"draftsmith: done in {time.time() - t0:.0f}s; outputs in {run_dir} (and {run_dir.parent / 'latest'}); "
+          f"{_in_service(run_dir.parent)}")
     return run_dir
+
+
+def _in_service(domain_dir: Path) -> str:
+    """Where the registry's champion is served from, for distill's last line."""
+    from .registry import CHAMPION_LINK
+
+    link = domain_dir / CHAMPION_LINK
+    if not link.is_symlink():
+        return "no draft in service yet: the gate promoted none (gate.json says why)"
+    return f"the draft in service: {link} (entry {link.resolve().parent.name})"
 
 
 # ---------------------------------------------------------------- argument parsing

@@ -485,6 +485,10 @@ class RetrainConfig:
 LATER_SECTIONS = {"retrain": lambda: dataclasses.asdict(RetrainConfig())}
 
 
+# what runs/<domain>/ holds beside the runs: the latest and champion links, the registry, traffic and monitor logs
+RESERVED_RUN_IDS = ("latest", "champion", "registry", "traffic", "monitor")
+
+
 @dataclass
 class Recipe:
     domain: str = _f("code", "Domain name; outputs go to runs/<domain>/<run-id>/.")
@@ -509,6 +513,11 @@ class Recipe:
         _one_of("device", self.device, {"auto", "cpu", "cuda"})
         if not self.domain or "/" in self.domain:
             raise RecipeError(f"domain={self.domain!r} must be a plain name")
+        if self.run_id is not None and (not self.run_id or "/" in self.run_id or self.run_id.startswith(".")
+                                        or self.run_id in RESERVED_RUN_IDS):
+            raise RecipeError(f"run_id={self.run_id!r} must be a plain directory name, not starting with '.', and "
+                              f"none of {', '.join(RESERVED_RUN_IDS)} (runs/<domain>/ keeps those); pick another "
+                              f"--run-id")
 
     def to_dict(self) -> dict:
         """The recipe as nested plain data (run_dir/recipe.yaml, the W&B config), which load_recipe reads

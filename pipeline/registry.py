@@ -5,10 +5,13 @@
     registry/entries/<id>/entry.json    id, created, kind, run_dir, metrics summary, hashes, traffic, parent
     registry/champion.json              the pointer: id, since, reason, and the history of champions
     registry/decisions.jsonl            every gate outcome (promote or keep) with its figures
+    champion -> registry/entries/<id>/draft   beside registry/: the draft in service, for serving and exports
 
 Every change is atomic: an entry is built in a hidden `.tmp-*` directory and renamed into place; the pointer
 and the decision log are rewritten whole through a temporary file, fsynced, renamed. The pointer carries
-the champion history in the same file, so the two cannot disagree after a crash. A crash at any moment
+the champion history in the same file, so the two cannot disagree after a crash. The `champion` link follows
+the pointer (a symlink renamed into place after it): a crash between the two leaves the link one move behind
+until the next writer re-points it. A crash at any moment
 leaves the previous champion serving; leftover `.tmp-*` files are ignored and removed by the next writer.
 Writers take a short flock on registry/.write.lock, so `drafts rollback` during a retrain is safe.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -30,6 +34,7 @@ from .faults import kill_point
 from .lock import new_run_id
 
 REGISTRY = "registry"
+CHAMPION_LINK = "champion"  # runs/<domain>/champion: the champion's draft directory
 ENTRY_FILE = "entry.json"
 SUMMARY_KEYS = ("speedup", "tau", "alpha", "accept_per_pos", "mean_acceptance_length", "draft_acceptance_rate",
                 "greedy_exact", "lossless", "k", "target", "draft_method")
@@ -52,6 +57,7 @@ class Registry:
         self.entries_dir = self.dir / "entries"
         self.pointer_path = self.dir / "champion.json"
         self.decisions_path = self.dir / "decisions.jsonl"
+        self.link_path = self.domain_dir / CHAMPION_LINK
 
     def exists(self) -> bool:
         return self.dir.is_dir()
@@ -191,7 +197,29 @@ class Registry:
             for d in (self.dir, self.entries_dir):
                 for t in d.glob(f"{TMP_PREFIX}*"):
                     shutil.rmtree(t) if t.is_dir() and not t.is_symlink() else t.unlink(missing_ok=True)
+            self._point_link()  # a writer killed between the pointer and the link left it one move behind
             yield
+
+    def _point_link(self) -> None:
+        """runs/<domain>/champion -> the pointer's entry's draft (relative, renamed into place); none without a
+        champion. A directory of that name that is not our link is left alone."""
+        for t in self.domain_dir.glob(f"{TMP_PREFIX}{CHAMPION_LINK}-*"):  # a link left by a killed writer
+            t.unlink(missing_ok=True)
+        try:
+            p = self._pointer()
+        except RegistryError:  # unreadable: the link stays as it is until a rollback rewrites the pointer
+            return
+        want = f"{REGISTRY}/entries/{p['id']}/draft" if p else None
+        link = self.link_path
+        if link.exists() and not link.is_symlink():
+            return
+        if want is None or (link.is_symlink() and os.readlink(link) == want):
+            if want is None and link.is_symlink():
+                link.unlink()
+            return
+        tmp = self.domain_dir / f"{TMP_PREFIX}{CHAMPION_LINK}-{os.getpid()}"
+        tmp.symlink_to(want)
+        os.replace(tmp, link)
 
     def add(self, draft_dir: str | Path, *, run_dir: str | Path | None, metrics: dict, kind: str, hashes: dict,
             traffic: dict, parent: str | None = None, exports: dict | list | None = None) -> dict:
@@ -250,6 +278,7 @@ class Registry:
         new = {"id": e["id"], "since": rec["since"], "reason": reason, "history": p.get("history", []) + [rec]}
         write_json_atomic(self.pointer_path, new, before_replace=lambda: kill_point("registry.pointer_tmp"))
         kill_point("registry.pointer_moved")
+        self._point_link()
 
     def _stamp(self, decision: dict) -> dict:
         d = dict(decision)

@@ -53,6 +53,14 @@ def test_bad_keys_and_types_are_named(override, needle):
         load_recipe(domain="code", overrides=override)
 
 
+@pytest.mark.parametrize("run_id", ["latest", "champion", "registry", "traffic", "monitor", "a/b", ".hidden", ""])
+def test_run_ids_that_would_clash_with_the_domains_own_files_are_refused(run_id):
+    with pytest.raises(RecipeError, match=re.escape(f"run_id={run_id!r} must be a plain directory name")) as e:
+        load_recipe(domain="code", overrides=[f"run_id={run_id}"])
+    assert "pick another --run-id" in str(e.value) and "\n" not in str(e.value)
+    assert load_recipe(domain="code", overrides=["run_id=my-run.2"]).run_id == "my-run.2"
+
+
 def test_unknown_domain_lists_known_ones():
     with pytest.raises(RecipeError, match="known domains: .*code"):
         load_recipe(domain="nope")

@@ -72,6 +72,12 @@ def test_distill_writes_the_run_files(distilled):
     assert json.loads((run / "status.json").read_text())["complete"] is True
     gen = json.loads((run / "generate" / "manifest.json").read_text())
     assert gen["complete"] and sum(s["rows"] for s in gen["shards"].values()) > 0
+    # runs/code/champion: the registry's champion, this run's best/ exactly when its gate promoted it
+    gate, link = json.loads((run / "gate.json").read_text()), runs / "code" / "champion"
+    assert link.is_symlink() == gate["promote"], gate["summary"]
+    if gate["promote"]:
+        assert link.resolve() == (runs / "code" / "registry" / "entries" / run.name / "draft").resolve()
+        assert (link / "draftsmith_draft.json").read_bytes() == (run / "best" / "draftsmith_draft.json").read_bytes()
 
 
 def test_metrics_are_the_promoted_candidates_measurement(distilled):

@@ -34,6 +34,15 @@ def admit(reg: Registry, root: Path, run: str, v: int, speedup: float = 1.5, row
                    hashes={"recipe": "r", "data": f"d{v}", "target": "t"}, traffic={"rows": rows, "new_rows": rows})
 
 
+def served(reg: Registry) -> str | None:
+    """The entry runs/<domain>/champion leads to (read through the link, as a server would), None without it."""
+    link = reg.domain_dir / "champion"
+    if not link.is_symlink():
+        return None
+    assert not Path(os.readlink(link)).is_absolute()  # the domain directory moves with its link
+    return link.resolve().parent.name  # registry/entries/<id>/draft
+
+
 def leftovers(reg: Registry) -> list[str]:
     return sorted(p.name for d in (reg.dir, reg.entries_dir) if d.is_dir() for p in d.iterdir()
                   if p.name.startswith(atomic.TMP_PREFIX))
@@ -56,6 +65,7 @@ def test_add_promote_keep_rollback(reg, tmp_path):
 
     assert [e["id"] for e in reg.entries()] == ["run-a", "run-b", "run-c"]
     assert reg.champion()["id"] == "run-b" and reg.champion()["reason"] == "promoted: faster"
+    assert served(reg) == "run-b"  # runs/code/champion: the draft in service, not the newest run's
     e = reg.entry("run-b")
     assert e["metrics"] == {"speedup": 1.6, "tau": 3.0, "alpha": 0.5, "accept_per_pos": [0.6, 0.4]}  # summary only
     assert e["hashes"]["data"] == "d1" and e["traffic"]["rows"] == 150 and e["kind"] == "retrain"
@@ -67,6 +77,7 @@ def test_add_promote_keep_rollback(reg, tmp_path):
 
     old = reg.rollback()
     assert (old["replaced"], old["id"]) == ("run-b", "run-a") and reg.champion()["id"] == "run-a"
+    assert served(reg) == "run-a"
     with pytest.raises(RegistryError, match="first champion"):
         reg.rollback()  # nothing before a
     assert reg.rollback(to="run-c")["id"] == "run-c"  # any entry, promoted before or not
@@ -191,7 +202,7 @@ reg.promote(e["id"], {{"reason": "faster"}})
     ("registry.entry_published", "run-a", ["run-a", "run-b"]),  # an entry, not promoted
     ("registry.pointer_tmp", "run-a", ["run-a", "run-b"]),  # the new pointer written aside only
     ("registry.pointer_moved", "run-b", ["run-a", "run-b"]),  # promoted; its log line comes from history
-    ("registry.decisions_tmp", "run-b", ["run-a", "run-b"]),
+    ("registry.decisions_tmp", "run-b", ["run-a", "run-b"]),  # promoted, the link moved, the log line not written
 ])
 def test_sigkill_at_each_registry_point(reg, tmp_path, point, champion, entries):
     admit(reg, tmp_path, "run-a", 0)
@@ -202,11 +213,14 @@ def test_sigkill_at_each_registry_point(reg, tmp_path, point, champion, entries)
     r = subprocess.run([sys.executable, "-c", script, point], capture_output=True, text=True, timeout=60)
     assert r.returncode == -9, r.stderr
     assert reg.champion()["id"] == champion and [e["id"] for e in reg.entries()] == entries
+    # the link moves after the pointer: killed between the two, it is one move behind
+    assert served(reg) == ("run-b" if point == "registry.decisions_tmp" else "run-a")
     assert [d["entry"] for d in reg.decisions()] == ["run-a"] + (["run-b"] if champion == "run-b" else [])
     # the rerun finishes the job without a second entry or a second promotion
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert reg.champion()["id"] == "run-b" and [e["id"] for e in reg.entries()] == ["run-a", "run-b"]
+    assert served(reg) == "run-b" and not list(reg.domain_dir.glob(".tmp-*"))
     assert [h["id"] for h in reg.history()] == ["run-a", "run-b"] and leftovers(reg) == []
     assert [d["entry"] for d in reg.decisions()] == ["run-a", "run-b"]
 
