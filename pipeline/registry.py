@@ -11,7 +11,7 @@ Every change is atomic: an entry is built in a hidden `.tmp-*` directory and ren
 and the decision log are rewritten whole through a temporary file, fsynced, renamed. The pointer carries
 the champion history in the same file, so the two cannot disagree after a crash. The `champion` link follows
 the pointer (a symlink renamed into place after it): a crash between the two leaves the link one move behind
-until the next writer re-points it. A crash at any moment
+until the next writer (or `draftsmith drafts`) re-points it. A crash at any moment
 leaves the previous champion serving; leftover `.tmp-*` files are ignored and removed by the next writer.
 Writers take a short flock on registry/.write.lock, so `drafts rollback` during a retrain is safe.
 """
@@ -209,13 +209,15 @@ class Registry:
             p = self._pointer()
         except RegistryError:  # unreadable: the link stays as it is until a rollback rewrites the pointer
             return
-        want = f"{REGISTRY}/entries/{p['id']}/draft" if p else None
         link = self.link_path
         if link.exists() and not link.is_symlink():
             return
-        if want is None or (link.is_symlink() and os.readlink(link) == want):
-            if want is None and link.is_symlink():
+        if p is None:  # no champion yet (or any more): no link
+            if link.is_symlink():
                 link.unlink()
+            return
+        want = f"{REGISTRY}/entries/{p['id']}/draft"
+        if link.is_symlink() and os.readlink(link) == want:
             return
         tmp = self.domain_dir / f"{TMP_PREFIX}{CHAMPION_LINK}-{os.getpid()}"
         tmp.symlink_to(want)
@@ -410,6 +412,8 @@ def command(args) -> int:
     reg = Registry(Path(args.runs_dir) / args.domain)
     if not reg.exists():
         raise RegistryError(reg._none_yet())
+    with reg._writing():  # a registry from before the link, or a writer killed before moving it: the link follows
+        pass
     if args.action == "list":
         p = reg._pointer()
         print("\n".join(_table(reg, p["id"] if p else None)))

@@ -235,7 +235,9 @@ def test_cli_lists_shows_and_rolls_back(reg, tmp_path, capsys):
     admit(reg, tmp_path, "run-b", 1, speedup=1.75, rows=321)
     reg.promote("run-b", {"reason": "faster"})
     capsys.readouterr()
+    (reg.domain_dir / "champion").unlink()  # a registry written before the link existed
     assert _drafts(tmp_path, "list") == 0
+    assert served(reg) == "run-b"  # the command puts the link back where the pointer says
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["ID", "CREATED", "KIND", "SPEEDUP", "TAU", "ALPHA", "TRAFFIC"]
     assert out[2].startswith("* run-b") and "1.75x" in out[2] and out[2].endswith("321")
@@ -245,8 +247,9 @@ def test_cli_lists_shows_and_rolls_back(reg, tmp_path, capsys):
     assert json.loads(out[:out.index("\ndraft: ") + 1])["id"] == "run-a" and "weights.bin  64 bytes" in out
     assert _drafts(tmp_path, "rollback") == 0
     assert capsys.readouterr().out.startswith("draftsmith: champion run-b -> run-a")
+    assert served(reg) == "run-a"
     assert _drafts(tmp_path, "rollback", "--to", "run-b") == 0
-    assert reg.champion()["id"] == "run-b"
+    assert reg.champion()["id"] == "run-b" and served(reg) == "run-b"
 
 
 def test_cli_pointer_at_a_deleted_draft_is_one_line(reg, tmp_path, capsys):
