@@ -75,7 +75,8 @@ def variants(store: np.ndarray, fracs: list[float], context_only: bool, extra: d
     """(label, corpus) per row."""
     out = [("context only", None)] if context_only else []
     out += [(f"datastore {f:.0%}", head_sequences(store, f)) for f in fracs]
-    out += [(f"datastore + {name}", np.concatenate([store, arr])) for name, arr in extra.items()]
+    whole = store if len(store) and store[-1] == SEP else np.concatenate([store, [SEP]])  # no match crosses files
+    out += [(f"datastore + {name}", np.concatenate([whole, arr])) for name, arr in extra.items()]
     return out
 
 

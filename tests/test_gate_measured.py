@@ -4,8 +4,7 @@ was measured, nothing replaced. A draft whose proposals are wrong (a random draf
 forwards and gains nothing) is really slower; lookups in a datastore of the target's own greedy outputs are
 really faster, and the target's text never repeats, so the n-gram baseline gains nothing. The target is wide
 enough (hidden 512) that its forward, not the decoder's bookkeeping, is the cost of a token, as with real
-targets; the margins are then several-fold, far outside timing noise (over the n-gram baseline too: 1.2x, and
-once a lower bound under 1.0x under load, while the random target's text repeated itself)."""
+targets; the margins are then several-fold, far outside timing noise, over the n-gram baseline too."""
 
 import shutil
 
