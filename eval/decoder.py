@@ -823,10 +823,11 @@ class KController:
         return kbar, tbar, slope
 
     def _seconds(self, k: int, line: tuple[float, float, float]) -> float:
+        floor = self._mean(0, 1) if k and 0 in self.arms else 0.0  # a round with drafts does a plain step's work too
         if k in self.arms:
-            return self._mean(k, 1)
+            return max(self._mean(k, 1), floor)  # measured cheaper than plain is noise: a useless draft never wins
         kbar, tbar, slope = line
-        return max(tbar + slope * (k - kbar), self._mean(0, 1))  # a draft never costs less than none
+        return max(tbar + slope * (k - kbar), floor)
 
     def _pick(self, k: int) -> int:
         self.choices.append(k)

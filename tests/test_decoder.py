@@ -312,6 +312,15 @@ def test_k_auto_warms_a_larger_batch_at_the_k_a_smaller_one_settled_on(target, m
     assert fresh.stats["k_choices"][warm] == [D.K_WARMUP] * 2
 
 
+def test_a_draft_that_never_accepts_stays_off_when_its_rounds_time_faster_than_plain():
+    """Under load a speculative round can be timed below a plain step; with nothing accepted it must still lose
+    (its round does a plain step's work and more), or the controller speculates for nothing."""
+    ctl = KController(k_max=4, warmup=3, k_warmup=1, probe_every=8)
+    ks = _run(ctl, 40, plain_s=0.010, spec_s=0.009, tokens=1.0, alpha=0.0)
+    assert ks[:5] == [0, 0, 0, 1, 1]  # the warm-up measured K = 1
+    assert ctl.settled() == 0 and ks[-8:].count(0) >= 7, ks  # off, but for a probe
+
+
 def test_controller_warms_up_plain_then_measures_at_k_warmup():
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=16)
     ks = _run(ctl, 5, plain_s=0.010, spec_s=0.012)
