@@ -315,9 +315,9 @@ def distill(recipe: Recipe, new: bool = False, command: str | None = None) -> Pa
 
 def _in_service(domain_dir: Path) -> str:
     """Where the registry's champion is served from, for distill's last line."""
-    from .registry import CHAMPION_LINK
+    from .registry import Registry
 
-    link = domain_dir / CHAMPION_LINK
+    link = Registry(domain_dir).link_path
     if not link.is_symlink():
         return "no draft in service yet: the gate promoted none (gate.json says why)"
     return f"the draft in service: {link} (entry {link.resolve().parent.name})"

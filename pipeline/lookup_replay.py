@@ -68,25 +68,31 @@ def extra_corpus(spec: str, tok) -> np.ndarray:
     arr = np.load(p, allow_pickle=False)
     if arr.ndim != 1 or arr.dtype.kind != "i":
         raise ReplayError(f"--add {spec}: holds a {arr.dtype} array of shape {arr.shape}, not 1-D token ids")
-    return np.concatenate([arr.astype(np.int64), [SEP]]) if len(arr) and arr[-1] != SEP else arr.astype(np.int64)
+    return arr.astype(np.int64)
+
+
+def joined(*corpora: np.ndarray) -> np.ndarray:
+    """Corpora in datastore.npy's layout one after another, a SEP after each that does not end in one, so no match
+    runs from one into the next."""
+    parts = [part for c in corpora for part in ((c, [SEP]) if len(c) and c[-1] != SEP else (c,))]
+    return np.concatenate(parts).astype(np.int64)
 
 
 def variants(store: np.ndarray, fracs: list[float], context_only: bool, extra: dict[str, np.ndarray]):
     """(label, corpus) per row."""
     out = [("context only", None)] if context_only else []
     out += [(f"datastore {f:.0%}", head_sequences(store, f)) for f in fracs]
-    whole = store if len(store) and store[-1] == SEP else np.concatenate([store, [SEP]])  # no match crosses files
-    out += [(f"datastore + {name}", np.concatenate([whole, arr])) for name, arr in extra.items()]
+    out += [(f"datastore + {name}", joined(store, arr)) for name, arr in extra.items()]
     return out
 
 
 def measure(ref, corpus, settings: dict, k: int, max_new_tokens: int, eos) -> dict:
     from eval.replay import replay
 
-    res = replay(LookupProposer(SuffixLookup(corpus, **settings)), ref, k, max_new_tokens, eos=eos)
+    lookup = SuffixLookup(corpus, **settings)
+    res = replay(LookupProposer(lookup), ref, k, max_new_tokens, eos=eos)
     empty = res["rounds"] - sum(res["hist"].values())
-    tokens = 0 if corpus is None else int((np.asarray(corpus) != SEP).sum())
-    return {"corpus_tokens": tokens, "tau": res["tau"], "rounds": res["rounds"],
+    return {"corpus_tokens": lookup.n_tokens, "tau": res["tau"], "rounds": res["rounds"],
             "drafted_per_round": res["rows"] - 1, "no_draft_share": empty / res["rounds"] if res["rounds"] else 0.0}
 
 

@@ -388,10 +388,13 @@ def test_lookup_replay_rows_the_datastores_worth_and_refuses_bad_input(tmp_path,
     assert "no datastore" in capsys.readouterr().err
 
 
-def test_head_sequences_keeps_whole_sequences():
-    from pipeline.lookup_replay import head_sequences
+def test_head_sequences_keeps_whole_sequences_and_joined_never_runs_one_corpus_into_the_next():
+    from pipeline.lookup_replay import head_sequences, joined
 
     c = corpus([1, 2], [3, 4, 5], [6], [7, 8])
     assert head_sequences(c, 0.5).tolist() == [1, 2, SEP, 3, 4, 5, SEP]
     assert head_sequences(c, 0.01).tolist() == [1, 2, SEP]  # at least one
     assert head_sequences(c, 1.0).tolist() == c.tolist()
+    a, b = np.asarray([1, 2], dtype=np.int32), np.asarray([3, SEP])
+    assert joined(a, b).tolist() == [1, 2, SEP, 3, SEP] and joined(b, a).tolist() == [3, SEP, 1, 2, SEP]
+    assert joined(c, c).tolist() == c.tolist() * 2 and joined(a, b).dtype == np.int64
