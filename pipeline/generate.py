@@ -424,7 +424,10 @@ def _mark_complete(stage: Path, header: dict, n_shards: int) -> None:
 
 
 def main(argv=None) -> int:
+    from accelerate import Accelerator
+
     from .config import load_recipe
+    from .processes import leave_process_group
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", required=True, help="recipe YAML")
@@ -433,8 +436,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     recipe = load_recipe(args.recipe, args.overrides)
-    stage = run_generate(recipe, args.run_dir)
-    print(f"[generate] {stage} complete")
+    accelerator = Accelerator(cpu=recipe.device == "cpu")
+    stage = run_generate(recipe, args.run_dir, accelerator=accelerator)
+    if accelerator.is_main_process:
+        print(f"[generate] {stage} complete")
+    leave_process_group(accelerator)
     return 0
 
 

@@ -507,6 +507,7 @@ def _untrained_checkpoint(train_dir: Path, recipe, method: DraftMethod, extra: d
 
 def main(argv=None) -> int:
     from .config import RecipeError, load_recipe
+    from .processes import leave_process_group
     from .tracking import make_tracker
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.train", description=__doc__.split("\n")[0])
@@ -527,11 +528,7 @@ def main(argv=None) -> int:
         return 2
     if accelerator.is_main_process:
         print(f"[train] {out} complete ({accelerator.num_processes} process(es))")
-    # every process leaves the group together: one exiting while gloo's threads still serve the other aborted it
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave_process_group(accelerator)
     return 0
 
 

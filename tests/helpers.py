@@ -349,3 +349,21 @@ def train_medusa_heads(target, recurrent: bool):
     with torch.no_grad():
         last = trainer(batch)[1]
     return heads.eval(), first, last, items
+
+
+def free_port() -> int:
+    """A TCP port free now, for an `accelerate launch` rendezvous (a fixed one can be taken by another run)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env(root) -> dict:
+    """The environment of a two-process CPU `accelerate launch` in a test: gloo workers on one thread each, and
+    every thread's Python stack printed if a worker aborts."""
+    import os
+
+    return dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                PYTHONPATH=str(root), PYTHONFAULTHANDLER="1")

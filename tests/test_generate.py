@@ -15,6 +15,8 @@ from pipeline.config import DataConfig, GenerateConfig, Recipe
 from pipeline.data import build_prompt_sets, encode_prompt
 from pipeline.generate import generate_hash, run_generate
 
+from helpers import free_port, launch_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CODE = [f"def f{i}(x, y={i}):\n    \"\"\"Return x plus {i} times y.\"\"\"\n" + "    pass\n" * (i % 5)
@@ -197,13 +199,12 @@ def test_accelerate_two_processes_match_one(tmp_path, tok, model):
     d = recipe.to_dict()
     d["target"] = str(target)
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(d))
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(ROOT))
+    env = launch_env(ROOT)
     exe = Path(sys.executable).with_name("accelerate")
     # accelerate 1.15: `--cpu` always takes the single-process simple launcher; `--multi_gpu` goes through
     # torchrun, and ACCELERATE_USE_CPU=1 makes each process a CPU (gloo) worker.
     cmd = [str(exe), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--main_process_port", "29517", "-m", "pipeline.generate",
+           "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", "pipeline.generate",
            "--recipe", str(tmp_path / "recipe.yaml"), "--run-dir", str(run)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]

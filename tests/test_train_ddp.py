@@ -4,7 +4,6 @@ checkpoint of one process resumed by two."""
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 from pipeline.config import load_recipe
 from pipeline.train import LOG_FILE, read_log, run_train
 
-from helpers import make_generate, tiny_llama, train_recipe, word_tokenizer
+from helpers import free_port, launch_env, make_generate, tiny_llama, train_recipe, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -31,18 +30,11 @@ multiproc = pytest.mark.skipif(os.environ.get("DRAFTSMITH_SKIP_MULTIPROC") == "1
                                reason="2-process accelerate test (~30 s); DRAFTSMITH_SKIP_MULTIPROC=1 skips it")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(recipe: Path, run_dir: Path) -> subprocess.CompletedProcess:
     """`python -m pipeline.train` under accelerate with two CPU processes, from the shipped DDP config.
     accelerate 1.15: `--cpu` always takes the single-process launcher; a MULTI_GPU config goes through
     torchrun, and ACCELERATE_USE_CPU=1 makes each process a CPU (gloo) worker."""
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(ROOT))
+    env = launch_env(ROOT)
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
            str(ROOT / "configs/accelerate/ddp.yaml"), "--num_processes", "2", "--main_process_port", str(free_port()),
            "-m", "pipeline.train", "--recipe", str(recipe), "--run-dir", str(run_dir)]
