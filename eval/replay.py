@@ -97,7 +97,7 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
            verify_ms: dict[int, float] | None = None, draft_ms: float | None = 0.0, host_ms: float = 0.0) -> dict:
     """Run `proposer` through the decoder's rounds on `ref` -> {"tau", "rounds", "tokens",
     "rows" (mean tokens per verify forward), "hist" (accepted drafts per round that proposed any, the
-    decoder's accept_len_hist)}; given verify_ms (rows -> ms of one verify forward) also
+    decoder's accept_len_hist), "first" (the share of those rounds that accepted their first draft)}; given verify_ms (rows -> ms of one verify forward) also
     "est_ms_per_round" and "est_speedup": plain decoding at verify_ms[1] a token against each round's
     verify_ms[rows] (the largest row count measured, for more rows) + host_ms, + draft_ms when the
     model ran (a hybrid's lookup-only rounds do not run it), or with draft_ms=None the proposer's own
@@ -164,8 +164,10 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
             out += new if cut is None else new[:cut + 1]
             done = len(out) >= max_new_tokens or cut is not None
             j += a + 1
+    drafted = sum(hist.values())
     res = {"tau": tokens / rounds if rounds else 0.0, "rounds": rounds, "tokens": tokens,
-           "rows": rows / rounds if rounds else 0.0, "hist": dict(sorted(hist.items()))}
+           "rows": rows / rounds if rounds else 0.0, "hist": dict(sorted(hist.items())),
+           "first": 1 - hist.get(0, 0) / drafted if drafted else 0.0}
     if verify_ms and rounds:
         res["est_ms_per_round"] = est / rounds
         res["est_speedup"] = tokens * verify_ms[1] / est
@@ -330,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         res = replay(proposer, ref, k, args.max_new_tokens, eos=_eos_set(tok, target), verify_ms=costs,
                      draft_ms=None, host_ms=HOST_MS if costs else 0.0)
         label = ",".join(f"{key}={v}" for key, v in cfg.items() if key != "k") or "as loaded"
-        line = f"K={k} {label}: tau {res['tau']:.3f}, {res['rows']:.1f} rows a verify"
+        line = (f"K={k} {label}: tau {res['tau']:.3f}, first position accepted {res['first']:.3f}, "
+                f"{res['rows']:.1f} rows a verify")
         if costs:
             line += (f", est. {res['est_speedup']:.3f}x ({res['est_ms_per_round']:.2f} ms a round, "
                      f"{res['proposer_ms']:.2f} of it the proposer's)")

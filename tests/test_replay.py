@@ -66,6 +66,7 @@ def test_replay_gives_the_decoders_rounds(target, name):
         assert rep["tau"] == pytest.approx(res.stats["tau"]), (name, i)
         hist = res.stats["accept_len_hist"]  # [rounds accepting a drafts for a = 0..k_cap]
         assert {a: c for a, c in enumerate(hist) if c} == rep["hist"], (name, i)
+        assert rep["first"] == pytest.approx(res.stats["accept_per_pos"][0]), (name, i)
         accepted_any |= any(a > 0 for a in rep["hist"])
     assert accepted_any, f"{name}: no draft accepted anywhere, so the test would not tell"
 
