@@ -128,3 +128,29 @@ def test_accelerate_configs_load():
     assert load_config_from_file(str(ROOT / "configs/accelerate/fsdp.yaml")).fsdp_config["fsdp_version"] == 2
     assert load_config_from_file(str(ROOT / "configs/accelerate/deepspeed-zero2.yaml")).deepspeed_config[
         "zero_stage"] == 2
+
+
+def test_leaving_the_group_frees_the_ddp_model_that_holds_it(tmp_path):
+    """leave_process_group drops the prepared DDP model (it holds the gloo group and its reducer) before it
+    destroys the group, so nothing of the group is left for interpreter shutdown to tear down under live
+    worker threads (the abort CI saw once after a DDP run's last step). One process, a gloo group of one."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from torch.nn.parallel import DistributedDataParallel
+
+    from pipeline.processes import leave_process_group
+
+    acc = Accelerator(cpu=True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
+    acc._models.append(ddp)  # what accelerator.prepare keeps under DDP
+    alive = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    assert alive() is not None  # the accelerator still holds it, as after a training run
+    leave_process_group(acc)
+    assert alive() is None
+    assert not dist.is_initialized()
