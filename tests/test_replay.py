@@ -179,3 +179,48 @@ def test_fit_budget_trades_tree_size_against_what_a_node_costs(target):
 def _budget(proposer, n):
     proposer.max_nodes = n
     return proposer
+
+
+def test_replay_command_line_feeds_an_aux_layer_draft_its_layers(tmp_path, capsys):
+    """A DFlash draft reads the residual streams entering its aux layers, not the final feature: the command's
+    reference keeps those (it crashed on a shape mismatch before), and its tau and first-position acceptance
+    are the decoder's own on the same prompts. The draft's vocabulary is the two tokens the target writes most,
+    so its first drafts are accepted now and then, and which of the two it drafts depends on the features."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM
+
+    from eval import replay as rp
+    from eval.bench import encode_prompts, load_prompts
+    from eval.heads import DFlashHead
+    from eval.proposers import load_proposer
+    from helpers import save_word_llama, word_tokenizer
+
+    tok = word_tokenizer()
+    path = save_word_llama(tmp_path / "target", tok, layers=4)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3 w1 w2 w3 w1"}\n{"prompt": "w4 w5 w4 w5"}\n')
+    ids = encode_prompts(load_prompts(str(prompts), None), tok)
+    text = SpeculativeDecoder(target, None).generate(ids, 12).sequences
+    vocab = sorted(t for t, _ in Counter(t for seq in text for t in seq).most_common(2))
+    torch.manual_seed(0)
+    head = DFlashHead.from_target(target, 1, 4, 1, draft_ids=torch.tensor(vocab))  # aux layers (0, 2, 3) of 4
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.startswith(("fc", "layers")):
+                p.add_(torch.randn_like(p) * 0.1)
+    head.save(tmp_path / "draft", extra={"target_config": target.config.to_dict()})
+    assert rp.main(["--target", str(path), "--prompts", str(prompts), "--dtype", "float32", "--max-new-tokens", "12",
+                    "--draft", str(tmp_path / "draft"), "--k", "3"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "tau" in line)
+    dec = SpeculativeDecoder(target, load_proposer(str(tmp_path / "draft"), target), k=3)
+    rounds = tokens = 0
+    hist = [0] * 4
+    for p in ids:
+        st = dec.generate([p], 12).stats
+        rounds, tokens = rounds + st["rounds"], tokens + st["tau"] * st["rounds"]
+        hist = [a + b for a, b in zip(hist, st["accept_len_hist"])]
+    first = 1 - hist[0] / sum(hist)
+    assert 0 < first < 1, hist  # some first drafts accepted and some not: the figure tells something
+    assert f"tau {tokens / rounds:.3f}, first position accepted {first:.3f}" in row, row
