@@ -50,23 +50,30 @@ def final_norm(model) -> nn.Module | None:
     return norms[-1] if norms else None
 
 
-@torch.no_grad()
 def rms_norm_gain(model) -> tuple[torch.Tensor | None, str]:
     """(g [H] fp32, "") where the target's final norm computes x / rms(x) * g (Llama's RMSNorm, and
-    Gemma's, whose weight w stands for g = 1 + w), else (None, why). Read off the module by probing it:
-    ones give g (up to the eps), and a random vector checks the RMSNorm form (a LayerNorm centres and adds a bias)."""
+    Gemma's, whose weight w stands for g = 1 + w), else (None, why)."""
     norm = final_norm(model)
     if norm is None:
         return None, f"{describe(model)} has no final norm module"
-    H = text_config(model).hidden_size
+    g = norm_gain(norm, text_config(model).hidden_size)
+    if g is None:
+        return None, f"the final norm of {describe(model)} is a {type(norm).__name__}, not an RMSNorm"
+    return g, ""
+
+
+@torch.no_grad()
+def norm_gain(norm: nn.Module, width: int) -> torch.Tensor | None:
+    """g [width] fp32 where `norm` computes x / rms(x) * g, else None. Read off the module by probing it: ones
+    give g (up to the eps), and a random vector checks the RMSNorm form (a LayerNorm centres and adds a bias)."""
     p = next(norm.parameters(), None)
     dev, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
-    g = norm(torch.ones(1, H, device=dev, dtype=dtype)).float()[0]  # [H]
-    x = torch.randn(1, H, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
+    g = norm(torch.ones(1, width, device=dev, dtype=dtype)).float()[0]  # [width]
+    x = torch.randn(1, width, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
     want = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)) * g
     if not torch.allclose(norm(x).float(), want, rtol=2e-2, atol=2e-2 * float(g.abs().max()) + 1e-6):
-        return None, f"the final norm of {describe(model)} is a {type(norm).__name__}, not an RMSNorm"
-    return g.cpu(), ""
+        return None
+    return g.cpu()
 
 
 def final_features(model, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

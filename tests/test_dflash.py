@@ -263,3 +263,56 @@ def test_dflash_options_are_checked():
     b = recipe_from_dict({"train": {"method": "dflash", "dflash": {"block_size": 16}}})
     online = recipe_from_dict({"train": {"method": "dflash", "dflash": {"features": "online"}}})
     assert a.hash() != b.hash() and (online.hash(), online.train_key()) == (a.hash(), a.train_key())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3", "gpt2"])
+def test_layers_start_as_copies_of_the_targets_last_layers(family):
+    """init=target: draft layer i is the target's layer N - L + i (every projection, the norm gains, Qwen3's
+    q_norm and k_norm; hidden_norm as the first copied layer's input norm). A family whose layers are shaped
+    otherwise (Gemma 2's four norms, Phi-3's fused projections, GPT-2) is told why and left unchanged."""
+    from families import tiny_family
+
+    target = tiny_family(family, 64, layers=4)
+    with torch.no_grad():  # gains of their own, so a copy is told from a fresh norm's ones
+        for name, p in target.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.uniform_(0.5, 1.5)
+    head = DFlashHead.from_target(target, 2, 4, 1)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    why = head.copy_layers_from(target)
+    if family not in ("llama", "qwen3"):
+        assert why and all(torch.equal(v, before[k]) for k, v in head.state_dict().items()), why
+        return
+    assert why == ""
+    src = target.model.layers[2:]
+    for mine, theirs in zip(head.layers, src):
+        for name, p in mine.named_parameters():
+            q = dict(theirs.named_parameters()).get(name)
+            if name.endswith("_proj.weight"):
+                assert torch.equal(p, q.float()), name
+            elif q is not None:  # a norm: its gain, probed (x / rms(x) * w, the eps aside)
+                torch.testing.assert_close(p, q.float(), rtol=1e-5, atol=0)
+            else:
+                assert family == "llama" and name.endswith(("q_norm.weight", "k_norm.weight")), name
+                assert torch.equal(p, torch.ones_like(p))
+    torch.testing.assert_close(head.hidden_norm.weight, src[0].input_layernorm.weight, rtol=1e-5, atol=0)
+
+
+def test_init_target_on_a_target_it_cannot_copy_is_one_line_and_auto_falls_back(capsys):
+    from families import tiny_family
+
+    target = tiny_family("gpt2", TRAIN_V, layers=4)
+    rows = greedy_rows(tiny_llama(num_layers=4), TRAIN_V)
+    method = get_method("dflash")
+    for init in ("target", "auto", "random"):
+        tc = train_recipe(method="dflash", draft_vocab_size=64, dflash={"block_size": 4, "mask_token_id": 1,
+                                                                        "init": init}).train
+        if init == "target":
+            with pytest.raises(RecipeError, match=r"train.dflash.init=target: .*gpt2.*; use train.dflash.init=random"):
+                method.build(tc, target, None, rows, None)
+            continue
+        method.build(tc, target, None, rows, None)
+        out = capsys.readouterr().out
+        assert ("the layers start random (" in out) == (init == "auto"), out
+    with pytest.raises(RecipeError, match="train.dflash.init"):
+        recipe_from_dict({"train": {"method": "dflash", "dflash": {"init": "copy"}}})

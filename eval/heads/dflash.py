@@ -184,6 +184,49 @@ class DFlashHead(SpeculatorsHead):
         head.init_from_target(target, ids)
         return head
 
+    @torch.no_grad()
+    def copy_layers_from(self, target) -> str:
+        """Start the decoder layers as the target's last `num_layers` layers (better held-out acceptance than
+        random layers: docs/reference/training.md#dflash-on-this-cpu): every attention and MLP weight, which the
+        two name alike, and the gains of their RMSNorms (q_norm and k_norm where the target has them); hidden_norm
+        as the first copied layer's input norm, since the context enters every layer where that norm's output
+        would. Biases (Qwen2's q, k and v) are not copied: the draft's projections have none. -> "" when copied,
+        else why not (nothing is changed then)."""
+        from ..family import describe, layer_list, norm_gain
+
+        _, src = layer_list(target)
+        if len(src) < len(self.layers):
+            return f"{describe(target)} has {len(src)} layers, fewer than the draft's {len(self.layers)}"
+        src = src[len(src) - len(self.layers):]
+        norms = {"input_layernorm", "post_attention_layernorm"}
+        copies = []  # (draft tensor, source tensor)
+        for mine, theirs in zip(self.layers, src):
+            names = {n for n, _ in theirs.named_children() if "norm" in n}
+            if names != norms:
+                return f"{describe(target)}'s layers have the norms {sorted(names)}, not Llama's {sorted(norms)}"
+            params = dict(theirs.named_parameters())
+            for name, p in mine.named_parameters():
+                if not name.endswith("_proj.weight"):
+                    continue
+                q = params.get(name)
+                if q is None or q.shape != p.shape:
+                    return f"{describe(target)}'s layers have no {name} of shape {tuple(p.shape)}"
+                copies.append((p, q))
+            for name, norm in mine.named_modules():
+                if not isinstance(norm, RMSNorm):
+                    continue
+                other = theirs.get_submodule(name) if name in dict(theirs.named_modules()) else None
+                if other is None and name in norms:
+                    return f"{describe(target)}'s layers have no {name}"
+                g = norm_gain(other, norm.weight.shape[0]) if other is not None else torch.ones_like(norm.weight)
+                if g is None:
+                    return f"{describe(target)}'s {name} is a {type(other).__name__}, not an RMSNorm"
+                copies.append((norm.weight, g))
+        g = norm_gain(src[0].input_layernorm, self.config.hidden_size)
+        for p, q in copies + [(self.hidden_norm.weight, g)]:
+            p.copy_(q.to(p.dtype))
+        return ""
+
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux features [B, T, A*Ht] -> the context [B, T, H]."""
         return self.hidden_norm(self.fc(aux))
