@@ -97,12 +97,12 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
            verify_ms: dict[int, float] | None = None, draft_ms: float | None = 0.0, host_ms: float = 0.0) -> dict:
     """Run `proposer` through the decoder's rounds on `ref` -> {"tau", "rounds", "tokens",
     "rows" (mean tokens per verify forward), "hist" (accepted drafts per round that proposed any, the
-    decoder's accept_len_hist), "first" (the share of those rounds that accepted their first draft)}; given verify_ms (rows -> ms of one verify forward) also
-    "est_ms_per_round" and "est_speedup": plain decoding at verify_ms[1] a token against each round's
-    verify_ms[rows] (the largest row count measured, for more rows) + host_ms, + draft_ms when the
-    model ran (a hybrid's lookup-only rounds do not run it), or with draft_ms=None the proposer's own
-    time in the round (propose and accept, measured here: "proposer_ms" is its mean). Trees where the
-    proposer has `propose_tree`, else chains of k.
+    decoder's accept_len_hist), "first" (the share of those rounds that accepted their first draft)}; given
+    verify_ms (rows -> ms of one verify forward) also "est_ms_per_round" and "est_speedup": plain decoding at
+    verify_ms[1] a token against each round's verify_ms[rows] (the largest row count measured, for more
+    rows) + host_ms, + draft_ms when the model ran (a hybrid's lookup-only rounds do not run it), or with
+    draft_ms=None the proposer's own time in the round (propose and accept, measured here: "proposer_ms" is
+    its mean). Trees where the proposer has `propose_tree`, else chains of k.
 
     On a sampled reference this is the decoder's sampled rounds for a proposer whose drafts are fixed
     tokens (lookups, argmax chains and runner-ups: one-hot q). Verifying a node's one-hot children in turn

@@ -186,12 +186,12 @@ class DFlashHead(SpeculatorsHead):
 
     @torch.no_grad()
     def copy_layers_from(self, target) -> str:
-        """Start the decoder layers as the target's last `num_layers` layers (better held-out acceptance than
-        random layers: docs/reference/training.md#dflash-on-this-cpu): every attention and MLP weight, which the
-        two name alike, and the gains of their RMSNorms (q_norm and k_norm where the target has them); hidden_norm
-        as the first copied layer's input norm, since the context enters every layer where that norm's output
-        would. Biases (Qwen2's q, k and v) are not copied: the draft's projections have none. -> "" when copied,
-        else why not (nothing is changed then)."""
+        """Start the decoder layers as the target's last `num_layers` layers: every attention and MLP weight, which
+        the two name alike, and the gains of their RMSNorms (q_norm and k_norm where the target has them);
+        hidden_norm as the first copied layer's input norm, since the context enters every layer where that
+        norm's output would. Biases (Qwen2's q, k and v) are not copied: the draft's projections have none.
+        Better held-out acceptance than random layers (docs/reference/training.md, "Where the held-out gap is").
+        -> "" when copied, else why not (nothing is changed then)."""
         from ..family import describe, layer_list, norm_gain
 
         _, src = layer_list(target)
@@ -212,10 +212,11 @@ class DFlashHead(SpeculatorsHead):
                 if q is None or q.shape != p.shape:
                     return f"{describe(target)}'s layers have no {name} of shape {tuple(p.shape)}"
                 copies.append((p, q))
+            modules = dict(theirs.named_modules())
             for name, norm in mine.named_modules():
                 if not isinstance(norm, RMSNorm):
                     continue
-                other = theirs.get_submodule(name) if name in dict(theirs.named_modules()) else None
+                other = modules.get(name)
                 if other is None and name in norms:
                     return f"{describe(target)}'s layers have no {name}"
                 g = norm_gain(other, norm.weight.shape[0]) if other is not None else torch.ones_like(norm.weight)
