@@ -426,8 +426,13 @@ def _mark_complete(stage: Path, header: dict, n_shards: int) -> None:
 def main(argv=None) -> int:
     from accelerate import Accelerator
 
+    from eval.loading import LoadError
+
     from .config import load_recipe
-    from .processes import leave_process_group
+    from .data import DataError
+    from .models import ModelError
+    from .options import RecipeError
+    from .processes import leave_process_group, not_joined
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", required=True, help="recipe YAML")
@@ -435,9 +440,15 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    recipe = load_recipe(args.recipe, args.overrides)
-    accelerator = Accelerator(cpu=recipe.device == "cpu")
-    stage = run_generate(recipe, args.run_dir, accelerator=accelerator)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        accelerator = Accelerator(cpu=recipe.device == "cpu")
+        if why := not_joined(accelerator):
+            raise RecipeError(why)
+        stage = run_generate(recipe, args.run_dir, accelerator=accelerator)
+    except (RecipeError, DataError, ModelError, LoadError, shards.ShardError) as e:
+        print(f"draftsmith generate: {e}", file=sys.stderr)
+        return 2
     if accelerator.is_main_process:
         print(f"[generate] {stage} complete")
     leave_process_group(accelerator)

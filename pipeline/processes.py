@@ -1,10 +1,22 @@
-"""Leaving an accelerate process group cleanly, for the stages that run under `accelerate launch`."""
+"""The stage commands under `accelerate launch`: every launched process joined, and the group left cleanly."""
 
 from __future__ import annotations
 
 import gc
+import os
 
 import torch
+
+
+def not_joined(accelerator) -> str:
+    """"" when accelerate joined every process the launcher started, else one line saying so and how to launch:
+    processes launched but not joined each run the whole stage alone and write the same files."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes == launched:
+        return ""
+    return (f"{launched} processes were launched but accelerate joined {accelerator.num_processes} "
+            f"({accelerator.distributed_type.value}); on CPU launch with `ACCELERATE_USE_CPU=1 accelerate launch "
+            f"--multi_gpu --num_processes {launched} ...` (FSDP and DeepSpeed configs need CUDA)")
 
 
 def leave_process_group(accelerator) -> None:

@@ -164,12 +164,11 @@ def make_accelerator(recipe):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, DistributedType
 
+    from .processes import not_joined
+
     acc = Accelerator(cpu=recipe.device == "cpu", dataloader_config=DataLoaderConfiguration(split_batches=True))
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if acc.num_processes != launched:
-        raise TrainError(f"{launched} processes were launched but accelerate joined {acc.num_processes} "
-                         f"({acc.distributed_type.value}); on CPU launch with `ACCELERATE_USE_CPU=1 accelerate launch "
-                         f"--multi_gpu --num_processes {launched} ...` (FSDP and DeepSpeed configs need CUDA)")
+    if why := not_joined(acc):
+        raise TrainError(why)
     if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise TrainError(f"train does not run under {acc.distributed_type.value} yet: its checkpoints save the main "
                          f"process's draft and optimizer, which {acc.distributed_type.value} shards; use DDP "

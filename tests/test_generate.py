@@ -261,3 +261,25 @@ def test_a_time_budget_stops_between_shards_and_a_resume_keeps_the_cut(tmp_path,
     run_generate(unbudgeted, run, model=model, tokenizer=tok)
     assert sorted(shards.read_manifest(stage)["shards"]) == ["shard-00000"]
     assert not (stage / "shard-00001").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "train"])
+def test_stage_commands_report_bad_input_in_one_line(command, tmp_path, capsys, monkeypatch):
+    """`python -m pipeline.generate|train`: a bad recipe, or processes launched but not joined by accelerate (each
+    would run the whole stage alone and write the same files), is one line and exit 2, before anything is
+    written."""
+    import importlib
+
+    main = importlib.import_module(f"pipeline.{command}").main
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: -1\n")
+    run = tmp_path / "run"
+    assert main(["--recipe", str(bad), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"draftsmith {command}: train.steps=-1 must be > 0 and finite"
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what a launcher sets; accelerate here joins one process
+    assert main(["--recipe", str(ROOT / "recipes/code.yaml"), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"draftsmith {command}: 2 processes were launched but accelerate "
+                                                "joined 1") and "--num_processes 2" in err[0], err
+    assert not run.exists()
