@@ -321,9 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replay: {e}", file=sys.stderr)
         return 2
     t = time.time()
-    # an aux-layer draft (EAGLE-3, DFlash) reads the residual streams entering its layers, not the final feature
-    layers = made[0][0].feature_layers if made[0][0].uses_features else None
-    ref = reference(target, prompts, args.max_new_tokens, feature_layers=layers, sampling=sampling)
+    # an aux-layer draft (EAGLE-3, DFlash) reads the residual streams entering its layers (as fit_budget's references)
+    ref = reference(target, prompts, args.max_new_tokens, feature_layers=made[0][0].feature_layers, sampling=sampling)
     print(f"reference: {len(prompts)} prompts decoded in {time.time() - t:.0f}s", file=sys.stderr)
     costs = verify_ms(target) if args.costs else None
     if costs:
