@@ -545,8 +545,10 @@ def test_vllm_cpu_norms_every_layers_context_keys_with_layer_0s_weight(engine):
 
 
 def trained_dflash(target, steps=150):
-    """A DFlash draft (2 layers, blocks of 4) fitted in a few seconds to the tiny target's own greedy outputs,
-    so that vLLM and our decoder have acceptances to compare (a fresh one accepts nothing)."""
+    """A DFlash draft (2 layers, blocks of 4) fitted in a few seconds to the tiny target's own greedy outputs
+    after prompts of the `tiny` fixture's kind (a few tokens repeated), so that vLLM and our decoder have
+    acceptances to compare (a fresh one accepts nothing). Fitted to other prompts it accepted about 2% of
+    first drafts here, a margin one change of initialisation wiped out; fitted to these, 65-70%."""
     from helpers import greedy_topk
 
     from pipeline.config import recipe_from_dict
@@ -555,9 +557,9 @@ def trained_dflash(target, steps=150):
 
     g = torch.Generator().manual_seed(0)
     rows = []
-    for _ in range(12):
-        prompt = (torch.randint(4, 60, (5,), generator=g).tolist() * 2)[:8]
-        comp, tk_ids, tk_lp = greedy_topk(target, prompt, 24)
+    for i in range(24):  # the fixture's own draw first: its 4 prompts are among the 24
+        prompt = (torch.randint(4, 60, (6,), generator=g).tolist() * 3)[: 10 + i % 4]
+        comp, tk_ids, tk_lp = greedy_topk(target, prompt, 32)
         rows.append({"ids": prompt + comp, "P": len(prompt), "tk_ids": tk_ids, "tk_lp": tk_lp})
     tc = recipe_from_dict({"train": {"method": "dflash", "draft_vocab_size": 0,
                                      "dflash": {"num_layers": 2, "block_size": 4, "max_anchors": 16}}}).train
