@@ -296,10 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if args.k < 1 or args.max_new_tokens < 1 or (args.n_prompts is not None and args.n_prompts < 1):
+            raise BenchError("--k, --max-new-tokens and --n-prompts must be >= 1")
+        rows = load_prompts(args.prompts, args.n_prompts)  # a bad file is reported before the target loads
         path = resolve_target(args.target)
         tok = AutoTokenizer.from_pretrained(path)
         target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-        prompts = encode_prompts(load_prompts(args.prompts, args.n_prompts), tok)
+        prompts = encode_prompts(rows, tok)
         check_sampling(args.temperature, 0, args.top_p)
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed} \
             if args.temperature > 0 else None
@@ -310,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             known = settings(proposer)
             for key, val in cfg.items():
                 if key == "k":
+                    if val < 1:
+                        raise BenchError(f"--set/--try k={val}: K must be >= 1")
                     continue
                 if key not in known:
                     raise BenchError(f"--set/--try {key}: {type(proposer).__name__} has no integer setting "

@@ -96,18 +96,31 @@ def markdown(m: dict, command: str, recipe) -> str:
 
 
 def main(argv=None) -> int:
+    from eval.loading import LoadError
+
     from .config import load_recipe
+    from .data import DataError
+    from .engines.vllm import EngineError
+    from .models import ModelError
+    from .options import RecipeError
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.generate_bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--recipe", default="recipes/code.yaml")
+    ap.add_argument("--recipe", help="a recipe YAML (default: the --domain's)")
+    ap.add_argument("--domain", default="code", help="the recipe of this domain, when no --recipe is given")
     ap.add_argument("--n", type=int, default=32, help="training prompts (default 32)")
     ap.add_argument("--out", help="write the Markdown table here")
     ap.add_argument("--json", help="write the timings here")
     ap.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
     args = ap.parse_args(argv)
-    recipe = load_recipe(args.recipe, args.overrides)
-    with tempfile.TemporaryDirectory(prefix="draftsmith-genbench-") as d:
-        m = measure(recipe, args.n, Path(d))
+    try:
+        if args.n < 1:
+            raise RecipeError("--n must be >= 1")
+        recipe = load_recipe(args.recipe, args.overrides, domain=args.domain)
+        with tempfile.TemporaryDirectory(prefix="draftsmith-genbench-") as d:
+            m = measure(recipe, args.n, Path(d))
+    except (RecipeError, DataError, ModelError, LoadError, EngineError) as e:
+        print(f"generate_bench: {e}", file=sys.stderr)
+        return 2
     command = "python -m pipeline.generate_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     md = markdown(m, command.strip(), recipe)
     print(md)

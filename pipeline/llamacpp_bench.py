@@ -51,10 +51,10 @@ def run(gguf: str, prompts: list[list[int]], methods: list[str], max_new_tokens:
 
 
 def main(argv=None) -> int:
-    from eval.bench import encode_prompts, load_prompts
+    from eval.bench import BenchError, encode_prompts, load_prompts
 
     from .generate import target_eos_ids
-    from .models import load_target
+    from .models import ModelError, load_target
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.llamacpp_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", required=True, help="the target as a GGUF (make bench-peers makes a bf16 one)")
@@ -69,12 +69,15 @@ def main(argv=None) -> int:
     bad = [m for m in args.method if m != "plain" and not (m.startswith("lookup:") and m[7:].isdigit())]
     if bad:
         ap.error(f"--method {bad[0]}: use plain or lookup:K")
-    model, tok = load_target(args.target, "float32", "cpu")
-    prompts = encode_prompts(load_prompts(args.prompts, args.n), tok)
     methods = ["plain"] + [m for m in args.method if m != "plain"]
-    try:
+    try:  # bad input is reported in one line; the prompts before the target loads
+        if args.n < 1 or args.max_new_tokens < 1 or args.threads < 1:
+            raise PeerError("--n, --max-new-tokens and --threads must be >= 1")
+        prompt_rows = load_prompts(args.prompts, args.n)
+        model, tok = load_target(args.target, "float32", "cpu")
+        prompts = encode_prompts(prompt_rows, tok)
         res = run(args.gguf, prompts, methods, args.max_new_tokens, sorted(target_eos_ids(model, tok)), args.threads)
-    except PeerError as e:
+    except (PeerError, BenchError, ModelError) as e:
         print(f"llamacpp_bench: {e}", file=sys.stderr)
         return 2
     plain = res["runs"][0]

@@ -153,10 +153,10 @@ def profile_markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from eval.bench import encode_prompts, load_prompts
+    from eval.bench import BenchError, encode_prompts, load_prompts
 
     from .generate import target_eos_ids
-    from .models import load_target, resolve_target
+    from .models import ModelError, load_target, resolve_target
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.vllm_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
@@ -178,9 +178,25 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="time vLLM's step functions (engine in this process) "
                                                             "and print where an engine step's time goes")
     args = ap.parse_args(argv)
-    model, tok = load_target(args.target, "float32", "cpu")
-    prompts = encode_prompts(load_prompts(args.prompts, args.n), tok)
-    rows = bench(resolve_target(args.target), prompts, args.method, [int(b) for b in args.batch_sizes.split(",")],
+    try:  # bad input is reported in one line, before the target loads
+        batch_sizes = [int(b) if b.strip().isdigit() else 0 for b in args.batch_sizes.split(",")]
+        if min(batch_sizes) < 1:
+            raise EngineError(f"--batch-sizes {args.batch_sizes}: give positive integers separated by commas, e.g. 1,16")
+        if args.n < 1 or args.max_new_tokens < 1:
+            raise EngineError("--n and --max-new-tokens must be >= 1")
+        for method in args.method:
+            speculative_config(method, args.ngram_min, args.ngram_max, args.k_by_batch)
+            export = export_of(method)
+            if export and not export[1].is_dir():
+                raise EngineError(f"--method {method}: export directory {export[1]} does not exist; write it with "
+                                  f"`draftsmith export --format {export[0]}`")
+        prompt_rows = load_prompts(args.prompts, args.n)
+        model, tok = load_target(args.target, "float32", "cpu")
+        prompts = encode_prompts(prompt_rows, tok)
+    except (BenchError, EngineError, ModelError, ValueError) as e:
+        print(f"vllm_bench: {e}", file=sys.stderr)
+        return 2
+    rows = bench(resolve_target(args.target), prompts, args.method, batch_sizes,
                  args.max_new_tokens, args.dtype, target_eos_ids(model, tok), args.ngram_min, args.ngram_max,
                  args.workdir, args.profile, args.k_by_batch)
     print(markdown(rows))

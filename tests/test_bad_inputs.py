@@ -299,3 +299,48 @@ def test_bad_input_one_line_exit_2_nothing_changed(case, request, tiny_target, t
 
 def test_there_are_at_least_40_cases():
     assert len({c.id for c in CASES}) == len(CASES) >= 40
+
+
+# The measuring tools run as `python -m`: the same rule, each line led by the tool's name. The prompts and the
+# arguments are checked before the target loads, so every case here answers in well under a second.
+TOOL_CASES = [
+    ("replay-k-0", "eval.replay", "replay:", lambda c: ["--draft", "ngram", "--prompts", str(c.tmp / "p.jsonl"),
+                                                        "--k", "0"], ("--k", ">= 1")),
+    ("replay-try-k-0", "eval.replay", "replay:", lambda c: ["--draft", "ngram", "--target", str(c.target),
+                                                            "--prompts", str(c.tmp / "p.jsonl"), "--try", "k=0"],
+     ("k=0", ">= 1")),
+    ("replay-no-prompts", "eval.replay", "replay:", lambda c: ["--draft", "ngram", "--prompts", str(c.tmp / "no.jsonl")],
+     ("no.jsonl", "does not exist")),
+    ("vllm-bench-no-prompts", "pipeline.vllm_bench", "vllm_bench:",
+     lambda c: ["--target", str(c.target), "--prompts", str(c.tmp / "no.jsonl")], ("no.jsonl", "does not exist")),
+    ("vllm-bench-batch-sizes", "pipeline.vllm_bench", "vllm_bench:",
+     lambda c: ["--prompts", str(c.tmp / "p.jsonl"), "--batch-sizes", "1,x"], ("--batch-sizes 1,x", "1,16")),
+    ("vllm-bench-method", "pipeline.vllm_bench", "vllm_bench:",
+     lambda c: ["--prompts", str(c.tmp / "p.jsonl"), "--method", "bogus"], ("bogus", "bogus:K")),
+    ("vllm-bench-no-export", "pipeline.vllm_bench", "vllm_bench:",
+     lambda c: ["--prompts", str(c.tmp / "p.jsonl"), "--method", f"eagle3:2:{c.tmp / 'none'}"],
+     ("does not exist", "draftsmith export --format eagle3")),
+    ("vllm-bench-no-target", "pipeline.vllm_bench", "vllm_bench:",
+     lambda c: ["--target", str(c.tmp / "none"), "--prompts", str(c.tmp / "p.jsonl")], ("none", "does not exist")),
+    ("llamacpp-bench-no-prompts", "pipeline.llamacpp_bench", "llamacpp_bench:",
+     lambda c: ["--gguf", str(c.tmp / "t.gguf"), "--prompts", str(c.tmp / "no.jsonl")], ("no.jsonl", "does not exist")),
+    ("generate-bench-key", "pipeline.generate_bench", "generate_bench:", lambda c: ["bogus.key=1"],
+     ("bogus", "known keys")),
+    ("generate-bench-domain", "pipeline.generate_bench", "generate_bench:", lambda c: ["--domain", "nope"],
+     ("nope", "known domains")),
+]
+
+
+@pytest.mark.parametrize("case", TOOL_CASES, ids=lambda c: c[0])
+def test_measuring_tools_answer_bad_input_in_one_line(case, tiny_target, tmp_path, capsys, monkeypatch):
+    _, module, prog, argv, expect = case
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def f():\\n"}\n')
+    ctx = Ctx(tmp_path, tiny_target, tmp_path / "runs")
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    rc = importlib.import_module(module).main(argv(ctx))
+    lines = _stderr_lines(capsys.readouterr().err)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(prog), lines
+    for word in expect:
+        assert word in lines[0], (word, lines[0])
+    assert _snapshot(tmp_path) == before
