@@ -181,7 +181,8 @@ def main(argv=None) -> int:
     try:  # bad input is reported in one line, before the target loads
         batch_sizes = [int(b) if b.strip().isdigit() else 0 for b in args.batch_sizes.split(",")]
         if min(batch_sizes) < 1:
-            raise EngineError(f"--batch-sizes {args.batch_sizes}: give positive integers separated by commas, e.g. 1,16")
+            raise EngineError(f"--batch-sizes {args.batch_sizes}: give positive integers separated by commas, "
+                              "e.g. 1,16")
         if args.n < 1 or args.max_new_tokens < 1:
             raise EngineError("--n and --max-new-tokens must be >= 1")
         for method in args.method:
