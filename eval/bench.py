@@ -403,6 +403,17 @@ class Plan:
     also: dict[str, tuple[str, int | str]] = field(default_factory=dict)  # method name -> (--also draft, its K)
 
 
+def batch_sizes(flag: str, text: str) -> list[int]:
+    """A flag's comma-separated batch sizes ("1,4,16"), each >= 1, or a one-line BenchError naming the flag."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"{flag} must be comma-separated integers, not {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise BenchError(f"{flag} needs positive batch sizes")
+    return sizes
+
+
 def plan(args) -> Plan:
     """Step 1: every argument checked, a one-line BenchError for a bad one."""
     if args.max_new_tokens < 1:
@@ -414,14 +425,7 @@ def plan(args) -> Plan:
     except ValueError as e:
         raise BenchError(str(e)) from None
     k = _parse_k(args.k)
-    sweep = None
-    if args.batch_sweep:
-        try:
-            sweep = [int(x) for x in args.batch_sweep.split(",") if x.strip()]
-        except ValueError:
-            raise BenchError(f"--batch-sweep must be comma-separated integers, not {args.batch_sweep!r}") from None
-        if not sweep or min(sweep) < 1:
-            raise BenchError("--batch-sweep needs positive batch sizes")
+    sweep = batch_sizes("--batch-sweep", args.batch_sweep) if args.batch_sweep else None
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device here (torch.cuda.is_available() is False); "
                          "run on a GPU machine with a CUDA build of torch, or use --device cpu")

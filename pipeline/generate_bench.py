@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     from .data import DataError
     from .engines.vllm import EngineError
     from .models import ModelError
-    from .options import RecipeError
+    from .options import RecipeError, positive
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.generate_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", help="a recipe YAML (default: the --domain's)")
@@ -113,8 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
     args = ap.parse_args(argv)
     try:
-        if args.n < 1:
-            raise RecipeError("--n must be >= 1")
+        positive("--n", args.n)
         recipe = load_recipe(args.recipe, args.overrides, domain=args.domain)
         with tempfile.TemporaryDirectory(prefix="draftsmith-genbench-") as d:
             m = measure(recipe, args.n, Path(d))

@@ -153,7 +153,7 @@ def profile_markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from eval.bench import BenchError, encode_prompts, load_prompts
+    from eval.bench import BenchError, batch_sizes, encode_prompts, load_prompts
 
     from .generate import target_eos_ids
     from .models import ModelError, load_target, resolve_target
@@ -179,10 +179,7 @@ def main(argv=None) -> int:
                                                             "and print where an engine step's time goes")
     args = ap.parse_args(argv)
     try:  # bad input is reported in one line, before the target loads
-        batch_sizes = [int(b) if b.strip().isdigit() else 0 for b in args.batch_sizes.split(",")]
-        if min(batch_sizes) < 1:
-            raise EngineError(f"--batch-sizes {args.batch_sizes}: give positive integers separated by commas, "
-                              "e.g. 1,16")
+        sizes = batch_sizes("--batch-sizes", args.batch_sizes)
         if args.n < 1 or args.max_new_tokens < 1:
             raise EngineError("--n and --max-new-tokens must be >= 1")
         for method in args.method:
@@ -197,7 +194,7 @@ def main(argv=None) -> int:
     except (BenchError, EngineError, ModelError, ValueError) as e:
         print(f"vllm_bench: {e}", file=sys.stderr)
         return 2
-    rows = bench(resolve_target(args.target), prompts, args.method, batch_sizes,
+    rows = bench(resolve_target(args.target), prompts, args.method, sizes,
                  args.max_new_tokens, args.dtype, target_eos_ids(model, tok), args.ngram_min, args.ngram_max,
                  args.workdir, args.profile, args.k_by_batch)
     print(markdown(rows))

@@ -314,7 +314,8 @@ TOOL_CASES = [
     ("vllm-bench-no-prompts", "pipeline.vllm_bench", "vllm_bench:",
      lambda c: ["--target", str(c.target), "--prompts", str(c.tmp / "no.jsonl")], ("no.jsonl", "does not exist")),
     ("vllm-bench-batch-sizes", "pipeline.vllm_bench", "vllm_bench:",
-     lambda c: ["--prompts", str(c.tmp / "p.jsonl"), "--batch-sizes", "1,x"], ("--batch-sizes 1,x", "1,16")),
+     lambda c: ["--prompts", str(c.tmp / "p.jsonl"), "--batch-sizes", "1,x"],
+     ("--batch-sizes must be comma-separated integers", "'1,x'")),
     ("vllm-bench-method", "pipeline.vllm_bench", "vllm_bench:",
      lambda c: ["--prompts", str(c.tmp / "p.jsonl"), "--method", "bogus"], ("bogus", "bogus:K")),
     ("vllm-bench-no-export", "pipeline.vllm_bench", "vllm_bench:",
@@ -328,6 +329,7 @@ TOOL_CASES = [
      ("bogus", "known keys")),
     ("generate-bench-domain", "pipeline.generate_bench", "generate_bench:", lambda c: ["--domain", "nope"],
      ("nope", "known domains")),
+    ("generate-bench-n-0", "pipeline.generate_bench", "generate_bench:", lambda c: ["--n", "0"], ("--n=0", "> 0")),
 ]
 
 
