@@ -415,7 +415,7 @@ static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const f
       const int64_t e = b + SPAN < b1 ? b + SPAN : b1, full = b + (e - b) / 4 * 4;
       for (int64_t m = 0; m < M; m += ROWS) {
         const float* xm = xf + m * K;
-        const int64_t far = (m == 0 && e < b1) ? (e - b) * (K / 2) * 32 : 0;
+        const int64_t far = (m == 0 && M >= PREFETCH_MIN_ROWS && e < b1) ? (e - b) * (K / 2) * 32 : 0;
         uint16_t* ym = y + m * N;
         switch (M - m < ROWS ? M - m : ROWS) {
           case 1:
