@@ -2,29 +2,40 @@
 interleaved turns, so the paths' ratios hold while the machine's speed drifts (docs/reference/kernels.md).
 
     python -m eval.cpu_bench [--paths avx512-bf16,avx2,generic] [--turns 7] [--json OUT]
+    git show REV:eval/csrc/small_gemm.cpp > old.cpp; python -m eval.cpu_bench --paths avx2 --against old.cpp
 
 Each path gets its own runner over the same bf16 target (the embedded one, or --target DIR); the table is
 ms per forward, the median over the turns, at position --pos with batch x tokens as given by --shapes.
+`--against` builds another version of the kernels' source for each path and measures it in the same turns
+as `PATH@STEM` (a kernel change's before and after, while the machine's speed drifts).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from . import cpu
+from . import cpu, kernels
 
 
-def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, turns: int, reps: int = 3) -> dict:
-    """{path: {"BxT": [ms per forward, one per turn]}} with the paths taking turns shape by shape."""
+def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, turns: int, reps: int = 3,
+            against: Path | None = None) -> dict:
+    """{path: {"BxT": [ms per forward, one per turn]}} with the paths taking turns shape by shape; with
+    `against`, also "PATH@STEM" for each path with kernels, its kernels built from that source."""
     from .target import LeanLlama
 
     chosen = {name: cpu.decide({cpu.ENV_PATH: name}) for name in paths}
+    if against is not None:
+        for name, p in list(chosen.items()):
+            if p.kernels is not None:
+                chosen[f"{name}@{against.stem}"] = dataclasses.replace(p, kernels=kernels.build(name, against))
     real = cpu.cpu_path
     runners = {}
     try:
@@ -34,7 +45,7 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
         vocab = model.config.vocab_size
         longest = max(T for _, T in shapes)
         toks = torch.randint(min(100, vocab - 1), min(vocab, 5000), (1, pos + longest), generator=torch.Generator().manual_seed(0))
-        out = {name: {} for name in paths}
+        out = {name: {} for name in chosen}
         with torch.no_grad():
             for _ in range(turns):
                 for name, r in runners.items():
@@ -43,6 +54,7 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
                         tk = toks[:, pos:pos + T].expand(B, -1).contiguous()  # [B, T]
                         ps = torch.arange(pos, pos + T)[None].expand(B, -1).contiguous()  # [B, T]
                         r.reset(B, pos + longest)
+                        r(tk, ps, pos + T)  # untimed: the other runner's weights were the last in cache
                         t = time.perf_counter()
                         for _ in range(reps):
                             r(tk, ps, pos + T)
@@ -61,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pos", type=int, default=200, help="cached positions before each forward")
     ap.add_argument("--turns", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--against", default=None, type=Path,
+                    help="another version of eval/csrc/small_gemm.cpp, measured beside this checkout's as PATH@STEM")
     args = ap.parse_args(argv)
+    if args.against is not None and not args.against.is_file():
+        print(f"cpu_bench: --against {args.against} does not exist; write one with "
+              "`git show REV:eval/csrc/small_gemm.cpp > old.cpp`", file=sys.stderr)
+        return 2
     from transformers import AutoModelForCausalLM
 
     from .loading import convert_embedded
@@ -69,17 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.target or convert_embedded(), dtype=torch.bfloat16).eval()
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    res = measure(model, paths, shapes, args.pos, args.turns)
+    res = measure(model, paths, shapes, args.pos, args.turns, against=args.against)
     p = cpu.cpu_path()
     med = {name: {k: statistics.median(v) for k, v in rows.items()} for name, rows in res.items()}
     print(f"{p.cpu}; flags: {' '.join(p.flags)}; torch capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"{'batch x tokens':>14s} " + " ".join(f"{n:>12s}" for n in paths))
-    for k in med[paths[0]]:
-        print(f"{k:>14s} " + " ".join(f"{med[n][k]:12.2f}" for n in paths))
+    names = list(res)
+    print(f"{'batch x tokens':>14s} " + " ".join(f"{n:>12s}" for n in names))
+    for k in med[names[0]]:
+        print(f"{k:>14s} " + " ".join(f"{med[n][k]:12.2f}" for n in names))
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": p.cpu, "cpu_flags": list(p.flags), "pos": args.pos,
                                                "turns": args.turns, "torch": torch.__version__,
                                                "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                                               "against": str(args.against) if args.against else None,
                                                "median_ms": med, "ms": res}, indent=2))
     return 0
 

@@ -42,17 +42,20 @@ FLAGS = {
 STALE_LOCK_S = 600  # a build takes 30-90 s on 2 cores; an older lock is a killed build's
 
 
-def build_dir(path: str) -> Path:
+def build_dir(path: str, source: Path | None = None) -> Path:
     """Where `path`'s module is built: one directory per path, torch installation and checkout. The module
     links against that torch, and its build file names the source, so two venvs or two checkouts sharing a
     directory would rebuild it each time they alternate."""
-    key = f"{torch.__version__}:{Path(torch.__file__).resolve()}:{SOURCE.resolve()}"
-    return cache_dir() / "ext" / f"{module_name(path)}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    src = (source or SOURCE).resolve()
+    key = f"{torch.__version__}:{Path(torch.__file__).resolve()}:{src}"
+    return cache_dir() / "ext" / f"{module_name(path, source)}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
-def module_name(path: str) -> str:
-    """The Python module `path`'s build is imported as."""
-    return "draftsmith_kernels_" + path.replace("-", "_")
+def module_name(path: str, source: Path | None = None) -> str:
+    """The Python module `path`'s build is imported as; another source (an older version of the kernels,
+    measured beside these by `eval.cpu_bench --against`) gets a name of its own, keyed by its text."""
+    name = "draftsmith_kernels_" + path.replace("-", "_")
+    return name if source is None else f"{name}_{hashlib.sha1(Path(source).read_bytes()).hexdigest()[:10]}"
 
 
 def _clear_stale_lock(lock: Path) -> None:
@@ -72,20 +75,22 @@ class KernelBuildError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=None)
-def build(path: str):
+def build(path: str, source: Path | None = None):
     """The compiled module of `path` (a FLAGS key): `pack(w)`, `linear(x, packed, bias, n_out)`,
     `attend(q, k, v, vis, scale)`, `add_rmsnorm(x, y, w, eps)`, `silu_mul(gate_up)`, `rope(x, n, cos, sin)`,
     `argmax_rows(x)`, `layer(...)`, `pack_i8(w)`, `linear_i8(...)`. Raises KernelBuildError when it does
     not build. Compiling does not need the CPU to run the path, but importing the module does: its
     initialisers are compiled with the path's flags, so an AVX2-only CPU loading the AVX-512 build dies of
-    SIGILL. Ask eval.cpu.runs(path) first, as eval/cpu.py does."""
+    SIGILL. Ask eval.cpu.runs(path) first, as eval/cpu.py does. `source`: another version of small_gemm.cpp
+    (default: this checkout's), built under a module name of its own."""
     from torch.utils.cpp_extension import load  # imported here: it pulls in setuptools
 
-    out = build_dir(path)
+    out = build_dir(path, source)
     out.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(out / "lock")
     try:
-        return load(module_name(path), [str(SOURCE)], extra_cflags=FLAGS[path], build_directory=str(out), verbose=False)
+        return load(module_name(path, source), [str(source or SOURCE)], extra_cflags=FLAGS[path],
+                    build_directory=str(out), verbose=False)
     except Exception as e:  # no compiler, no ninja, an old assembler
         first = str(e).splitlines()[0] if str(e) else ""
         raise KernelBuildError(f"the {path} kernels did not build ({type(e).__name__}: {first}): install a C++ "

@@ -330,6 +330,8 @@ TOOL_CASES = [
     ("generate-bench-domain", "pipeline.generate_bench", "generate_bench:", lambda c: ["--domain", "nope"],
      ("nope", "known domains")),
     ("generate-bench-n-0", "pipeline.generate_bench", "generate_bench:", lambda c: ["--n", "0"], ("--n=0", "> 0")),
+    ("cpu-bench-against", "eval.cpu_bench", "cpu_bench:", lambda c: ["--against", str(c.tmp / "old.cpp")],
+     ("old.cpp", "does not exist", "git show")),
 ]
 
 

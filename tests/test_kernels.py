@@ -67,6 +67,17 @@ def test_each_checkout_builds_in_its_own_directory(monkeypatch):
     assert kernels.build_dir("avx2") != a and kernels.build_dir("avx2").parent == a.parent
 
 
+def test_another_kernel_source_builds_apart_from_the_checkouts(tmp_path):
+    old = tmp_path / "old.cpp"
+    old.write_bytes(kernels.SOURCE.read_bytes() + b"// another version\n")
+    same = tmp_path / "same.cpp"
+    same.write_bytes(old.read_bytes())
+    assert kernels.module_name("avx2", old) not in (kernels.module_name("avx2"), kernels.module_name("avx2", kernels.SOURCE))
+    assert kernels.module_name("avx2", old) == kernels.module_name("avx2", same)  # keyed by the text
+    assert kernels.build_dir("avx2", old) != kernels.build_dir("avx2")
+    assert kernels.build_dir("avx2", old).parent == kernels.build_dir("avx2").parent
+
+
 def _case(rows, n_out, k, bias, seed):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n_out, k, generator=g) * 0.1).to(torch.bfloat16)

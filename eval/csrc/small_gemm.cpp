@@ -231,7 +231,7 @@ torch::Tensor pack(torch::Tensor w) {
 // AVX2: the row passes and panel tiles also prefetch, into L2, the weights they will read next (the next
 // span, the next block) while they compute on the current ones, so the weight stream overlaps the FMAs of
 // several rows instead of adding to them: over SmolLM2's 121 matmuls at 4 / 12 / 48 rows, 19.1 / 34.3 /
-// 95.5 ms -> 14.5 / 31.3 / 87.1 ms, 1 row unchanged (docs/reference/kernels.md, "Prefetching a span ahead").
+// 95.5 ms -> 14.5 / 31.3 / 87.1 ms, 1 row unchanged (docs/reference/kernels.md, "Prefetching the next span").
 #ifndef FAR_HINT
 #define FAR_HINT _MM_HINT_T1
 #endif
