@@ -419,8 +419,8 @@ static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const f
         uint16_t* ym = y + m * N;
         switch (M - m < ROWS ? M - m : ROWS) {
           case 1:
-            run_blocks2<1, 4, W>(xm, K, p, bias, b, full, ym, N, scale, far);
-            run_blocks2<1, 1, W>(xm, K, p, bias, full, e, ym, N, scale, far);
+            run_blocks2<1, 4, W>(xm, K, p, bias, b, full, ym, N, scale);  // one row: no far prefetch
+            run_blocks2<1, 1, W>(xm, K, p, bias, full, e, ym, N, scale);
             break;
           case 2: run_blocks2<2, 1, W>(xm, K, p, bias, b, e, ym, N, scale, far); break;
           case 3: run_blocks2<3, 1, W>(xm, K, p, bias, b, e, ym, N, scale, far); break;
