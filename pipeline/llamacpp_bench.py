@@ -55,6 +55,7 @@ def main(argv=None) -> int:
 
     from .generate import target_eos_ids
     from .models import ModelError, load_target
+    from .options import RecipeError, positive
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.llamacpp_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", required=True, help="the target as a GGUF (make bench-peers makes a bf16 one)")
@@ -71,13 +72,13 @@ def main(argv=None) -> int:
         ap.error(f"--method {bad[0]}: use plain or lookup:K")
     methods = ["plain"] + [m for m in args.method if m != "plain"]
     try:  # bad input is reported in one line; the prompts before the target loads
-        if args.n < 1 or args.max_new_tokens < 1 or args.threads < 1:
-            raise PeerError("--n, --max-new-tokens and --threads must be >= 1")
+        for flag, value in (("--n", args.n), ("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):
+            positive(flag, value)
         prompt_rows = load_prompts(args.prompts, args.n)
         model, tok = load_target(args.target, "float32", "cpu")
         prompts = encode_prompts(prompt_rows, tok)
         res = run(args.gguf, prompts, methods, args.max_new_tokens, sorted(target_eos_ids(model, tok)), args.threads)
-    except (PeerError, BenchError, ModelError) as e:
+    except (PeerError, BenchError, ModelError, RecipeError) as e:
         print(f"llamacpp_bench: {e}", file=sys.stderr)
         return 2
     plain = res["runs"][0]

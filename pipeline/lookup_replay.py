@@ -26,6 +26,7 @@ import torch
 
 from .datastore_proposer import LookupProposer
 from .engines.draftsmith_vllm.lookup import DATASTORE, SEP, SuffixLookup, read_config
+from .options import positive
 
 
 class ReplayError(ValueError):
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         fracs = fractions(args.fractions)
-        if args.k < 1 or args.n_prompts < 1 or args.max_new_tokens < 1:
-            raise ReplayError("--k, --n-prompts and --max-new-tokens must be >= 1")
+        for flag, value in (("--k", args.k), ("--n-prompts", args.n_prompts), ("--max-new-tokens", args.max_new_tokens)):
+            positive(flag, value)
         path = Path(args.export) / DATASTORE
         if not path.is_file():
             raise ReplayError(f"{path}: no datastore; give a draft trained with train.datastore=true or its "

@@ -157,6 +157,7 @@ def main(argv=None) -> int:
 
     from .generate import target_eos_ids
     from .models import ModelError, load_target, resolve_target
+    from .options import positive
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.vllm_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
@@ -180,8 +181,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:  # bad input is reported in one line, before the target loads
         sizes = batch_sizes("--batch-sizes", args.batch_sizes)
-        if args.n < 1 or args.max_new_tokens < 1:
-            raise EngineError("--n and --max-new-tokens must be >= 1")
+        positive("--n", args.n)
+        positive("--max-new-tokens", args.max_new_tokens)
         for method in args.method:
             speculative_config(method, args.ngram_min, args.ngram_max, args.k_by_batch)
             export = export_of(method)
