@@ -127,9 +127,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _batches(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
-    if len(prompts) < b:  # fill one full batch by cycling the prompts
-        prompts = [prompts[i % len(prompts)] for i in range(b)]
+def _batches(prompts: list[list[int]], b: int, turns: int = 1) -> list[list[list[int]]]:
+    """The prompts in batches of b, cycled (when fewer) to fill at least `turns` full batches."""
+    if len(prompts) < turns * b:
+        prompts = [prompts[i % len(prompts)] for i in range(turns * b)]
     return [prompts[i:i + b] for i in range(0, len(prompts), b)]
 
 
@@ -200,14 +201,15 @@ class Runner:
                            eos_token_id=self.eos_id)
         return [_trim(list(s), self.eos, None, max_new) for s in res.sequences], dict(res.stats)
 
-    def measure(self, methods: dict, prompts: list[list[int]]) -> dict:
-        """methods: name -> (fn(batch, max_new) -> (sequences, stats|None), batch_size).
+    def measure(self, methods: dict, prompts: list[list[int]], turns: int = 1) -> dict:
+        """methods: name -> (fn(batch, max_new) -> (sequences, stats|None), batch_size); each runs at least
+        `turns` batches (_batches).
 
         Every method gets an untimed warm-up, then the methods take turns batch by batch (the order
         rotating each turn) rather than each running all its prompts in one block: on a shared or
         throttling machine speed drifts over minutes, and interleaving makes the drift fall on every
         method alike, so the ratios between them hold."""
-        plans = {name: _batches(prompts, bs) for name, (fn, bs) in methods.items()}
+        plans = {name: _batches(prompts, bs, turns) for name, (fn, bs) in methods.items()}
         for name, (fn, _) in methods.items():
             if self.args.compile:  # every batch once, in full: each shape the timed turns meet compiles here
                 for batch in plans[name]:
@@ -346,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "keep their trees, so `--draft hybrid:DIR --chain --also hybrid:DIR` pairs chains with trees")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--batch-sweep", default=None, help="comma-separated batch sizes, e.g. 1,2,4,8,16")
+    ap.add_argument("--sweep-turns", type=int, default=3,
+                    help="--batch-sweep: each method runs at least this many batches at every size, the prompts "
+                         "cycled to fill them (32 prompts at batch 32: 96 sequences), so that every row's methods "
+                         "take turns that often and the machine's drift falls on all of them")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="serve",
                     help="a serving setting for --draft, as a promoted draft's 'serve' fixes it: max_nodes=N (a "
                          "hybrid's tree budget) or sampled_chain=true|false (its model's chain sampled in a sampled "
@@ -426,6 +432,8 @@ def plan(args) -> Plan:
         raise BenchError(str(e)) from None
     k = _parse_k(args.k)
     sweep = batch_sizes("--batch-sweep", args.batch_sweep) if args.batch_sweep else None
+    if args.sweep_turns < 1:
+        raise BenchError("--sweep-turns must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device here (torch.cuda.is_available() is False); "
                          "run on a GPU machine with a CUDA build of torch, or use --device cpu")
@@ -628,7 +636,8 @@ def run(args, saved=lambda out: None) -> dict:
 def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: None) -> dict:
     """Plain decoding and the draft at each batch size, in interleaved turns: at --k (fixed) and, where --k
     is fixed, under the K controller too (k="auto", eval/decoder.py KController), so the controller is
-    judged against fixed K on the same turns. `saved(res)` gets the rows so far after each batch size."""
+    judged against fixed K on the same turns, at least --sweep-turns of them at every size (the prompts cycled
+    where too few). `saved(res)` gets the rows so far after each batch size."""
     res = {"sizes": sizes, "rows": []}
     decs = {"plain": our_decoder(R.args, target, None),
             "speculative": our_decoder(R.args, target, proposer, k=k, tree=not R.args.chain)}
@@ -636,9 +645,11 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: Non
         decs["controlled"] = our_decoder(R.args, target, draft_proposer(R.args, target), k="auto",
                                          tree=not R.args.chain)
     for b in sizes:
-        m = R.measure({n: (functools.partial(R.dec_call, d), b) for n, d in decs.items()}, prompts)
+        m = R.measure({n: (functools.partial(R.dec_call, d), b) for n, d in decs.items()}, prompts,
+                      turns=R.args.sweep_turns)
         p = m["plain"]["result"]
-        row = {"batch_size": b, "plain_tokens_per_s": p["tokens_per_s"]}
+        row = {"batch_size": b, "n_sequences": sum(map(len, _batches(prompts, b, R.args.sweep_turns))),
+               "plain_tokens_per_s": p["tokens_per_s"]}
         for name in decs:
             if name == "plain":
                 continue

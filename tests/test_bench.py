@@ -56,6 +56,8 @@ def test_ngram_writes_required_keys(tiny, tmp_path, capsys):
     assert res["token_match_rate"]["hf_prompt_lookup"] == 1.0
     sweep = res["batch_sweep"]
     assert [r["batch_size"] for r in sweep["rows"]] == [1, 2]
+    # 3 prompts: batch 2 cycles them to 6 sequences, so that each method runs --sweep-turns (3) batches there too
+    assert [r["n_sequences"] for r in sweep["rows"]] == [3, 6]
     assert all(r["plain_tokens_per_s"] > 0 and r["speculative_tokens_per_s"] > 0 for r in sweep["rows"])
     # the K controller in the same turns, beside the fixed K
     assert all(r["controlled_tokens_per_s"] > 0 and 0 <= r["controlled_spec_off_fraction"] <= 1 for r in sweep["rows"])
@@ -70,11 +72,11 @@ def test_a_run_stopped_part_way_keeps_what_it_measured(tiny, tmp_path, capsys, m
     main table and the first batch size, marked incomplete, and both were printed as they landed."""
     calls, measure = [], bench.Runner.measure
 
-    def measure_then_stop(self, methods, prompts):
+    def measure_then_stop(self, methods, prompts, turns=1):
         calls.append(len(calls))
         if len(calls) == 3:  # the main table, batch 1, then stopped
             raise KeyboardInterrupt
-        return measure(self, methods, prompts)
+        return measure(self, methods, prompts, turns)
     monkeypatch.setattr(bench.Runner, "measure", measure_then_stop)
     with pytest.raises(KeyboardInterrupt):
         _run(tiny, tmp_path, "--draft", "ngram", "--batch-sweep", "1,2")
@@ -134,12 +136,21 @@ def test_bad_inputs_fail_with_one_line(tiny, tmp_path, capsys):
                        (["--batch-size", "0"], "--batch-size must be >= 1"),
                        (["--batch-sweep", "1,x"], "--batch-sweep must be comma-separated integers"),
                        (["--batch-sweep", "0"], "--batch-sweep needs positive batch sizes"),
+                       (["--batch-sweep", "1", "--sweep-turns", "0"], "--sweep-turns must be >= 1"),
                        (["--set", "branches=2"], "--set branches=2: give KEY=VALUE with KEY one of max_nodes"),
                        (["--set", "max_nodes=0"], "max_nodes is a positive integer"),
                        (["--set", "sampled_chain=maybe"], "sampled_chain is true or false"),
                        (["--set", "sampled_chain=true"], "--set applies to a hybrid's trees; --draft ngram")):
         assert bench.main(ok + extra) == 2
         assert msg in _err(capsys)
+
+
+def test_batches_cycle_the_prompts_to_fill_the_turns():
+    p = [[1], [2], [3]]
+    assert bench._batches(p, 2) == [[[1], [2]], [[3]]]  # enough for one turn: as given, the last batch short
+    assert bench._batches(p, 2, turns=3) == [[[1], [2]], [[3], [1]], [[2], [3]]]
+    assert bench._batches(p, 4) == [[[1], [2], [3], [1]]]  # fewer than one batch: cycled to fill it
+    assert bench._batches(p, 1, turns=3) == [[[1]], [[2]], [[3]]]
 
 
 def test_missing_draft_dir_message(tiny, tmp_path, capsys):
