@@ -398,6 +398,9 @@ class ReportConfig:
                                      "at each, the draft taking turns with plain decoding on every prompt.")
     batch_sizes: list[int] = _f([1, 4, 16], "Batch sizes on the batch curve: tokens/s plain and speculative in the "
                                             "decoder's ragged batches, with the bf16 match rate at each.")
+    batch_turns: int = _f(3, "Batches each decoder runs at every batch size of the batch curve, the prompts cycled to "
+                             "fill them: the decoders take turns this often, so the machine's drift falls on all of "
+                             "them (in a single batch, plain's and the draft's calls run minutes apart).")
     temperatures: list[float] = _f([0.0, 0.7, 1.0], "Temperatures on the temperature curve (lossless speculative "
                                                     "sampling, prompt i seeded seed + i; 0 = greedy).")
     n_prompts: int = _f(8, "Held-out prompts each curve point is measured on (the first of evaluate's).")
@@ -413,6 +416,7 @@ class ReportConfig:
             v = getattr(self, name)
             if not v or any(x < 1 for x in v) or len(set(v)) != len(v):
                 raise RecipeError(f"report.{name}={v!r} must list distinct positive integers, e.g. [1, 2, 3, 4]")
+        _positive("report.batch_turns", self.batch_turns)
         for i, t in enumerate(self.temperatures):
             _sampling("report.", t, temperature_key=f"temperatures[{i}]")
         if not self.temperatures or len(set(self.temperatures)) != len(self.temperatures):

@@ -4,10 +4,10 @@ decoding in the project's decoder, as curves over K, batch size and sampling tem
 - K curve: the draft at every report.ks, all taking turns with plain decoding on each prompt (one
   decode_together call): vLLM's mean_acceptance_length and the measured speedup at each K.
 - batch curve: at every report.batch_sizes, plain decoding, the draft at the recipe's K and the draft under
-  the K controller (k="auto") take turns batch by batch in the decoder's ragged batches; tokens/s, speedup,
-  the K the controller settled on (vllm_k_schedule turns them into vLLM's K-by-batch table), and the greedy
-  outputs compared (eval.exactness: match rate, divergences and their near-tie margins). Exactness is
-  claimed per measured batch size only.
+  the K controller (k="auto") take turns batch by batch (report.batch_turns batches at least) in the decoder's
+  ragged batches; tokens/s, speedup, the K the controller settled on (vllm_k_schedule turns them into vLLM's
+  K-by-batch table), and the greedy outputs compared (eval.exactness: match rate, divergences and their
+  near-tie margins). Exactness is claimed per measured batch size only.
 - temperature curve: at every report.temperatures, lossless speculative sampling against plain sampled
   decoding (prompt i seeded `seed + i`; 0 = greedy): speedup, α, mean acceptance length.
 - with --draft / --prompts (`draftsmith report`): that draft on those prompts at the recipe's K, with the
@@ -126,10 +126,12 @@ class Sweeps:
         """Plain decoding, the draft at the recipe's K and the draft under the K controller (k="auto": each
         round's K from measured costs, 0 where speculation does not pay), greedy, in batches of `b` (the
         prompts cycled to fill one batch when fewer), taking turns batch by batch; their outputs compared
-        with plain decoding's."""
+        with plain decoding's. Each decoder runs report.batch_turns batches at least, the prompts cycled to fill them."""
+        turns = self.cfg.batch_turns
+
         def measure():
-            prompts = self.prompts if len(self.prompts) >= b else \
-                [self.prompts[i % len(self.prompts)] for i in range(b)]
+            n = max(len(self.prompts), turns * b)
+            prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
             batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
             decs = [SpeculativeDecoder(self.target, None, compile=self.compile),
                     SpeculativeDecoder(self.target, proposer_for(self.source, self.target), k=self.k,
@@ -162,7 +164,8 @@ class Sweeps:
                     "spec_off_fraction": choices.count(0) / len(choices) if choices else 0.0,
                     "match_rate": m_auto["match_rate"], "exact": bool(m_auto["exact"]),
                     "n_divergences": len(m_auto["divergences"])}}
-        return self._cached(f"batch-{b}", {"batch_size": b, "k": self.k, "controlled": CONTROLLER_REV}, measure)
+        return self._cached(f"batch-{b}", {"batch_size": b, "k": self.k, "controlled": CONTROLLER_REV, "turns": turns},
+                            measure)
 
     def temperature_point(self, t: float) -> dict:
         """The draft at the recipe's K against plain decoding at temperature `t` (lossless speculative

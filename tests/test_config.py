@@ -46,6 +46,7 @@ def test_overrides_are_typed():
     (["train.temperature=0"], "train.temperature"),
     (["train.max_minutes=-1"], "train.max_minutes"),
     (["generate.max_minutes=.nan"], "generate.max_minutes"),
+    (["report.batch_turns=0"], "report.batch_turns"),
     (["train.method=draft_lm", "train.data=onpolicy", "train.temperature=0.7"], "TRL's GKDTrainer"),
 ])
 def test_bad_keys_and_types_are_named(override, needle):
