@@ -429,10 +429,11 @@ def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: st
             f"(<code>k=\"auto\"</code>: each round's K from this machine's measured round times and the draft's "
             f"acceptance, 0 where speculation does not pay) in the decoder's ragged batches, greedy, taking turns "
             f"batch by batch (each at least <code>report.batch_turns</code> batches at every size, the prompts "
-            f"cycled to fill them: the sequences column), in {esc(dtype)}; the fixed-K outputs compared token by token with plain decoding's "
-            f"at the same batch size (match rate: tokens before each sequence's first divergence over all; margin: "
-            f"the target's top-1 minus top-2 logit there). <b>Exactness is claimed only at the batch sizes "
-            f"measured here</b>: the row-invariant kernels make batch 1 exact, not every batch.</p>"
+            f"cycled to fill them: the sequences column), in {esc(dtype)}; the fixed-K outputs compared token by "
+            f"token with plain decoding's at the same batch size (match rate: tokens before each sequence's first "
+            f"divergence over all; margin: the target's top-1 minus top-2 logit there). <b>Exactness is claimed "
+            f"only at the batch sizes measured here</b>: the row-invariant kernels make batch 1 exact, not every "
+            f"batch.</p>"
             + table(["batch", "sequences", "plain tok/s", "fixed K tok/s", "fixed K speedup", "controller tok/s",
                      "controller speedup", "K settled", "rounds plain", "match rate", "divergences",
                      "max near-tie margin", "verdict"], out, "batchcurve")

@@ -124,9 +124,9 @@ class Sweeps:
 
     def batch_point(self, b: int) -> dict:
         """Plain decoding, the draft at the recipe's K and the draft under the K controller (k="auto": each
-        round's K from measured costs, 0 where speculation does not pay), greedy, in batches of `b` (the
-        prompts cycled to fill one batch when fewer), taking turns batch by batch; their outputs compared
-        with plain decoding's. Each decoder runs report.batch_turns batches at least, the prompts cycled to fill them."""
+        round's K from measured costs, 0 where speculation does not pay), greedy, in batches of `b`, taking
+        turns batch by batch, each decoder report.batch_turns batches at least (the prompts cycled to fill
+        them); their outputs compared with plain decoding's."""
         turns = self.cfg.batch_turns
 
         def measure():
