@@ -4,8 +4,9 @@ interleaved turns, so the paths' ratios hold while the machine's speed drifts (d
     python -m eval.cpu_bench [--paths avx512-bf16,avx2,generic] [--turns 7] [--json OUT]
     git show REV:eval/csrc/small_gemm.cpp > old.cpp; python -m eval.cpu_bench --paths avx2 --against old.cpp
 
-Each path gets its own runner over the same bf16 target (the embedded one, or --target DIR); the table is
-ms per forward, the median over the turns, at position --pos with batch x tokens as given by --shapes.
+Each path gets its own runner over the same bf16 target (the embedded one, or --target DIR), its weights
+packed afresh each turn; the table is ms per forward, the median over the turns, at position --pos with
+batch x tokens as given by --shapes.
 `--against` builds another version of the kernels' source for each path and measures it in the same turns
 as `PATH@STEM` (a kernel change's before and after, while the machine's speed drifts).
 """
@@ -37,17 +38,21 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
             if p.kernels is not None:
                 chosen[f"{name}@{against.stem}"] = dataclasses.replace(p, kernels=kernels.build(name, against))
     real = cpu.cpu_path
-    runners = {}
+    names = list(chosen)
     try:
-        for name, p in chosen.items():
-            cpu.cpu_path = lambda p=p: p  # the runner packs its weights for this path when it is built
-            runners[name] = LeanLlama(model)
         vocab = model.config.vocab_size
         longest = max(T for _, T in shapes)
         toks = torch.randint(min(100, vocab - 1), min(vocab, 5000), (1, pos + longest), generator=torch.Generator().manual_seed(0))
         out = {name: {} for name in chosen}
         with torch.no_grad():
-            for _ in range(turns):
+            for turn in range(turns):
+                # Each turn packs every runner's weights afresh, in rotated order: with one copy each for all turns,
+                # where a copy lay moved a build ~4% against another build of the same source (kernels.md).
+                order = names[turn % len(names):] + names[:turn % len(names)]
+                runners, r = {}, None  # the last turn's copies go before the new ones are packed
+                for name in order:
+                    cpu.cpu_path = lambda p=chosen[name]: p  # the runner packs its weights for this path when built
+                    runners[name] = LeanLlama(model)
                 for name, r in runners.items():
                     cpu.cpu_path = lambda p=chosen[name]: p
                     for B, T in shapes:

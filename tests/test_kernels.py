@@ -577,3 +577,23 @@ def test_cpu_bench_times_every_path_on_every_shape():
     assert set(res) == set(paths)
     assert all(len(res[p][k]) == 2 and min(res[p][k]) > 0 for p in paths for k in ("1x1", "2x3", "1x20"))
     assert cpu.cpu_path is before  # the process's own path is left as it was
+
+
+def test_cpu_bench_packs_each_turns_runners_afresh_in_rotated_order(monkeypatch):
+    """Where a packed copy of the weights lands in memory moved a build's forward ~4% against another build
+    of the same source (kernels.md), so no path keeps one copy, or the first place, for all the turns."""
+    import eval.target
+    from eval.cpu_bench import measure
+
+    paths = [p for p in cpu.PATHS if cpu.runs(p)][:2]
+    if len(paths) < 2:
+        pytest.skip("one CPU path runs here: nothing to take turns with")
+    built, real = [], eval.target.LeanLlama
+
+    def recording(model):
+        built.append(cpu.cpu_path().name)
+        return real(model)
+    monkeypatch.setattr(eval.target, "LeanLlama", recording)
+    measure(_bf16_target(), paths, [(1, 1)], pos=4, turns=3, reps=1)
+    a, b = paths
+    assert built == [a, b, b, a, a, b]
