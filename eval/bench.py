@@ -127,11 +127,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _batches(prompts: list[list[int]], b: int, turns: int = 1) -> list[list[list[int]]]:
+def cycled_batches(prompts: list, b: int, turns: int = 1) -> list[list]:
     """The prompts in batches of b, cycled (when fewer) to fill at least `turns` full batches."""
     if len(prompts) < turns * b:
         prompts = [prompts[i % len(prompts)] for i in range(turns * b)]
     return [prompts[i:i + b] for i in range(0, len(prompts), b)]
+
+
+def turn_order(names, turn: int) -> list:
+    """`names` rotated by `turn`, so that in interleaved turns each goes first in its turn."""
+    i = turn % len(names)
+    return list(names[i:]) + list(names[:i])
 
 
 def _trim(seq: list[int], eos: set[int], pad: int | None, max_new: int) -> list[int]:
@@ -203,13 +209,13 @@ class Runner:
 
     def measure(self, methods: dict, prompts: list[list[int]], turns: int = 1) -> dict:
         """methods: name -> (fn(batch, max_new) -> (sequences, stats|None), batch_size); each runs at least
-        `turns` batches (_batches).
+        `turns` batches (cycled_batches).
 
         Every method gets an untimed warm-up, then the methods take turns batch by batch (the order
         rotating each turn) rather than each running all its prompts in one block: on a shared or
         throttling machine speed drifts over minutes, and interleaving makes the drift fall on every
         method alike, so the ratios between them hold."""
-        plans = {name: _batches(prompts, bs, turns) for name, (fn, bs) in methods.items()}
+        plans = {name: cycled_batches(prompts, bs, turns) for name, (fn, bs) in methods.items()}
         for name, (fn, _) in methods.items():
             if self.args.compile:  # every batch once, in full: each shape the timed turns meet compiles here
                 for batch in plans[name]:
@@ -219,7 +225,7 @@ class Runner:
         acc = {name: {"seqs": [], "stats": [], "elapsed": 0.0} for name in methods}
         names = list(methods)
         for turn in range(max(len(b) for b in plans.values())):
-            for name in names[turn % len(names):] + names[:turn % len(names)]:
+            for name in turn_order(names, turn):
                 if turn >= len(plans[name]):
                     continue
                 fn, _ = methods[name]
@@ -648,7 +654,7 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: Non
         m = R.measure({n: (functools.partial(R.dec_call, d), b) for n, d in decs.items()}, prompts,
                       turns=R.args.sweep_turns)
         p = m["plain"]["result"]
-        row = {"batch_size": b, "n_sequences": sum(map(len, _batches(prompts, b, R.args.sweep_turns))),
+        row = {"batch_size": b, "n_sequences": sum(map(len, cycled_batches(prompts, b, R.args.sweep_turns))),
                "plain_tokens_per_s": p["tokens_per_s"]}
         for name in decs:
             if name == "plain":

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from . import cpu, kernels
+from .bench import turn_order
 
 
 def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, turns: int, reps: int = 3,
@@ -48,7 +49,7 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
             for turn in range(turns):
                 # Each turn packs every runner's weights afresh, in rotated order: with one copy each for all turns,
                 # where a copy lay moved a build ~4% against another build of the same source (kernels.md).
-                order = names[turn % len(names):] + names[:turn % len(names)]
+                order = turn_order(names, turn)
                 runners, r = {}, None  # the last turn's copies go before the new ones are packed
                 for name in order:
                     cpu.cpu_path = lambda p=chosen[name]: p  # the runner packs its weights for this path when built

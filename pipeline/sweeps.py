@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eval import draft_dir
+from eval.bench import cycled_batches, turn_order
 from eval.decoder import CONTROLLER_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy, exactness_rule
 from eval.prompt_file import PromptFileError, read_prompt_rows
@@ -130,9 +131,8 @@ class Sweeps:
         turns = self.cfg.batch_turns
 
         def measure():
-            n = max(len(self.prompts), turns * b)
-            prompts = [self.prompts[i % len(self.prompts)] for i in range(n)]
-            batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]
+            batches = cycled_batches(self.prompts, b, turns)
+            prompts = [p for batch in batches for p in batch]
             decs = [SpeculativeDecoder(self.target, None, compile=self.compile),
                     SpeculativeDecoder(self.target, proposer_for(self.source, self.target), k=self.k,
                                        compile=self.compile),
@@ -144,7 +144,7 @@ class Sweeps:
                                  eos_token_id=self.eos)
             seqs, stats = ([], [], []), ([], [], [])
             for i, batch in enumerate(batches):
-                for j in (0, 1, 2)[i % 3:] + (0, 1, 2)[:i % 3]:  # each decoder first in turn
+                for j in turn_order((0, 1, 2), i):  # each decoder first in turn
                     res = decs[j].generate(batch, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos)
                     seqs[j].extend(res.sequences)
                     stats[j].append(res.stats)

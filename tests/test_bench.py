@@ -147,10 +147,10 @@ def test_bad_inputs_fail_with_one_line(tiny, tmp_path, capsys):
 
 def test_batches_cycle_the_prompts_to_fill_the_turns():
     p = [[1], [2], [3]]
-    assert bench._batches(p, 2) == [[[1], [2]], [[3]]]  # enough for one turn: as given, the last batch short
-    assert bench._batches(p, 2, turns=3) == [[[1], [2]], [[3], [1]], [[2], [3]]]
-    assert bench._batches(p, 4) == [[[1], [2], [3], [1]]]  # fewer than one batch: cycled to fill it
-    assert bench._batches(p, 1, turns=3) == [[[1]], [[2]], [[3]]]
+    assert bench.cycled_batches(p, 2) == [[[1], [2]], [[3]]]  # enough for one turn: as given, the last batch short
+    assert bench.cycled_batches(p, 2, turns=3) == [[[1], [2]], [[3], [1]], [[2], [3]]]
+    assert bench.cycled_batches(p, 4) == [[[1], [2], [3], [1]]]  # fewer than one batch: cycled to fill it
+    assert bench.cycled_batches(p, 1, turns=3) == [[[1]], [[2]], [[3]]]
 
 
 def test_missing_draft_dir_message(tiny, tmp_path, capsys):
