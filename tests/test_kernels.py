@@ -99,11 +99,12 @@ def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias, k, ext)
     assert (got == ref.to(torch.bfloat16)).float().mean() > 0.97
 
 
-@pytest.mark.parametrize("rows", [9, 16, 17, 19, 40])  # 17-40: the AVX2 path's panel kernel (19: a 4-row tile)
-def test_a_row_rounds_the_same_whatever_the_other_rows(rows, ext, kernel_path):
+@pytest.mark.parametrize("rows", [7, 8, 9, 12, 16, 17, 19, 40])  # AVX2: 7-16 row passes (a 2-3 row pass after 5), 17-40 its panel kernel (19: a 4-row tile)
+@pytest.mark.parametrize("n_out", [192, 168])  # 168: a span of 3 blocks, the last one partial
+def test_a_row_rounds_the_same_whatever_the_other_rows(rows, n_out, ext, kernel_path):
     if kernel_path.kernel_rows is not None and rows > kernel_path.kernel_rows:
         pytest.skip(f"the {kernel_path.name} path hands more than {kernel_path.kernel_rows} rows to oneDNN")
-    w, b, x = _case(rows, 3072 // 16, 576, True, 0)
+    w, b, x = _case(rows, n_out, 576, True, 0)
     lin = packed_linear(w, b)
     whole = lin(x)  # [1, rows, N]: a verify forward's rows (40: a batch of 8 verifying 4 tokens each)
     alone = torch.cat([lin(x[:, i:i + 1]) for i in range(rows)], 1)  # one-token steps

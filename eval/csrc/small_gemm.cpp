@@ -352,11 +352,25 @@ static inline void widen(const int8_t* p, __m256* e, __m256* o) {
   }
 }
 
+// The lines of the next span a pass prefetches into L2: one every `every` lines it reads, from `next` on.
+template <class W>
+struct Ahead {
+  const W* next = nullptr;
+  int64_t every = 1, count = 0;
+  void step() {
+    if (++count == every) {
+      _mm_prefetch((const char*)next, FAR_HINT);  // a prefetch never faults, past the weights' end included
+      next += 32;
+      count = 0;
+    }
+  }
+};
+
 // Blocks [b0, b1) of 16 outputs, NB at a time, for the R rows of xf (fp32 [R, K], row stride K): 2*R*NB
 // accumulators, the weights widened once per line for all R rows. W and `scale` as in the AVX-512 path.
 template <int R, int NB, class W>
 static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bias, int64_t b0, int64_t b1,
-                        uint16_t* y, int64_t N, const float* scale, int64_t far = 0) {
+                        uint16_t* y, int64_t N, const float* scale, Ahead<W>* ahead = nullptr) {
   constexpr bool I8 = std::is_same_v<W, int8_t>;
   constexpr int64_t LINE = 32;  // weights per line: 16 outputs x 2 k
   const int64_t Kp = K / 2;
@@ -375,7 +389,7 @@ static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bia
       for (int j = 0; j < NB; j++) {
         const W* line = p + ((b + j) * Kp + kp) * LINE;
         if constexpr (!I8) _mm_prefetch((const char*)(line + PREFETCH_LINES * LINE), _MM_HINT_T0);
-        if (far) _mm_prefetch((const char*)(line + far), FAR_HINT);
+        if (ahead) ahead->step();
         __m256 we[2], wo[2];
         widen(line, we, wo);
 #pragma GCC unroll 16
@@ -404,28 +418,43 @@ static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bia
 // Rows at most 5 at a time over a span of SPAN blocks: the first pass streams the span's weights from
 // memory, later passes (more rows) find them in cache, so any row count streams W once. 10 accumulators
 // keep both FMA pipes busy across the two dependent FMAs a line gives each; measured against 3, 4 and 6
-// rows a pass and against split even/odd accumulators (docs/reference/kernels.md). NB = 4 at one row.
+// rows a pass and against split even/odd accumulators (docs/reference/kernels.md). NB = 4 at one row, 2 for
+// a later pass of 2-3 rows. From 2 rows the passes share out the next span's prefetch, each a contiguous
+// share, so the stream overlaps all the passes' FMAs, not the first's alone: 7 / 8 / 12 rows 1.16-1.21x
+// (docs/reference/kernels.md, "Sharing the prefetch among the passes").
 template <class W>
 static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const float* bias, int64_t Nb,
                       uint16_t* y, int64_t N, const float* scale) {
   constexpr int64_t SPAN = 4, ROWS = 5;
+  const int64_t passes = (M + ROWS - 1) / ROWS, Kp = K / 2;
   at::parallel_for(0, (Nb + SPAN - 1) / SPAN, 4, [&](int64_t s0, int64_t s1) {
     const int64_t b0 = s0 * SPAN, b1 = s1 * SPAN < Nb ? s1 * SPAN : Nb;
     for (int64_t b = b0; b < b1; b += SPAN) {
-      const int64_t e = b + SPAN < b1 ? b + SPAN : b1, full = b + (e - b) / 4 * 4;
-      for (int64_t m = 0; m < M; m += ROWS) {
+      const int64_t e = b + SPAN < b1 ? b + SPAN : b1, full = b + (e - b) / 4 * 4, pair = b + (e - b) / 2 * 2;
+      const int64_t share = ((e - b) * Kp + passes - 1) / passes;  // lines of the next span each pass prefetches
+      for (int64_t m = 0, t = 0; m < M; m += ROWS, t++) {
         const float* xm = xf + m * K;
-        const int64_t far = (m == 0 && M >= PREFETCH_MIN_ROWS && e < b1) ? (e - b) * (K / 2) * 32 : 0;
         uint16_t* ym = y + m * N;
+        // None for one row (bound by the stream alone) or a thread's last span.
+        Ahead<W> ahead{p + (e * Kp + t * share) * 32, passes};
+        Ahead<W>* a = M >= PREFETCH_MIN_ROWS && e < b1 ? &ahead : nullptr;
         switch (M - m < ROWS ? M - m : ROWS) {
           case 1:
-            run_blocks2<1, 4, W>(xm, K, p, bias, b, full, ym, N, scale);  // one row: no far prefetch
-            run_blocks2<1, 1, W>(xm, K, p, bias, full, e, ym, N, scale);
+            run_blocks2<1, 4, W>(xm, K, p, bias, b, full, ym, N, scale, a);
+            run_blocks2<1, 1, W>(xm, K, p, bias, full, e, ym, N, scale, a);
             break;
-          case 2: run_blocks2<2, 1, W>(xm, K, p, bias, b, e, ym, N, scale, far); break;
-          case 3: run_blocks2<3, 1, W>(xm, K, p, bias, b, e, ym, N, scale, far); break;
-          case 4: run_blocks2<4, 1, W>(xm, K, p, bias, b, e, ym, N, scale, far); break;
-          default: run_blocks2<5, 1, W>(xm, K, p, bias, b, e, ym, N, scale, far); break;
+          case 2:
+            if (m == 0) { run_blocks2<2, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break; }
+            run_blocks2<2, 2, W>(xm, K, p, bias, b, pair, ym, N, scale, a);
+            run_blocks2<2, 1, W>(xm, K, p, bias, pair, e, ym, N, scale, a);
+            break;
+          case 3:
+            if (m == 0) { run_blocks2<3, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break; }
+            run_blocks2<3, 2, W>(xm, K, p, bias, b, pair, ym, N, scale, a);
+            run_blocks2<3, 1, W>(xm, K, p, bias, pair, e, ym, N, scale, a);
+            break;
+          case 4: run_blocks2<4, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break;
+          default: run_blocks2<5, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break;
         }
       }
     }
