@@ -54,7 +54,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "avx2-panel-kc-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "row-bands-1"
+CONTROLLER_REV = "band-scaled-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 # A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
 # the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
@@ -710,6 +710,8 @@ class KController:
         self.tables: dict[int, dict[int, list[float]]] = {}
         self.band: int | None = None
         self.arms: dict[int, list[float]] = {}  # the current band's table
+        self.carried: dict[int, dict[int, float]] = {}  # per band met later: each K's seconds when carried into it
+        self.timed: dict[int, set[int]] = {}  # per band: the K whose rounds were timed there
         # per draft position j (index j - 1): decayed counts of rows that reached j in a round proposing it,
         # and of those that accepted it
         self.reached = [0.0] * k_max
@@ -773,11 +775,12 @@ class KController:
         band = max(self.tables, default=None)
         if not self.ready or band is None or 0 not in self.tables[band]:
             return None
-        current, self.arms = self.arms, self.tables[band]
+        current = self.arms, self.band
+        self.arms, self.band = self.tables[band], band
         try:
             return self._best(self.alpha)[0]
         finally:
-            self.arms = current
+            self.arms, self.band = current
 
     def _at(self, band: int):
         """Score this round's seconds in `band`; a band first met starts from the current one's scores, each at
@@ -786,6 +789,7 @@ class KController:
             return
         if band not in self.tables:
             self.tables[band] = {k: [1.0, w[1] / w[0], w[2] / w[0]] for k, w in self.arms.items()}
+            self.carried[band] = {k: w[1] for k, w in self.tables[band].items()}
             if self.band is not None:  # the scores carried over are another band's prices: measure this one's
                 self.gap, self.next_probe = self.probe_every, len(self.choices)
         self.band, self.arms = band, self.tables[band]
@@ -799,6 +803,20 @@ class KController:
     def _mean(self, k: int, i: int) -> float:
         w = self.arms[k]
         return w[i] / w[0]
+
+    def _price(self, k: int) -> float:
+        """A round's seconds at K = k in this band: as timed here, or, for a K carried in from another band and
+        not run here yet, its carried price scaled as this band's most-run timed K moved from its own carried
+        price. Fewer rows make every round cheaper: a plain step priced at a fuller band's cost, while speculation
+        alone was re-timed, made drafts look cheaper than they were."""
+        carried, timed = self.carried.get(self.band, {}), self.timed.get(self.band, set())
+        if k in timed or k not in carried:
+            return self._mean(k, 1)
+        ref = [j for j in timed if carried.get(j, 0.0) > 0]
+        if not ref:
+            return self._mean(k, 1)
+        j = max(ref, key=lambda j: self.arms[j][0])
+        return carried[k] * self._mean(j, 1) / carried[j]
 
     def _tokens(self, k: int, alpha_hat: float) -> float:
         """A round's tokens per row at K = k: 1 + the pooled chance of accepting each position up to k, + the
@@ -815,7 +833,7 @@ class KController:
     def _cost_line(self) -> tuple[float, float, float]:
         """The least-squares line of a round's seconds against K over plain and the measured K ->
         (mean K, mean seconds, slope >= 0)."""
-        pts = [(j, self._mean(j, 1)) for j in self.arms]
+        pts = [(j, self._price(j)) for j in self.arms]
         kbar = sum(j for j, _ in pts) / len(pts)
         tbar = sum(t for _, t in pts) / len(pts)
         var = sum((j - kbar) ** 2 for j, _ in pts)
@@ -823,9 +841,9 @@ class KController:
         return kbar, tbar, slope
 
     def _seconds(self, k: int, line: tuple[float, float, float]) -> float:
-        floor = self._mean(0, 1) if k and 0 in self.arms else 0.0  # a round with drafts does a plain step's work too
+        floor = self._price(0) if k and 0 in self.arms else 0.0  # a round with drafts does a plain step's work too
         if k in self.arms:
-            return max(self._mean(k, 1), floor)  # measured cheaper than plain is noise: a useless draft never wins
+            return max(self._price(k), floor)  # measured cheaper than plain is noise: a useless draft never wins
         kbar, tbar, slope = line
         return max(tbar + slope * (k - kbar), floor)
 
@@ -848,6 +866,7 @@ class KController:
         if self.call_rounds == 1:  # the first round after prefill runs slow: left out of the timings
             return
         w = self.arms.setdefault(k, [0.0, 0.0, 0.0])
+        self.timed.setdefault(self.band, set()).add(k)
         beyond = sum(max(a - k, 0) for a in accepted) / rows
         for i, x in enumerate((1.0, seconds, beyond)):
             w[i] = self.DECAY * w[i] + x

@@ -410,6 +410,24 @@ def test_controller_scores_seconds_per_band_of_computed_rows():
         assert sum(k > 0 for k in few) >= 25, few
     assert ctl.settled() == 0  # the whole batch's band: what the report recommends for 32 rows
 
+def test_a_band_met_later_prices_a_k_not_run_there_as_its_timed_k_moved():
+    """Speculation loses at 16 rows and at 12 alike (a drafted token costs 60% of a step). Off at 16 rows,
+    the controller meets 12 rows (finished rows leave) and probes K = 1 there: priced against the plain step's
+    16-row cost it carried in, the cheaper 12-row round looked like a win and speculation stayed on; priced
+    against that cost scaled as K = 1's moved, it stays off but for its probes."""
+    def round_s(k, rows):
+        return (0.004 + 0.002 * rows) * (1 + 0.6 * k)
+
+    ctl = KController(probe_every=8)
+    for r in range(120):
+        rows = 16 if r < 40 else 12
+        k = ctl.choose(0.5, 0.1, measured=ctl.spec_rounds > 0, rows=rows)
+        ctl.observe(k, round_s(k, rows), _geo_rows(0.5, k, rows))
+    few = ctl.choices[40:]
+    assert sum(k > 0 for k in few) <= 8, few
+    assert ctl._price(0) == pytest.approx(round_s(0, 12), rel=1e-6)  # plain then ran at 12 rows and was timed
+
+
 def test_controller_turns_off_when_speculation_loses_and_probes_back():
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=4)
     ks = _run(ctl, 5 + 40, plain_s=0.010, spec_s=0.100, alpha=0.8, c=0.1)  # 10x slower rounds: a loss
