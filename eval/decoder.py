@@ -688,7 +688,8 @@ class KController:
     verify that grows with the batch (the forward stops being bandwidth-bound) prices long drafts out,
     and K = 0 wins where no K pays. Seconds are kept per band of the rows the target computes (finished rows
     leave the forward, so a call's later rounds cost less at every K): a band first met starts from the last
-    band's scores at the weight of one round. Every `probe_every`
+    band's scores at the weight of one round, and a K not run there yet is priced as the band's timed K moved
+    (_price). Every `probe_every`
     rounds the best K's neighbour runs once, to keep the scores fresh; while off, the best K runs once
     as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). Turning
     speculation back on re-prefills the proposer (a resync): it is switched on only when the time the

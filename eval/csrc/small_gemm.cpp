@@ -420,8 +420,8 @@ static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bia
 // keep both FMA pipes busy across the two dependent FMAs a line gives each; measured against 3, 4 and 6
 // rows a pass and against split even/odd accumulators (docs/reference/kernels.md). NB = 4 at one row, 2 for
 // a later pass of 2-3 rows. From 2 rows the passes share out the next span's prefetch, each a contiguous
-// share, so the stream overlaps all the passes' FMAs, not the first's alone: 7 / 8 / 12 rows 1.16-1.21x
-// (docs/reference/kernels.md, "Sharing the prefetch among the passes").
+// share, so the stream overlaps all the passes' FMAs, not the first's alone: the matmuls at 7 / 12 rows
+// 1.17x / 1.14x (docs/reference/kernels.md, "Sharing the prefetch among the passes").
 template <class W>
 static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const float* bias, int64_t Nb,
                       uint16_t* y, int64_t N, const float* scale) {
@@ -528,6 +528,8 @@ static void gemm_panel(const float* xf, int64_t M, int64_t K, const uint16_t* p,
     for (int64_t b = b0; b < b1; b++) {
       widen_panel(p + b * Kp * 32, Kp, panel.data());
       const float* bb = bias ? bias + b * 16 : nullptr;
+      // ceil(M / 6) tiles of near-equal height, 4 to 6 rows from 8 rows on: a lone tile of one or two rows
+      // would leave the FMA pipes waiting on its few accumulators.
       const int64_t tiles = (M + 5) / 6;
       for (int64_t k0 = 0; k0 < K; k0 += PANEL_KC) {
         const int64_t k1 = k0 + PANEL_KC < K ? k0 + PANEL_KC : K;
