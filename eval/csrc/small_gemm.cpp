@@ -415,6 +415,14 @@ static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bia
   }
 }
 
+// R rows over blocks [b, e): two blocks at a time up to `pair`, then one at a time.
+template <int R, class W>
+static void run_pass(const float* xm, int64_t K, const W* p, const float* bias, int64_t b, int64_t pair, int64_t e,
+                     uint16_t* ym, int64_t N, const float* scale, Ahead<W>* a) {
+  run_blocks2<R, 2, W>(xm, K, p, bias, b, pair, ym, N, scale, a);
+  run_blocks2<R, 1, W>(xm, K, p, bias, pair, e, ym, N, scale, a);
+}
+
 // Rows at most 5 at a time over a span of SPAN blocks: the first pass streams the span's weights from
 // memory, later passes (more rows) find them in cache, so any row count streams W once. 10 accumulators
 // keep both FMA pipes busy across the two dependent FMAs a line gives each; measured against 3, 4 and 6
@@ -438,21 +446,14 @@ static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const f
         // None for one row (bound by the stream alone) or a thread's last span.
         Ahead<W> ahead{p + (e * Kp + t * share) * 32, passes};
         Ahead<W>* a = M >= PREFETCH_MIN_ROWS && e < b1 ? &ahead : nullptr;
+        const int64_t two = m ? pair : b;  // a first pass of 2-3 rows, from memory, one block at a time
         switch (M - m < ROWS ? M - m : ROWS) {
           case 1:
             run_blocks2<1, 4, W>(xm, K, p, bias, b, full, ym, N, scale, a);
             run_blocks2<1, 1, W>(xm, K, p, bias, full, e, ym, N, scale, a);
             break;
-          case 2:
-            if (m == 0) { run_blocks2<2, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break; }
-            run_blocks2<2, 2, W>(xm, K, p, bias, b, pair, ym, N, scale, a);
-            run_blocks2<2, 1, W>(xm, K, p, bias, pair, e, ym, N, scale, a);
-            break;
-          case 3:
-            if (m == 0) { run_blocks2<3, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break; }
-            run_blocks2<3, 2, W>(xm, K, p, bias, b, pair, ym, N, scale, a);
-            run_blocks2<3, 1, W>(xm, K, p, bias, pair, e, ym, N, scale, a);
-            break;
+          case 2: run_pass<2, W>(xm, K, p, bias, b, two, e, ym, N, scale, a); break;
+          case 3: run_pass<3, W>(xm, K, p, bias, b, two, e, ym, N, scale, a); break;
           case 4: run_blocks2<4, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break;
           default: run_blocks2<5, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break;
         }
