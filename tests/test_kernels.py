@@ -99,7 +99,7 @@ def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias, k, ext)
     assert (got == ref.to(torch.bfloat16)).float().mean() > 0.97
 
 
-@pytest.mark.parametrize("rows", [7, 8, 9, 12, 16, 17, 19, 40])  # AVX2: 7-16 row passes (a 2-3 row pass after 5), 17-40 its panel kernel (19: a 4-row tile)
+@pytest.mark.parametrize("rows", [5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 19, 40])  # AVX2: 5, 6 one pass (6: each line even k then odd); 7, 13 passes of 5 (5+2, 5+5+3); 8, 9, 16 a 2-4 row pass after 6; 17-40 its panel kernel (19: a 4-row tile)
 @pytest.mark.parametrize("n_out", [192, 168])  # 168: a span of 3 blocks, the last one partial
 def test_a_row_rounds_the_same_whatever_the_other_rows(rows, n_out, ext, kernel_path):
     if kernel_path.kernel_rows is not None and rows > kernel_path.kernel_rows:

@@ -366,8 +366,37 @@ struct Ahead {
   }
 };
 
+// One bf16 line (16 outputs x (k, k+1)) into block j's accumulators of R rows: every row's k, then every
+// row's k + 1, each output's sum in run_blocks2's order. The line is read again for the odd half (from L1):
+// the compiler barrier keeps it from holding the first read in two more registers.
+template <int R, int NB>
+static inline void step_split(const uint16_t* line, const float* xf, int64_t K, int64_t kp, __m256 (&acc)[R][NB][2],
+                              int j) {
+  __m256 w[2];
+  for (int h = 0; h < 2; h++)
+    w[h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(line + 16 * h)), 16));
+#pragma GCC unroll 16
+  for (int m = 0; m < R; m++) {
+    const __m256 xe = _mm256_broadcast_ss(xf + m * K + 2 * kp);
+    for (int h = 0; h < 2; h++) acc[m][j][h] = _mm256_fmadd_ps(w[h], xe, acc[m][j][h]);
+  }
+  asm volatile("" ::: "memory");
+  const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+  for (int h = 0; h < 2; h++)
+    w[h] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(line + 16 * h)), hi));
+#pragma GCC unroll 16
+  for (int m = 0; m < R; m++) {
+    const __m256 xo = _mm256_broadcast_ss(xf + m * K + 2 * kp + 1);
+    for (int h = 0; h < 2; h++) acc[m][j][h] = _mm256_fmadd_ps(w[h], xo, acc[m][j][h]);
+  }
+}
+
 // Blocks [b0, b1) of 16 outputs, NB at a time, for the R rows of xf (fp32 [R, K], row stride K): 2*R*NB
 // accumulators, the weights widened once per line for all R rows. W and `scale` as in the AVX-512 path.
+// At SPLIT_ROWS rows a bf16 line is widened in two steps, its even k for every row and then its odd k,
+// so it holds 2 weight registers instead of 4 and six rows' 12 accumulators fit the 16 ymm registers
+// (docs/reference/kernels.md, "Six rows a pass").
+constexpr int SPLIT_ROWS = 6;
 template <int R, int NB, class W>
 static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bias, int64_t b0, int64_t b1,
                         uint16_t* y, int64_t N, const float* scale, Ahead<W>* ahead = nullptr) {
@@ -390,6 +419,10 @@ static void run_blocks2(const float* xf, int64_t K, const W* p, const float* bia
         const W* line = p + ((b + j) * Kp + kp) * LINE;
         if constexpr (!I8) _mm_prefetch((const char*)(line + PREFETCH_LINES * LINE), _MM_HINT_T0);
         if (ahead) ahead->step();
+        if constexpr (!I8 && R >= SPLIT_ROWS) {
+          step_split<R, NB>(line, xf, K, kp, acc, j);
+          continue;
+        }
         __m256 we[2], wo[2];
         widen(line, we, wo);
 #pragma GCC unroll 16
@@ -423,31 +456,35 @@ static void run_pass(const float* xm, int64_t K, const W* p, const float* bias, 
   run_blocks2<R, 1, W>(xm, K, p, bias, pair, e, ym, N, scale, a);
 }
 
-// Rows at most 5 at a time over a span of SPAN blocks: the first pass streams the span's weights from
-// memory, later passes (more rows) find them in cache, so any row count streams W once. 10 accumulators
-// keep both FMA pipes busy across the two dependent FMAs a line gives each; measured against 3, 4 and 6
-// rows a pass and against split even/odd accumulators (docs/reference/kernels.md). NB = 4 at one row, 2 for
-// a later pass of 2-3 rows. From 2 rows the passes share out the next span's prefetch, each a contiguous
-// share, so the stream overlaps all the passes' FMAs, not the first's alone: the matmuls at 7 / 12 rows
-// 1.17x / 1.14x (docs/reference/kernels.md, "Sharing the prefetch among the passes").
+// Rows at most 6 at a time (5 for int8 weights, and where 6 would leave a lone row in the last pass: a
+// one-row pass is bound by its FMAs' latency) over a span of SPAN blocks: the first pass streams the span's
+// weights from memory, later passes (more rows) find them in cache, so any row count streams W once. 12
+// accumulators (10 for int8) keep both FMA pipes busy across the two FMAs a line gives each; six rows a
+// pass against five: a verify of 6 / 12 rows 1.10x / 1.07x faster (docs/reference/kernels.md, "Six rows a
+// pass"). NB = 4 at one row, 2 for a later pass of 2-3 rows. From 2 rows the passes share out the next
+// span's prefetch, each a contiguous share, so the stream overlaps all the passes' FMAs, not the first's
+// alone (docs/reference/kernels.md, "Sharing the prefetch among the passes").
 template <class W>
 static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const float* bias, int64_t Nb,
                       uint16_t* y, int64_t N, const float* scale) {
-  constexpr int64_t SPAN = 4, ROWS = 5;
-  const int64_t passes = (M + ROWS - 1) / ROWS, Kp = K / 2;
+  constexpr int RMAX = std::is_same_v<W, int8_t> ? 5 : 6;  // int8 lines widen in one step: 4 weight registers
+  constexpr int64_t SPAN = 4;
+  const int64_t rows = M > RMAX && M % RMAX == 1 ? 5 : RMAX;  // a pass's rows: no lone row in the last pass
+  const int64_t passes = (M + rows - 1) / rows, Kp = K / 2;
   at::parallel_for(0, (Nb + SPAN - 1) / SPAN, 4, [&](int64_t s0, int64_t s1) {
     const int64_t b0 = s0 * SPAN, b1 = s1 * SPAN < Nb ? s1 * SPAN : Nb;
     for (int64_t b = b0; b < b1; b += SPAN) {
       const int64_t e = b + SPAN < b1 ? b + SPAN : b1, full = b + (e - b) / 4 * 4, pair = b + (e - b) / 2 * 2;
       const int64_t share = ((e - b) * Kp + passes - 1) / passes;  // lines of the next span each pass prefetches
-      for (int64_t m = 0, t = 0; m < M; m += ROWS, t++) {
+      for (int64_t m = 0, t = 0; m < M; m += rows, t++) {
+        const int64_t h = M - m < rows ? M - m : rows;
         const float* xm = xf + m * K;
         uint16_t* ym = y + m * N;
         // None for one row (bound by the stream alone) or a thread's last span.
         Ahead<W> ahead{p + (e * Kp + t * share) * 32, passes};
         Ahead<W>* a = M >= PREFETCH_MIN_ROWS && e < b1 ? &ahead : nullptr;
         const int64_t two = m ? pair : b;  // a first pass of 2-3 rows, from memory, one block at a time
-        switch (M - m < ROWS ? M - m : ROWS) {
+        switch (h) {
           case 1:
             run_blocks2<1, 4, W>(xm, K, p, bias, b, full, ym, N, scale, a);
             run_blocks2<1, 1, W>(xm, K, p, bias, full, e, ym, N, scale, a);
@@ -455,7 +492,8 @@ static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const f
           case 2: run_pass<2, W>(xm, K, p, bias, b, two, e, ym, N, scale, a); break;
           case 3: run_pass<3, W>(xm, K, p, bias, b, two, e, ym, N, scale, a); break;
           case 4: run_blocks2<4, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break;
-          default: run_blocks2<5, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break;
+          case 5: run_blocks2<5, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break;
+          default: run_blocks2<RMAX, 1, W>(xm, K, p, bias, b, e, ym, N, scale, a); break;
         }
       }
     }
