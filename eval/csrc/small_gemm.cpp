@@ -460,7 +460,7 @@ static void run_pass(const float* xm, int64_t K, const W* p, const float* bias, 
 // one-row pass is bound by its FMAs' latency) over a span of SPAN blocks: the first pass streams the span's
 // weights from memory, later passes (more rows) find them in cache, so any row count streams W once. 12
 // accumulators (10 for int8) keep both FMA pipes busy across the two FMAs a line gives each; six rows a
-// pass against five: a verify of 6 / 12 rows 1.10x / 1.07x faster (docs/reference/kernels.md, "Six rows a
+// pass against five: a verify of 6 / 12 rows 1.08-1.10x / 1.08x faster (docs/reference/kernels.md, "Six rows a
 // pass"). NB = 4 at one row, 2 for a later pass of 2-3 rows. From 2 rows the passes share out the next
 // span's prefetch, each a contiguous share, so the stream overlaps all the passes' FMAs, not the first's
 // alone (docs/reference/kernels.md, "Sharing the prefetch among the passes").
