@@ -456,14 +456,14 @@ static void run_pass(const float* xm, int64_t K, const W* p, const float* bias, 
   run_blocks2<R, 1, W>(xm, K, p, bias, pair, e, ym, N, scale, a);
 }
 
-// Rows at most 6 at a time (5 for int8 weights, and where 6 would leave a lone row in the last pass: a
-// one-row pass is bound by its FMAs' latency) over a span of SPAN blocks: the first pass streams the span's
-// weights from memory, later passes (more rows) find them in cache, so any row count streams W once. 12
-// accumulators (10 for int8) keep both FMA pipes busy across the two FMAs a line gives each; six rows a
-// pass against five: a verify of 6 / 12 rows 1.08-1.10x / 1.08x faster (docs/reference/kernels.md, "Six rows a
-// pass"). NB = 4 at one row, 2 for a later pass of 2-3 rows. From 2 rows the passes share out the next
-// span's prefetch, each a contiguous share, so the stream overlaps all the passes' FMAs, not the first's
-// alone (docs/reference/kernels.md, "Sharing the prefetch among the passes").
+// Rows at most 6 at a time over a span of SPAN blocks (5 for int8 weights, and where 6 would leave a lone
+// row in the last pass, which would widen every line for one row's FMAs: 0.95x at 7 rows). The first pass
+// streams the span's weights from memory, later passes (more rows) find them in cache, so any row count
+// streams W once. 12 accumulators (10 for int8) keep both FMA pipes busy across the two FMAs a line gives
+// each; six rows a pass against five: a verify of 6 / 12 rows 1.08-1.10x / 1.08x faster
+// (docs/reference/kernels.md, "Six rows a pass"). NB = 4 at one row, 2 for a later pass of 2-3 rows. From 2
+// rows the passes share out the next span's prefetch, each a contiguous share, so the stream overlaps all
+// the passes' FMAs, not the first's alone (docs/reference/kernels.md, "Sharing the prefetch among the passes").
 template <class W>
 static void gemm_rows(const float* xf, int64_t M, int64_t K, const W* p, const float* bias, int64_t Nb,
                       uint16_t* y, int64_t N, const float* scale) {
