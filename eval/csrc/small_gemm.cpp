@@ -336,12 +336,16 @@ static void run_rows(const int32_t* x, int64_t Kp, const W* p, const float* bias
 
 // One 64-byte line (bf16) or 32-byte line (int8) of a block: 16 outputs x (k, k+1) -> even/odd k, as two
 // 8-output halves. int8 values are exact in fp32.
+static inline __m256 even8(const uint16_t* p) {  // 8 outputs' weights at k: the low bf16 of each lane, shifted up
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)p), 16));
+}
+static inline __m256 odd8(const uint16_t* p) {  // ... at k + 1: the high bf16 of each lane, kept in place
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)p), _mm256_set1_epi32((int)0xffff0000u)));
+}
 static inline void widen(const uint16_t* p, __m256* e, __m256* o) {
-  const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
   for (int h = 0; h < 2; h++) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 16 * h));
-    e[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    o[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+    e[h] = even8(p + 16 * h);
+    o[h] = odd8(p + 16 * h);
   }
 }
 static inline void widen(const int8_t* p, __m256* e, __m256* o) {
@@ -373,17 +377,14 @@ template <int R, int NB>
 static inline void step_split(const uint16_t* line, const float* xf, int64_t K, int64_t kp, __m256 (&acc)[R][NB][2],
                               int j) {
   __m256 w[2];
-  for (int h = 0; h < 2; h++)
-    w[h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(line + 16 * h)), 16));
+  for (int h = 0; h < 2; h++) w[h] = even8(line + 16 * h);
 #pragma GCC unroll 16
   for (int m = 0; m < R; m++) {
     const __m256 xe = _mm256_broadcast_ss(xf + m * K + 2 * kp);
     for (int h = 0; h < 2; h++) acc[m][j][h] = _mm256_fmadd_ps(w[h], xe, acc[m][j][h]);
   }
   asm volatile("" ::: "memory");
-  const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-  for (int h = 0; h < 2; h++)
-    w[h] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(line + 16 * h)), hi));
+  for (int h = 0; h < 2; h++) w[h] = odd8(line + 16 * h);
 #pragma GCC unroll 16
   for (int m = 0; m < R; m++) {
     const __m256 xo = _mm256_broadcast_ss(xf + m * K + 2 * kp + 1);
