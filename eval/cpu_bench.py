@@ -8,7 +8,9 @@ Each path gets its own runner over the same bf16 target (the embedded one, or --
 packed afresh each turn; the table is ms per forward, the median over the turns, at position --pos with
 batch x tokens as given by --shapes.
 `--against` builds another version of the kernels' source for each path and measures it in the same turns
-as `PATH@STEM` (a kernel change's before and after, while the machine's speed drifts).
+as `PATH@STEM` (a kernel change's before and after, while the machine's speed drifts). `--fp32-cache` also
+measures each path's runner with a float32 K/V cache as `PATH+fp32-cache` (the layout a bf16 cache replaced
+where the attention kernel runs).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from .bench import turn_order
 
 
 def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, turns: int, reps: int = 3,
-            against: Path | None = None) -> dict:
+            against: Path | None = None, fp32_cache: bool = False) -> dict:
     """{path: {"BxT": [ms per forward, one per turn]}} with the paths taking turns shape by shape; with
-    `against`, also "PATH@STEM" for each path with kernels, its kernels built from that source."""
+    `against`, also "PATH@STEM" for each path with kernels, its kernels built from that source; with
+    `fp32_cache`, also "PATH+fp32-cache" for each path with kernels: the path's own runner (the same packed
+    weights, so only the cache differs) with its cache float32."""
     from .target import LeanLlama
 
     chosen = {name: cpu.decide({cpu.ENV_PATH: name}) for name in paths}
@@ -38,6 +42,12 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
         for name, p in list(chosen.items()):
             if p.kernels is not None:
                 chosen[f"{name}@{against.stem}"] = dataclasses.replace(p, kernels=kernels.build(name, against))
+    base = {name: name for name in chosen}  # whose runner each name times
+    if fp32_cache:
+        for name, p in list(chosen.items()):
+            if p.kernels is not None:
+                chosen[f"{name}+fp32-cache"] = p
+                base[f"{name}+fp32-cache"] = name
     real = cpu.cpu_path
     names = list(chosen)
     try:
@@ -50,11 +60,15 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
                 # Each turn packs every runner's weights afresh, in rotated order: with one copy each for all turns,
                 # where a copy lay moved a build ~4% against another build of the same source (kernels.md).
                 order = turn_order(names, turn)
-                runners, r = {}, None  # the last turn's copies go before the new ones are packed
+                runners, own, r = {}, {}, None  # the last turn's copies go before the new ones are packed
                 for name in order:
-                    cpu.cpu_path = lambda p=chosen[name]: p  # the runner packs its weights for this path when built
-                    runners[name] = LeanLlama(model)
-                for name, r in runners.items():
+                    if base[name] == name:
+                        cpu.cpu_path = lambda p=chosen[name]: p  # the runner packs its weights for this path when built
+                        runners[name] = LeanLlama(model)
+                        own[name] = runners[name].cache_dtype
+                for name in order:
+                    r = runners[base[name]]
+                    r.cache_dtype, r.K = torch.float32 if base[name] != name else own[name], None  # reset() allocates it
                     cpu.cpu_path = lambda p=chosen[name]: p
                     for B, T in shapes:
                         tk = toks[:, pos:pos + T].expand(B, -1).contiguous()  # [B, T]
@@ -79,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pos", type=int, default=200, help="cached positions before each forward")
     ap.add_argument("--turns", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fp32-cache", action="store_true",
+                    help="also measure each path with a float32 K/V cache, as PATH+fp32-cache")
     ap.add_argument("--against", default=None, type=Path,
                     help="another version of eval/csrc/small_gemm.cpp, measured beside this checkout's as PATH@STEM")
     args = ap.parse_args(argv)
@@ -93,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.target or convert_embedded(), dtype=torch.bfloat16).eval()
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    res = measure(model, paths, shapes, args.pos, args.turns, against=args.against)
+    res = measure(model, paths, shapes, args.pos, args.turns, against=args.against, fp32_cache=args.fp32_cache)
     p = cpu.cpu_path()
     med = {name: {k: statistics.median(v) for k, v in rows.items()} for name, rows in res.items()}
     print(f"{p.cpu}; flags: {' '.join(p.flags)}; torch capability {torch.backends.cpu.get_cpu_capability()}")
@@ -106,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "turns": args.turns, "torch": torch.__version__,
                                                "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                                                "against": str(args.against) if args.against else None,
+                                               "fp32_cache": args.fp32_cache,
                                                "median_ms": med, "ms": res}, indent=2))
     return 0
 

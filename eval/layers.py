@@ -54,7 +54,7 @@ class KVCache:
 
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """pos [B, T]; k, v [B, n_kv, T, hd] -> slots pos of each row (overwrites whatever was there),
-        converted to the cache's dtype (eval.target keeps a float32 cache on CPU)."""
+        converted to the cache's dtype (eval.target's CPU cache: bf16 under its attention kernel, else float32)."""
         # one row: consecutive positions, a slice copy beats indexing (not under torch.compile: int() breaks the graph).
         # Several rows: index_put_, not scatter_ (2.6x faster in float32 on CPU, 50x in bf16: docs/reference/verify-cost.md)
         if k.shape[0] == 1 and k.device.type == "cpu" and not torch.compiler.is_compiling():

@@ -87,10 +87,11 @@ class LeanLlama:
         # in another dtype than the layers it shares with the target.
         p = model.model.embed_tokens.weight
         self.dtype, self.device = p.dtype, p.device
-        # On CPU the K/V cache and the attention are float32: PyTorch's CPU attention kernel is several
-        # times slower in bf16 than in fp32 at decode shapes, a cost that grows with the context
-        # (docs/reference/kernels.md). The projections stay in the model's dtype; q/k/v are rounded to it
-        # exactly as before and only widened for the attention. CUDA keeps the model's dtype.
+        # On CPU the attention is float32: PyTorch's CPU attention kernel is several times slower in bf16
+        # than in fp32 at decode shapes, a cost that grows with the context (docs/reference/kernels.md). The
+        # projections stay in the model's dtype; q/k/v are rounded to it exactly as before and only widened
+        # for the attention. The cache is float32 too, except under this project's kernel (below). CUDA
+        # keeps the model's dtype.
         self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.caches: list[KVCache] = []  # per layer, slices of K and V (reset())
         self.K = self.V = None  # [L, B, nkv, S_max, hd]
@@ -126,8 +127,13 @@ class LeanLlama:
             # Partial rotary (Phi-3's partial_rotary_factor): RoPE on the first `rot_dim` dims of each head.
             self.rot_dim = model.model.rotary_emb(p[:1, None], torch.zeros(1, 1, dtype=torch.long,
                                                                            device=self.device))[0].shape[-1]
-        ext = small_gemm() if fuse and self.device.type == "cpu" and self.cache_dtype == torch.float32 else None
+        ext = small_gemm() if fuse and self.device.type == "cpu" else None
         self.attend = ext.attend if ext is not None and self.head_dim % 16 == 0 and self.head_dim <= 256 else None
+        # Where that kernel attends, a bf16 model's cache is kept in bf16: k and v are the bf16 projections'
+        # values, which the kernel widens exactly, so attention sees the numbers of a float32 cache while a step
+        # reads half the bytes (at batch 16 the cache is as large as the weights: docs/reference/kernels.md).
+        if self.attend is not None and self.dtype == torch.bfloat16:
+            self.cache_dtype = torch.bfloat16
         # Every forward of <= MAX_ROWS tokens rounds each row as a one-token step would (kernel matmuls
         # for every projection and the LM head, kernel attention): greedy speculative output then equals
         # plain output bit for bit in bf16 too, when a round verifies at most MAX_ROWS tokens.
@@ -285,10 +291,11 @@ class LeanLlama:
         B, _, T, _ = q.shape
         ck, cv = cache.write(slots, k, v)  # [B, nkv, S_max, hd], in cache_dtype
         if vis is not None:
-            a = self.attend(q.to(ck.dtype).contiguous(), ck, cv, vis, self.scale)  # [B, nh, T, hd]
-        else:
-            a = F.scaled_dot_product_attention(q.to(ck.dtype), ck[:, :, :s_len], cv[:, :, :s_len], attn_mask=mask,
-                                               scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
+            a = self.attend(q.float().contiguous(), ck, cv, vis, self.scale)  # [B, nh, T, hd], fp32
+        else:  # fp32 on CPU, whatever the cache holds (a bf16 cache widened: the same values)
+            adt = torch.float32 if self.device.type == "cpu" else ck.dtype
+            a = F.scaled_dot_product_attention(q.to(adt), ck[:, :, :s_len].to(adt), cv[:, :, :s_len].to(adt),
+                                               attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
         return a.to(dtype).transpose(1, 2).reshape(B, T, -1)
 
     def _head(self, feats, logit_idx, taps=None):

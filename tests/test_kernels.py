@@ -430,21 +430,23 @@ def test_greedy_argmax_on_the_decoders_logits_is_torchs_argmax():
 
 @pytest.mark.parametrize("nh,nkv,hd", [(9, 3, 64), (4, 4, 16), (8, 2, 128), (10, 2, 32)])
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 11), (2, 5), (1, 16)])
-def test_attend_qkv_equals_cache_write_then_attend_bit_for_bit(nh, nkv, hd, B, T, ext):
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
+def test_attend_qkv_equals_cache_write_then_attend_bit_for_bit(nh, nkv, hd, B, T, cache, ext):
     """attend_qkv (k/v written at slots, attention from the bf16 projections, bf16 out) against the ops
-    it replaces in the fused forward: cache writes, q widened, ext.attend, the output rounded and laid out."""
+    it replaces in the fused forward: cache writes, q widened, ext.attend over fp32 caches, the output
+    rounded and laid out. A bf16 cache (what LeanLlama keeps for a bf16 model) gives the same bits."""
     g = torch.Generator().manual_seed(nh * 31 + T)
     S_max, n0 = 48, 30
     C = (nh + 2 * nkv) * hd
     qkv = torch.randn(B, T, C, generator=g).bfloat16()
     qk = torch.randn(B, T, (nh + nkv) * hd, generator=g).bfloat16()  # stands for rope's output
-    kc = torch.randn(B, nkv, S_max, hd, generator=g)
-    vc = torch.randn(B, nkv, S_max, hd, generator=g)
+    kc = torch.randn(B, nkv, S_max, hd, generator=g).bfloat16().to(cache)  # earlier slots: bf16 values either way
+    vc = torch.randn(B, nkv, S_max, hd, generator=g).bfloat16().to(cache)
     slots = torch.stack([torch.randperm(S_max - n0, generator=g)[:T] + n0 for _ in range(B)])  # any slots past n0
     vis = torch.rand(B, T, n0 + 18, generator=g) > 0.4
     vis[:, :, 0] = True
     vis[0, 0] = False  # a row that sees nothing: zeros
-    k_want, v_want = kc.clone(), vc.clone()
+    k_want, v_want = kc.float(), vc.float()
     k = qk[..., nh * hd:].view(B, T, nkv, hd).transpose(1, 2)
     v = qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd).transpose(1, 2)
     idx = slots[:, None, :, None].expand(-1, nkv, -1, hd)
@@ -453,7 +455,9 @@ def test_attend_qkv_equals_cache_write_then_attend_bit_for_bit(nh, nkv, hd, B, T
     q = qk[..., :nh * hd].view(B, T, nh, hd).transpose(1, 2).float().contiguous()
     want = ext.attend(q, k_want, v_want, vis.contiguous(), 0.125).to(torch.bfloat16).transpose(1, 2).reshape(B, T, -1)
     got = ext.attend_qkv(qk, qkv, (nh + nkv) * hd, kc, vc, slots, vis.contiguous(), nh, 0.125)
-    assert torch.equal(kc, k_want) and torch.equal(vc, v_want)
+    assert kc.dtype == cache and torch.equal(kc.float(), k_want) and torch.equal(vc.float(), v_want)
+    if cache == torch.bfloat16:  # attend over the bf16 caches: the fp32 caches' numbers
+        assert torch.equal(ext.attend(q, kc, vc, vis.contiguous(), 0.125), ext.attend(q, k_want, v_want, vis.contiguous(), 0.125))
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
 
@@ -578,6 +582,31 @@ def test_cpu_bench_times_every_path_on_every_shape():
     assert set(res) == set(paths)
     assert all(len(res[p][k]) == 2 and min(res[p][k]) > 0 for p in paths for k in ("1x1", "2x3", "1x20"))
     assert cpu.cpu_path is before  # the process's own path is left as it was
+
+
+def test_cpu_bench_measures_a_float32_cache_beside_each_kernel_path(monkeypatch):
+    """--fp32-cache: each path with kernels also runs as PATH+fp32-cache, on the same runner (one packed copy
+    of the weights) with its cache float32, the path's own bf16 (the before and after of the bf16 cache in
+    docs/reference/kernels.md)."""
+    import eval.target
+    from eval.cpu_bench import measure
+
+    paths = [p for p in cpu.PATHS if cpu.runs(p) and cpu.decide({cpu.ENV_PATH: p}).kernels is not None][:1]
+    if not paths:
+        pytest.skip("no CPU path with kernels here")
+    caches, runners, real = {}, set(), eval.target.LeanLlama.reset
+
+    def recording(self, batch, max_len):
+        real(self, batch, max_len)
+        runners.add(id(self))
+        caches.setdefault(cpu.cpu_path().name + ("+fp32" if self.cache_dtype == torch.float32 else ""), set()).add(self.K.dtype)
+    monkeypatch.setattr(eval.target.LeanLlama, "reset", recording)
+    res = measure(_bf16_target(), paths, [(1, 1), (2, 3)], pos=8, turns=2, reps=1, fp32_cache=True)
+    p = paths[0]
+    assert set(res) == {p, f"{p}+fp32-cache"}
+    assert all(len(v) == 2 and min(v) > 0 for r in res.values() for v in r.values())
+    assert caches == {p: {torch.bfloat16}, f"{p}+fp32": {torch.float32}}
+    assert len(runners) <= 2  # one runner a turn serves both
 
 
 def test_cpu_bench_packs_each_turns_runners_afresh_in_rotated_order(monkeypatch):

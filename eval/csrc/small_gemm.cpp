@@ -794,14 +794,19 @@ torch::Tensor linear_i8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, t
 }
 
 
+// 16 cached key or value floats: the fp32 cache's as they are, the bf16 cache's widened (exactly: the cache
+// holds k and v as the bf16 projections rounded them, so both caches give attention the same numbers).
+static inline vf cload(const float* p) { return vload(p); }
+static inline vf cload(const uint16_t* p) { return bf16x16_load(p); }
+
 // The query heads r0 .. r0 + NR - 1 of one kv head at one query row (see `attend`). NC = hd / 16 as a
 // compile-time constant keeps q and the p.v accumulators in registers, and NR the real head count (no
 // padded fourth head's FMAs); NC = 0 is the generic path (hd from `nc`). Every variant runs the same
 // operations in the same order for a given head, so results do not depend on the variant. Against the
 // one generic loop (4 heads always, hd at run time), µs per layer at SmolLM2's shapes with 300 cached
 // slots: 17 -> 12 at one query row, 84 -> 44 at 9, 123 -> 77 at 16; bit-identical output.
-template <int NC, int NR>
-static void attend_heads(const float* const* qrow, float* const* orow, const float* kh, const float* vh,
+template <int NC, int NR, class C>
+static void attend_heads(const float* const* qrow, float* const* orow, const C* kh, const C* vh,
                          const int32_t* ix, int64_t n, int64_t nc_rt, int64_t hd, __m128 scv, float* const* sb) {
   const int64_t nc = NC ? NC : nc_rt;
   vf qv[4][NC ? NC : 16];
@@ -809,11 +814,11 @@ static void attend_heads(const float* const* qrow, float* const* orow, const flo
     for (int64_t c = 0; c < nc; c++) qv[r][c] = r < NR ? vload(qrow[r] + c * 16) : vzero();
   __m128 mx = _mm_set1_ps(-INFINITY);
   for (int64_t j = 0; j < n; j++) {  // scores: a dot product over hd per visible slot and head
-    const float* kr = kh + (int64_t)ix[j] * hd;
+    const C* kr = kh + (int64_t)ix[j] * hd;
     vf acc[4];
     for (int r = 0; r < 4; r++) acc[r] = vzero();
     for (int64_t c = 0; c < nc; c++) {
-      const vf kv = vload(kr + c * 16);
+      const vf kv = cload(kr + c * 16);
       for (int r = 0; r < NR; r++) acc[r] = vfma(qv[r][c], kv, acc[r]);
     }
     const __m128 s4 = _mm_mul_ps(sum4(acc[0], acc[1], acc[2], acc[3]), scv);
@@ -838,9 +843,9 @@ static void attend_heads(const float* const* qrow, float* const* orow, const flo
   vf acc[4][NC ? NC : 16];
   for (int r = 0; r < NR; r++) for (int64_t c = 0; c < nc; c++) acc[r][c] = vzero();
   for (int64_t j = 0; j < n; j++) {  // p . v, slot by slot in compact order
-    const float* vr = vh + (int64_t)ix[j] * hd;
+    const C* vr = vh + (int64_t)ix[j] * hd;
     for (int64_t c = 0; c < nc; c++) {
-      const vf vv = vload(vr + c * 16);
+      const vf vv = cload(vr + c * 16);
       for (int r = 0; r < NR; r++) acc[r][c] = vfma(vset(sb[r][j]), vv, acc[r][c]);
     }
   }
@@ -849,14 +854,14 @@ static void attend_heads(const float* const* qrow, float* const* orow, const flo
       vstore(orow[r] + c * 16, vmul(acc[r][c], vset(inv[r])));
 }
 
-template <int NC>
-static void attend_heads_nr(int64_t nr, const float* const* qrow, float* const* orow, const float* kh, const float* vh,
+template <int NC, class C>
+static void attend_heads_nr(int64_t nr, const float* const* qrow, float* const* orow, const C* kh, const C* vh,
                             const int32_t* ix, int64_t n, int64_t nc, int64_t hd, __m128 scv, float* const* sb) {
   switch (nr) {
-    case 1: attend_heads<NC, 1>(qrow, orow, kh, vh, ix, n, nc, hd, scv, sb); break;
-    case 2: attend_heads<NC, 2>(qrow, orow, kh, vh, ix, n, nc, hd, scv, sb); break;
-    case 3: attend_heads<NC, 3>(qrow, orow, kh, vh, ix, n, nc, hd, scv, sb); break;
-    default: attend_heads<NC, 4>(qrow, orow, kh, vh, ix, n, nc, hd, scv, sb); break;
+    case 1: attend_heads<NC, 1, C>(qrow, orow, kh, vh, ix, n, nc, hd, scv, sb); break;
+    case 2: attend_heads<NC, 2, C>(qrow, orow, kh, vh, ix, n, nc, hd, scv, sb); break;
+    case 3: attend_heads<NC, 3, C>(qrow, orow, kh, vh, ix, n, nc, hd, scv, sb); break;
+    default: attend_heads<NC, 4, C>(qrow, orow, kh, vh, ix, n, nc, hd, scv, sb); break;
   }
 }
 
@@ -878,39 +883,58 @@ static void visible_slots(const torch::Tensor& vis, std::vector<int32_t>& idx, s
 // qbuf, obuf, qrow, orow)` points the task's 4 query and output rows somewhere (qbuf, obuf: hd floats
 // per row, for a caller that widens q or narrows the output); `finish(bt, head0, nr, n, orow)` runs
 // after the heads (n visible slots; n == 0: nothing was computed, the rows must read zeros).
-template <class Rows, class Finish>
+template <class C, class Rows, class Finish>
 static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t S, int64_t Smax,
-                         const float* kp, const float* vcp, const std::vector<int32_t>& idx,
+                         const C* kp, const C* vcp, const std::vector<int32_t>& idx,
                          const std::vector<int64_t>& cnt, double scale, Rows rows, Finish finish) {
   const int64_t nc = hd / 16, group = nh / nkv;
   const __m128 scv = _mm_set1_ps((float)scale);
+  // A bf16 cache read by several query rows (a verify, a tree): each (row, kv head)'s first S slots are
+  // widened once into fp32 scratch that its T tasks (consecutive, so on one thread) read from cache, instead
+  // of each task widening every key and value again. The same values, so the same numbers.
+  constexpr bool widen_once = std::is_same_v<C, uint16_t>;
   at::parallel_for(0, B * nkv * T, 2, [&](int64_t i0, int64_t i1) {
     std::vector<float> sbuf(4 * (S + 16)), qbuf(4 * hd), obuf(4 * hd);
+    std::vector<float> kw(widen_once && T > 1 ? S * hd : 0), vw(kw.size());
+    int64_t widened = -1;  // the (row, kv head) whose slots kw/vw hold
     float* sb[4] = {sbuf.data(), sbuf.data() + (S + 16), sbuf.data() + 2 * (S + 16), sbuf.data() + 3 * (S + 16)};
     for (int64_t i = i0; i < i1; i++) {
       const int64_t t = i % T, g = (i / T) % nkv, b = i / (T * nkv);
       const int64_t bt = b * T + t, n = cnt[bt];
       const int32_t* ix = idx.data() + bt * S;
-      const float* kh = kp + (b * nkv + g) * Smax * hd;
-      const float* vh = vcp + (b * nkv + g) * Smax * hd;
-      for (int64_t r0 = 0; r0 < group; r0 += 4) {
-        const int64_t nr = group - r0 < 4 ? group - r0 : 4, head0 = g * group + r0;
-        const float* qrow[4];
-        float* orow[4];
-        rows(bt, head0, nr, qbuf.data(), obuf.data(), qrow, orow);
-        if (n > 0) {
-          if (nc == 4) attend_heads_nr<4>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
-          else if (nc == 8) attend_heads_nr<8>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
-          else attend_heads_nr<0>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
+      const C* kh = kp + (b * nkv + g) * Smax * hd;
+      const C* vh = vcp + (b * nkv + g) * Smax * hd;
+      if constexpr (widen_once) {
+        if (T > 1 && widened != b * nkv + g) {
+          for (int64_t e = 0; e < S * hd; e += 16) {
+            vstore(kw.data() + e, cload(kh + e));
+            vstore(vw.data() + e, cload(vh + e));
+          }
+          widened = b * nkv + g;
         }
-        finish(bt, head0, nr, n, orow);
       }
+      auto heads = [&](auto* kq, auto* vq) {
+        for (int64_t r0 = 0; r0 < group; r0 += 4) {
+          const int64_t nr = group - r0 < 4 ? group - r0 : 4, head0 = g * group + r0;
+          const float* qrow[4];
+          float* orow[4];
+          rows(bt, head0, nr, qbuf.data(), obuf.data(), qrow, orow);
+          if (n > 0) {
+            if (nc == 4) attend_heads_nr<4>(nr, qrow, orow, kq, vq, ix, n, nc, hd, scv, sb);
+            else if (nc == 8) attend_heads_nr<8>(nr, qrow, orow, kq, vq, ix, n, nc, hd, scv, sb);
+            else attend_heads_nr<0>(nr, qrow, orow, kq, vq, ix, n, nc, hd, scv, sb);
+          }
+          finish(bt, head0, nr, n, orow);
+        }
+      };
+      if (widen_once && T > 1) heads((const float*)kw.data(), (const float*)vw.data());
+      else heads(kh, vh);
     }
   });
 }
 
 // Attention of each query row over the cache slots it may see, in fp32:
-//   q [B, nh, T, hd], k/v cache [B, nkv, S_max, hd] (contiguous), vis [B, T, S] bool -> [B, nh, T, hd].
+//   q [B, nh, T, hd], k/v cache [B, nkv, S_max, hd] (contiguous, fp32 or bf16), vis [B, T, S] bool -> [B, nh, T, hd].
 // The visible slots of a row are gathered first, in slot order, and every sum (q.k over hd, the
 // softmax's sum, p.v) runs over that compact list in a fixed order. So a row's result depends only on
 // the keys/values it sees, in their order: a tree node over [committed slots + its ancestors' slots]
@@ -918,7 +942,8 @@ static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t 
 // PyTorch's SDPA (blocked over the kv length, masked or not) does not guarantee.
 torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor vis, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attend: q [B, nh, T, hd] fp32");
-  TORCH_CHECK(kc.scalar_type() == at::kFloat && kc.is_contiguous() && vc.is_contiguous(), "attend: fp32 caches");
+  TORCH_CHECK((kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16) && vc.scalar_type() == kc.scalar_type() &&
+              kc.is_contiguous() && vc.is_contiguous(), "attend: fp32 or bf16 caches, both alike");
   TORCH_CHECK(vis.scalar_type() == at::kBool && vis.is_contiguous() && vis.dim() == 3, "attend: vis [B, T, S] bool");
   const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), hd = q.size(3);
   const int64_t nkv = kc.size(1), Smax = kc.size(2), S = vis.size(2);
@@ -941,7 +966,11 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   auto finish = [&](int64_t, int64_t, int64_t nr, int64_t n, float* const* orow) {
     if (n == 0) for (int64_t r = 0; r < nr; r++) std::memset(orow[r], 0, hd * sizeof(float));
   };
-  attend_tasks(B, T, nh, nkv, hd, S, Smax, kc.data_ptr<float>(), vc.data_ptr<float>(), idx, cnt, scale, rows, finish);
+  if (kc.scalar_type() == at::kFloat)
+    attend_tasks(B, T, nh, nkv, hd, S, Smax, kc.data_ptr<float>(), vc.data_ptr<float>(), idx, cnt, scale, rows, finish);
+  else
+    attend_tasks(B, T, nh, nkv, hd, S, Smax, (const uint16_t*)kc.data_ptr<at::BFloat16>(),
+                 (const uint16_t*)vc.data_ptr<at::BFloat16>(), idx, cnt, scale, rows, finish);
   return out;
 }
 
@@ -955,9 +984,9 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
 
 // One layer's attention straight from the projections, for the fused forward (eval/target.py):
 //   qk [B, T, >= (nh + nkv) * hd] bf16 (q and k heads after RoPE), qkv [B, T, C] bf16 (v at columns
-//   v_off .. v_off + nkv * hd), the layer's fp32 caches kc/vc [B, nkv, S_max, hd], slots [B, T] int64,
+//   v_off .. v_off + nkv * hd), the layer's caches kc/vc [B, nkv, S_max, hd] (fp32 or bf16), slots [B, T] int64,
 //   vis [B, T, S] bool -> [B, T, nh * hd] bf16, the input of o_proj.
-// It writes k and v at `slots` (widened to fp32, exactly), then runs `attend`'s per-head loop with q
+// It writes k and v at `slots` (widened to fp32 exactly, or kept bf16), then runs `attend`'s per-head loop with q
 // widened from bf16 and the output rounded to bf16 (round to nearest even, as .to(bf16)): the same
 // numbers as cache.write + attend + the casts and transposes around them, which were ~12 ATen ops a
 // layer whose copies grew with the rows (docs/reference/kernels.md).
@@ -965,8 +994,9 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
                          torch::Tensor slots, torch::Tensor vis, int64_t nh, double scale) {
   TORCH_CHECK(qk.dim() == 3 && qk.scalar_type() == at::kBFloat16 && qk.is_contiguous() &&
               qkv.dim() == 3 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "attend_qkv: bf16 qk, qkv [B, T, C]");
-  TORCH_CHECK(kc.dim() == 4 && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
-              vc.is_contiguous() && kc.sizes() == vc.sizes(), "attend_qkv: fp32 caches [B, nkv, S_max, hd]");
+  TORCH_CHECK(kc.dim() == 4 && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16) &&
+              vc.scalar_type() == kc.scalar_type() && kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(),
+              "attend_qkv: fp32 or bf16 caches [B, nkv, S_max, hd], both alike");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && vis.scalar_type() == at::kBool &&
               vis.is_contiguous() && vis.dim() == 3, "attend_qkv: slots [B, T] int64, vis [B, T, S] bool");
   const int64_t B = qk.size(0), T = qk.size(1), nkv = kc.size(1), Smax = kc.size(2), hd = kc.size(3);
@@ -976,21 +1006,28 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
               hd % 16 == 0 && hd <= 256 && nh % nkv == 0, "attend_qkv: shapes");
   const uint16_t* qkp = (const uint16_t*)qk.data_ptr<at::BFloat16>();
   const uint16_t* qkvp = (const uint16_t*)qkv.data_ptr<at::BFloat16>();
-  float* kp = kc.data_ptr<float>();
-  float* vcp = vc.data_ptr<float>();
+  const bool f32 = kc.scalar_type() == at::kFloat;
+  float* kp = f32 ? kc.data_ptr<float>() : nullptr;
+  float* vcp = f32 ? vc.data_ptr<float>() : nullptr;
+  uint16_t* kp16 = f32 ? nullptr : (uint16_t*)kc.data_ptr<at::BFloat16>();
+  uint16_t* vp16 = f32 ? nullptr : (uint16_t*)vc.data_ptr<at::BFloat16>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; b++)  // the cache write: k after RoPE, v as projected
     for (int64_t t = 0; t < T; t++) {
       const int64_t slot = sp[b * T + t];
       TORCH_CHECK(slot >= 0 && slot < Smax, "attend_qkv: slot out of the cache");
       for (int64_t g = 0; g < nkv; g++) {
-        float* kd = kp + ((b * nkv + g) * Smax + slot) * hd;
-        float* vd = vcp + ((b * nkv + g) * Smax + slot) * hd;
+        const int64_t at = ((b * nkv + g) * Smax + slot) * hd;
         const uint16_t* ks = qkp + (b * T + t) * Cq + (nh + g) * hd;
         const uint16_t* vs = qkvp + (b * T + t) * C + v_off + g * hd;
+        if (!f32) {  // the bf16 values as they are
+          std::memcpy(kp16 + at, ks, hd * sizeof(uint16_t));
+          std::memcpy(vp16 + at, vs, hd * sizeof(uint16_t));
+          continue;
+        }
         for (int64_t c = 0; c < hd; c += 16) {
-          vstore(kd + c, bf16x16_load(ks + c));
-          vstore(vd + c, bf16x16_load(vs + c));
+          vstore(kp + at + c, bf16x16_load(ks + c));
+          vstore(vcp + at + c, bf16x16_load(vs + c));
         }
       }
     }
@@ -1014,7 +1051,10 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
       for (int64_t c = 0; c < hd; c += 16)
         bf16x16_store(o + r * hd + c, n == 0 ? vzero() : vload(orow[r] + c));
   };
-  attend_tasks(B, T, nh, nkv, hd, S, Smax, kp, vcp, idx, cnt, scale, rows, finish);
+  if (f32)
+    attend_tasks(B, T, nh, nkv, hd, S, Smax, (const float*)kp, (const float*)vcp, idx, cnt, scale, rows, finish);
+  else
+    attend_tasks(B, T, nh, nkv, hd, S, Smax, (const uint16_t*)kp16, (const uint16_t*)vp16, idx, cnt, scale, rows, finish);
   return out;
 }
 
@@ -1228,7 +1268,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor>
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear");
   m.def("linear", &linear, "y = x @ W^T (+ b), any M (row-invariant)");
-  m.def("attend", &attend, "fp32 attention of each row over its visible cache slots, row-invariant");
+  m.def("attend", &attend, "fp32 attention of each row over its visible cache slots (fp32 or bf16 caches), row-invariant");
   m.def("add_rmsnorm", &add_rmsnorm, "x += y (bf16, in place) then HF's RMSNorm of x", py::arg("x"), py::arg("y"),
         py::arg("w"), py::arg("eps"));
   m.def("silu_mul", &silu_mul, "bf16(silu(gate)) * up from the fused [gate | up]");
