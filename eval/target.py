@@ -131,7 +131,7 @@ class LeanLlama:
         self.attend = ext.attend if ext is not None and self.head_dim % 16 == 0 and self.head_dim <= 256 else None
         # Where that kernel attends, a bf16 model's cache is kept in bf16: k and v are the bf16 projections'
         # values, which the kernel widens exactly, so attention sees the numbers of a float32 cache while a step
-        # reads half the bytes (at batch 16 the cache is as large as the weights: docs/reference/kernels.md).
+        # reads half the bytes (at batch 16 a float32 cache streamed half the weights' bytes again: kernels.md).
         if self.attend is not None and self.dtype == torch.bfloat16:
             self.cache_dtype = torch.bfloat16
         # Every forward of <= MAX_ROWS tokens rounds each row as a one-token step would (kernel matmuls
