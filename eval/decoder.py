@@ -54,7 +54,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "bf16-cache-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "band-scaled-1"
+CONTROLLER_REV = "retimed-plain-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 # A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
 # the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
@@ -66,6 +66,9 @@ WARMUP_PLAIN = 3  # k="auto": plain steps first (the first one untimed), to meas
 K_WARMUP = 4  # k="auto": the K of the rounds that first measure alpha and c
 PROBE_EVERY = 16  # k="auto": a probe of another K every this many rounds (with speculation off, at first)
 PROBE_BACKOFF = 8  # k="auto" off: probes that keep losing stretch the wait up to this many PROBE_EVERY
+# k="auto" on, the best K expected under this many times plain's rate: its lower probe re-times a plain step, whose
+# price goes stale while speculation runs (these VMs' speed drifts by tens of percent within a minute: k-auto.md)
+RETIME_BELOW = 1.25
 STATIC_MIN_LEN = 256  # compile=True: the KV cache length (the step's attended length), a power of two >= this
 
 
@@ -690,13 +693,16 @@ class KController:
     leave the forward, so a call's later rounds cost less at every K): a band first met starts from the last
     band's scores at the weight of one round, and a K not run there yet is priced as the band's timed K moved
     (_price). Every `probe_every`
-    rounds the best K's neighbour runs once, to keep the scores fresh; while off, the best K runs once
+    rounds the best K's neighbour runs once, to keep the scores fresh (below RETIME_BELOW, the lower neighbour is
+    a plain step: a price timed minutes ago is another machine speed's, so a K's older rounds also weigh less with
+    every round since it was last timed, AGE); while off, the best K runs once
     as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). Turning
     speculation back on re-prefills the proposer (a resync): it is switched on only when the time the
     best K saves over the next `probe_every` rounds exceeds the resyncs' measured cost. One K for the whole batch: a
     round's verify pads every row to the longest draft, so a shorter K for some rows saves no work."""
 
     DECAY = 0.8  # weight of a K's older rounds in its scores, per newer round at that K
+    AGE = 0.9  # and per round at another K since that K was last timed (a re-timed price soon outweighs the stale one)
     POOL_DECAY = 0.95  # weight of older rounds in the pooled per-position acceptance, per newer speculative round
 
     def __init__(self, k_max: int = K_MAX_AUTO, warmup: int = WARMUP_PLAIN, k_warmup: int = K_WARMUP,
@@ -713,6 +719,7 @@ class KController:
         self.arms: dict[int, list[float]] = {}  # the current band's table
         self.carried: dict[int, dict[int, float]] = {}  # per band met later: each K's seconds when carried into it
         self.timed: dict[int, set[int]] = {}  # per band: the K whose rounds were timed there
+        self.stamp: dict[tuple[int, int], int] = {}  # per (band, K): `rounds` when that K was last timed there
         # per draft position j (index j - 1): decayed counts of rows that reached j in a round proposing it,
         # and of those that accepted it
         self.reached = [0.0] * k_max
@@ -760,7 +767,9 @@ class KController:
                 self.gap = self.probe_every
             self.next_probe = n + self.gap
             if (n - self.warmup) % self.probe_every == self.probe_every - 1:  # the best K's neighbour, once
-                K = min(K + 1, self.k_max) if ((n - self.warmup) // self.probe_every) % 2 else max(K - 1, 1)
+                near = self.expected_speedup is not None and self.expected_speedup < RETIME_BELOW
+                lower = 0 if near else max(K - 1, 1)
+                K = min(K + 1, self.k_max) if ((n - self.warmup) // self.probe_every) % 2 else lower
         return self._pick(K)
 
     def _best(self, alpha_hat: float) -> tuple[int, int, dict[int, float]]:
@@ -868,9 +877,11 @@ class KController:
             return
         w = self.arms.setdefault(k, [0.0, 0.0, 0.0])
         self.timed.setdefault(self.band, set()).add(k)
+        since = self.rounds - self.stamp.get((self.band, k), self.rounds - 1) - 1  # rounds at other K since
+        self.stamp[(self.band, k)] = self.rounds
         beyond = sum(max(a - k, 0) for a in accepted) / rows
         for i, x in enumerate((1.0, seconds, beyond)):
-            w[i] = self.DECAY * w[i] + x
+            w[i] = self.DECAY * self.AGE ** since * w[i] + x
 
     def _pool(self, k: int, accepted: list[int]):
         """Each position 1..k of this round: the rows that reached it (accepted every draft before it) and

@@ -428,6 +428,26 @@ def test_a_band_met_later_prices_a_k_not_run_there_as_its_timed_k_moved():
     assert ctl._price(0) == pytest.approx(round_s(0, 12), rel=1e-6)  # plain then ran at 12 rows and was timed
 
 
+def test_controller_retimes_plain_when_the_machine_speeds_up_while_it_speculates():
+    """A plain step's price goes stale while speculation runs. K = 1 pays at first (8 rows, 1.9 tokens a row in
+    1.8 plain steps); then the machine runs 1.25x faster and the text gets harder (1.6 tokens a row): K = 1 now
+    loses 10%, but against plain's old price it looked 1.18x and ran every remaining round (0.89x plain's rate).
+    Re-timing plain near break-even turns it off; with AGE at 1, the re-timed price moved too slowly (11% of the
+    rounds at K = 1, 0.98x)."""
+    ctl, rows = KController(), 8
+    made = spent = 0.0
+    for r in range(400):
+        speed, alpha = (1.0, 0.9) if r < 80 else (0.8, 0.6)
+        k = ctl.choose(alpha, 0.1, measured=ctl.spec_rounds > 0, rows=rows)
+        acc = _geo_rows(alpha, k, rows)
+        ctl.observe(k, speed * (0.032 + 0.026 * k), acc)
+        if r >= 120:
+            made, spent = made + sum(a + 1 for a in acc) / rows, spent + speed * (0.032 + 0.026 * k)
+    assert 1 in ctl.choices[40:80]  # on while it paid
+    assert sum(k > 0 for k in ctl.choices[120:]) <= 0.05 * 280, ctl.choices[120:]
+    assert made / spent >= 0.99 / (0.8 * 0.032)  # within 1% of plain decoding's rate
+
+
 def test_controller_turns_off_when_speculation_loses_and_probes_back():
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=4)
     ks = _run(ctl, 5 + 40, plain_s=0.010, spec_s=0.100, alpha=0.8, c=0.1)  # 10x slower rounds: a loss
