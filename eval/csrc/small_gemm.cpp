@@ -798,6 +798,20 @@ torch::Tensor linear_i8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, t
 // holds k and v as the bf16 projections rounded them, so both caches give attention the same numbers).
 static inline vf cload(const float* p) { return vload(p); }
 static inline vf cload(const uint16_t* p) { return bf16x16_load(p); }
+// hd bf16 values (a k or v head as projected) into a cache slot: widened to fp32 exactly, or as they are.
+static inline void cstore(float* dst, const uint16_t* src, int64_t hd) {
+  for (int64_t c = 0; c < hd; c += 16) vstore(dst + c, bf16x16_load(src + c));
+}
+static inline void cstore(uint16_t* dst, const uint16_t* src, int64_t hd) { std::memcpy(dst, src, hd * sizeof(uint16_t)); }
+
+// f(k, v) on a pair of caches' data as the kernel reads it: float*, or a bf16 cache's raw uint16_t*.
+template <class F>
+static void with_cache(torch::Tensor& kc, torch::Tensor& vc, F&& f) {
+  if (kc.scalar_type() == at::kFloat)
+    f(kc.data_ptr<float>(), vc.data_ptr<float>());
+  else
+    f((uint16_t*)kc.data_ptr<at::BFloat16>(), (uint16_t*)vc.data_ptr<at::BFloat16>());
+}
 
 // The query heads r0 .. r0 + NR - 1 of one kv head at one query row (see `attend`). NC = hd / 16 as a
 // compile-time constant keeps q and the p.v accumulators in registers, and NR the real head count (no
@@ -966,11 +980,9 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   auto finish = [&](int64_t, int64_t, int64_t nr, int64_t n, float* const* orow) {
     if (n == 0) for (int64_t r = 0; r < nr; r++) std::memset(orow[r], 0, hd * sizeof(float));
   };
-  if (kc.scalar_type() == at::kFloat)
-    attend_tasks(B, T, nh, nkv, hd, S, Smax, kc.data_ptr<float>(), vc.data_ptr<float>(), idx, cnt, scale, rows, finish);
-  else
-    attend_tasks(B, T, nh, nkv, hd, S, Smax, (const uint16_t*)kc.data_ptr<at::BFloat16>(),
-                 (const uint16_t*)vc.data_ptr<at::BFloat16>(), idx, cnt, scale, rows, finish);
+  with_cache(kc, vc, [&](auto* kp, auto* vp) {
+    attend_tasks(B, T, nh, nkv, hd, S, Smax, kp, vp, idx, cnt, scale, rows, finish);
+  });
   return out;
 }
 
@@ -1006,31 +1018,18 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
               hd % 16 == 0 && hd <= 256 && nh % nkv == 0, "attend_qkv: shapes");
   const uint16_t* qkp = (const uint16_t*)qk.data_ptr<at::BFloat16>();
   const uint16_t* qkvp = (const uint16_t*)qkv.data_ptr<at::BFloat16>();
-  const bool f32 = kc.scalar_type() == at::kFloat;
-  float* kp = f32 ? kc.data_ptr<float>() : nullptr;
-  float* vcp = f32 ? vc.data_ptr<float>() : nullptr;
-  uint16_t* kp16 = f32 ? nullptr : (uint16_t*)kc.data_ptr<at::BFloat16>();
-  uint16_t* vp16 = f32 ? nullptr : (uint16_t*)vc.data_ptr<at::BFloat16>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; b++)  // the cache write: k after RoPE, v as projected
-    for (int64_t t = 0; t < T; t++) {
-      const int64_t slot = sp[b * T + t];
-      TORCH_CHECK(slot >= 0 && slot < Smax, "attend_qkv: slot out of the cache");
-      for (int64_t g = 0; g < nkv; g++) {
-        const int64_t at = ((b * nkv + g) * Smax + slot) * hd;
-        const uint16_t* ks = qkp + (b * T + t) * Cq + (nh + g) * hd;
-        const uint16_t* vs = qkvp + (b * T + t) * C + v_off + g * hd;
-        if (!f32) {  // the bf16 values as they are
-          std::memcpy(kp16 + at, ks, hd * sizeof(uint16_t));
-          std::memcpy(vp16 + at, vs, hd * sizeof(uint16_t));
-          continue;
+  for (int64_t i = 0; i < B * T; i++)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < Smax, "attend_qkv: slot out of the cache");
+  with_cache(kc, vc, [&](auto* kp, auto* vp) {  // the cache write: k after RoPE, v as projected
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < nkv; g++) {
+          const int64_t at = ((b * nkv + g) * Smax + sp[b * T + t]) * hd;
+          cstore(kp + at, qkp + (b * T + t) * Cq + (nh + g) * hd, hd);
+          cstore(vp + at, qkvp + (b * T + t) * C + v_off + g * hd, hd);
         }
-        for (int64_t c = 0; c < hd; c += 16) {
-          vstore(kp + at + c, bf16x16_load(ks + c));
-          vstore(vcp + at + c, bf16x16_load(vs + c));
-        }
-      }
-    }
+  });
   auto out = torch::empty({B, T, nh * hd}, qk.options());
   std::vector<int32_t> idx;
   std::vector<int64_t> cnt;
@@ -1051,10 +1050,9 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
       for (int64_t c = 0; c < hd; c += 16)
         bf16x16_store(o + r * hd + c, n == 0 ? vzero() : vload(orow[r] + c));
   };
-  if (f32)
-    attend_tasks(B, T, nh, nkv, hd, S, Smax, (const float*)kp, (const float*)vcp, idx, cnt, scale, rows, finish);
-  else
-    attend_tasks(B, T, nh, nkv, hd, S, Smax, (const uint16_t*)kp16, (const uint16_t*)vp16, idx, cnt, scale, rows, finish);
+  with_cache(kc, vc, [&](auto* kp, auto* vp) {
+    attend_tasks(B, T, nh, nkv, hd, S, Smax, kp, vp, idx, cnt, scale, rows, finish);
+  });
   return out;
 }
 
