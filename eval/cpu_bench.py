@@ -68,7 +68,7 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
                         own[name] = runners[name].cache_dtype
                 for name in order:
                     r = runners[base[name]]
-                    r.cache_dtype, r.K = torch.float32 if base[name] != name else own[name], None  # reset() allocates it
+                    r.cache_dtype = torch.float32 if base[name] != name else own[name]  # reset() allocates it
                     cpu.cpu_path = lambda p=chosen[name]: p
                     for B, T in shapes:
                         tk = toks[:, pos:pos + T].expand(B, -1).contiguous()  # [B, T]

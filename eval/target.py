@@ -92,7 +92,6 @@ class LeanLlama:
         # projections stay in the model's dtype; q/k/v are rounded to it exactly as before and only widened
         # for the attention. The cache is float32 too, except under this project's kernel (below). CUDA
         # keeps the model's dtype.
-        self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.caches: list[KVCache] = []  # per layer, slices of K and V (reset())
         self.K = self.V = None  # [L, B, nkv, S_max, hd]
         # Fused projections (q|k|v and gate|up): one matmul instead of three/two per layer, which
@@ -132,8 +131,8 @@ class LeanLlama:
         # Where that kernel attends, a bf16 model's cache is kept in bf16: k and v are the bf16 projections'
         # values, which the kernel widens exactly, so attention sees the numbers of a float32 cache while a step
         # reads half the bytes (at batch 16 a float32 cache streamed half the weights' bytes again: kernels.md).
-        if self.attend is not None and self.dtype == torch.bfloat16:
-            self.cache_dtype = torch.bfloat16
+        kernel_bf16 = self.attend is not None and self.dtype == torch.bfloat16
+        self.cache_dtype = torch.bfloat16 if kernel_bf16 else torch.float32 if self.device.type == "cpu" else self.dtype
         # Every forward of <= MAX_ROWS tokens rounds each row as a one-token step would (kernel matmuls
         # for every projection and the LM head, kernel attention): greedy speculative output then equals
         # plain output bit for bit in bf16 too, when a round verifies at most MAX_ROWS tokens.
@@ -170,7 +169,7 @@ class LeanLlama:
         # One tensor per K and V for all layers ([L, B, nkv, S_max, hd]; each layer's cache is a slice),
         # so move() is two ops, not two per layer (a pair per layer cost a visible part of a tree round).
         K = self.K
-        if K is not None and K.shape[1] == batch and K.shape[3] >= max_len:
+        if K is not None and K.shape[1] == batch and K.shape[3] >= max_len and K.dtype == self.cache_dtype:
             return
         L = len(self.model.model.layers)
         self.K = torch.zeros(L, batch, self.n_kv, max_len, self.head_dim, dtype=self.cache_dtype, device=self.device)

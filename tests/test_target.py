@@ -115,6 +115,20 @@ def test_a_bf16_cache_gives_a_float32_caches_numbers():
     assert torch.equal(out["bf16"][1], out["fp32"][1]) and torch.equal(out["bf16"][2], out["fp32"][2])
 
 
+def test_reset_allocates_the_cache_again_when_its_dtype_changes():
+    """A runner whose cache dtype is switched (eval.cpu_bench's float32-cache turns share one runner's packed
+    weights) gets a cache of the new dtype from reset(), though the old one's shape would fit."""
+    r = LeanLlama(_tiny(torch.bfloat16))
+    r.reset(2, 64)
+    other = torch.float32 if r.cache_dtype == torch.bfloat16 else torch.bfloat16
+    r.cache_dtype = other
+    r.reset(2, 32)
+    assert r.K.dtype == r.V.dtype == other and all(c.k.dtype == c.v.dtype == other for c in r.caches)
+    kept = r.K
+    r.reset(2, 24)
+    assert r.K is kept  # same dtype, a shape that fits: the allocation is reused
+
+
 def test_fp32_forward_equals_hf():
     model = _tiny(torch.float32)
     runner = LeanLlama(model)
