@@ -694,8 +694,8 @@ class KController:
     band's scores at the weight of one round, and a K not run there yet is priced as the band's timed K moved
     (_price). Every `probe_every`
     rounds the best K's neighbour runs once, to keep the scores fresh (below RETIME_BELOW, the lower neighbour is
-    a plain step: a price timed minutes ago is another machine speed's, so a K's older rounds also weigh less with
-    every round since it was last timed, AGE); while off, the best K runs once
+    a plain step: a price timed many rounds ago may be another machine speed's, so a K's older rounds also weigh
+    less with every round since it was last timed, AGE); while off, the best K runs once
     as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). Turning
     speculation back on re-prefills the proposer (a resync): it is switched on only when the time the
     best K saves over the next `probe_every` rounds exceeds the resyncs' measured cost. One K for the whole batch: a
