@@ -222,7 +222,7 @@ class Runner:
                     fn(batch, self.args.max_new_tokens)
             else:
                 fn(plans[name][0], min(self.args.max_new_tokens, 16))
-        acc = {name: {"seqs": [], "stats": [], "elapsed": 0.0} for name in methods}
+        acc = {name: {"seqs": [], "stats": [], "elapsed": 0.0, "calls": []} for name in methods}
         names = list(methods)
         for turn in range(max(len(b) for b in plans.values())):
             for name in turn_order(names, turn):
@@ -233,7 +233,9 @@ class Runner:
                 t0 = time.perf_counter()
                 s, st = fn(plans[name][turn], self.args.max_new_tokens)
                 _sync(self.device)
-                acc[name]["elapsed"] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                acc[name]["elapsed"] += dt
+                acc[name]["calls"].append((sum(len(x) for x in s), dt))  # this turn's (tokens, seconds)
                 acc[name]["seqs"].extend(s)
                 if st:
                     st["_n"] = sum(len(x) for x in s)
@@ -243,7 +245,7 @@ class Runner:
             n_tok = sum(len(x) for x in a["seqs"])
             r = {"tokens_per_s": n_tok / a["elapsed"] if a["elapsed"] > 0 else None, "n_tokens": n_tok,
                  "time_s": a["elapsed"], "batch_size": methods[name][1]}
-            out[name] = {"result": r, "sequences": a["seqs"], "stats": a["stats"]}
+            out[name] = {"result": r, "sequences": a["seqs"], "stats": a["stats"], "calls": a["calls"]}
         return out
 
 
@@ -665,11 +667,25 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: Non
                     f"{pre}speedup": (sr["tokens_per_s"] / p["tokens_per_s"]) if p["tokens_per_s"] else None,
                     f"{pre}alpha": st.get("alpha"), f"{pre}tau": st.get("tau"), f"{pre}k": st.get("k"),
                     # k="auto": share of rounds run plain because speculation would not pay
-                    f"{pre}spec_off_fraction": st.get("spec_off_fraction")}
+                    f"{pre}spec_off_fraction": st.get("spec_off_fraction"),
+                    f"{pre}speedup_turns": turn_ratios(m[name]["calls"], m["plain"]["calls"])}
         res["rows"].append(row)
         res["markdown"] = _sweep_markdown(res["rows"], "controlled" in decs)
         saved(res)
     return res
+
+
+def turn_ratios(calls: list[tuple[int, float]], plain: list[tuple[int, float]]) -> list[float]:
+    """Each turn's tokens a second over plain decoding's in the same turn (the same batch): their spread is the
+    machine's drift between calls, against which a ratio near 1 is read (docs/reference/k-auto.md)."""
+    return [(n / t) / (pn / pt) for (n, t), (pn, pt) in zip(calls, plain) if t > 0 and pn > 0]
+
+
+def _spread(r: dict, key: str) -> str:
+    """A sweep cell: the speedup over all turns, with the range of the turns' own ratios."""
+    turns = r.get(f"{key}_turns") or []
+    around = f" ({min(turns):.2f}–{max(turns):.2f})" if len(turns) > 1 else ""
+    return f"{_fmt(r[key])}×{around}"
 
 
 def _sweep_markdown(rows: list[dict], controlled: bool) -> str:
@@ -681,10 +697,10 @@ def _sweep_markdown(rows: list[dict], controlled: bool) -> str:
     md = [head, rule]
     for r in rows:
         line = (f"| {r['batch_size']} | {_fmt(r['plain_tokens_per_s'], '.1f')} | "
-                f"{_fmt(r['speculative_tokens_per_s'], '.1f')} | {_fmt(r['speedup'])}× | {_fmt(r['tau'])} | "
+                f"{_fmt(r['speculative_tokens_per_s'], '.1f')} | {_spread(r, 'speedup')} | {_fmt(r['tau'])} | "
                 f"{_fmt(r['k'], '.1f')} | {_fmt(r['spec_off_fraction'])} |")
         if controlled:
-            line += (f" {_fmt(r['controlled_tokens_per_s'], '.1f')} | {_fmt(r['controlled_speedup'])}× | "
+            line += (f" {_fmt(r['controlled_tokens_per_s'], '.1f')} | {_spread(r, 'controlled_speedup')} | "
                      f"{_fmt(r['controlled_tau'])} | {_fmt(r['controlled_k'], '.1f')} | "
                      f"{_fmt(r['controlled_spec_off_fraction'])} |")
         md.append(line)

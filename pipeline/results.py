@@ -77,6 +77,12 @@ def _x(x) -> str:
     return "–" if x is None else f"{x:.2f}×"
 
 
+def _x_turns(r: dict, key: str) -> str:
+    """A batch sweep's speedup, with the range of its turns' own ratios where the result kept them."""
+    turns = r.get(f"{key}_turns") or []
+    return _x(r.get(key)) + (f" ({min(turns):.2f}–{max(turns):.2f})" if len(turns) > 1 else "")
+
+
 def _wall(s) -> str:
     if s is None:
         return "–"
@@ -198,8 +204,8 @@ def render_bench(rec: dict, machines: dict) -> str:
         out += _table(["batch", "plain tok/s", "fixed K tok/s", "fixed K speedup", "fixed K τ", "controller tok/s",
                        "controller speedup", "controller mean K", "controller rounds plain"],
                       [[str(r["batch_size"]), _num(r.get("plain_tokens_per_s"), ".1f"),
-                        _num(r.get("speculative_tokens_per_s"), ".1f"), _x(r.get("speedup")), _num(r.get("tau"), ".2f"),
-                        _num(r.get("controlled_tokens_per_s"), ".1f"), _x(r.get("controlled_speedup")),
+                        _num(r.get("speculative_tokens_per_s"), ".1f"), _x_turns(r, "speedup"), _num(r.get("tau"), ".2f"),
+                        _num(r.get("controlled_tokens_per_s"), ".1f"), _x_turns(r, "controlled_speedup"),
                         _num(r.get("controlled_k"), ".1f"), _num(r.get("controlled_spec_off_fraction"), ".2f")]
                        for r in f["batch_sweep"]])
     return "\n".join(out)
@@ -337,7 +343,7 @@ def run_record(run_dir: Path, machine: str, *, command=None, wall_s=None, commit
 # a batch sweep's row (`draftsmith bench --batch-sweep`): plain, the fixed K and the K controller in one run
 SWEEP_KEYS = ("batch_size", "plain_tokens_per_s", "speculative_tokens_per_s", "speedup", "tau", "k",
               "controlled_tokens_per_s", "controlled_speedup", "controlled_tau", "controlled_k",
-              "controlled_spec_off_fraction")
+              "controlled_spec_off_fraction", "speedup_turns", "controlled_speedup_turns")
 
 
 def bench_record(bench: dict, machine: str, *, command=None, commit=None, serving_rev=None, title=None,

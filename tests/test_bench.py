@@ -62,6 +62,13 @@ def test_ngram_writes_required_keys(tiny, tmp_path, capsys):
     # the K controller in the same turns, beside the fixed K
     assert all(r["controlled_tokens_per_s"] > 0 and 0 <= r["controlled_spec_off_fraction"] <= 1 for r in sweep["rows"])
     assert sweep["markdown"].startswith("| batch |") and "controller speedup" in sweep["markdown"]
+    # each turn's own ratio over plain's (the same batch): 3 turns, and the exact greedy outputs make the sweep's
+    # ratio their time-weighted mean, so it lies in their range, which the table shows
+    for r in sweep["rows"]:
+        for key in ("speedup", "controlled_speedup"):
+            turns = r[f"{key}_turns"]
+            assert len(turns) == 3 and min(turns) - 1e-9 <= r[key] <= max(turns) + 1e-9, (key, r)
+    assert f"× ({min(sweep['rows'][0]['speedup_turns']):.2f}–" in sweep["markdown"]
     assert res["complete"] is True
     out = capsys.readouterr().out
     assert "speculative" in out and "hf_prompt_lookup" in out and out.count("| batch |") == 1
