@@ -676,8 +676,9 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: Non
 
 
 def turn_ratios(calls: list[tuple[int, float]], plain: list[tuple[int, float]]) -> list[float]:
-    """Each turn's tokens a second over plain decoding's in the same turn (the same batch): their spread is the
-    machine's drift between calls, against which a ratio near 1 is read (docs/reference/k-auto.md)."""
+    """Each turn's tokens a second over plain decoding's in the same turn (the same batch). Their spread is what
+    one batch's text and the machine's drift between calls move a ratio by: a ratio near 1 is read against it
+    (docs/reference/k-auto.md)."""
     return [(n / t) / (pn / pt) for (n, t), (pn, pt) in zip(calls, plain) if t > 0 and pn > 0]
 
 

@@ -92,7 +92,7 @@ def test_bench_import_takes_every_row(tmp_path):
     rec = results.bench_record(bench, "box", commit="abc", serving_rev="r", date="2026-01-04")
     assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1] == \
         "| 16 | 300.0 | 250.0 | 0.83× | 2.20 | 303.0 | 1.01× | 1.0 | 0.90 |"
-    # with each turn's own ratio kept, the cell gives their range: drift between calls, to read a ratio near 1 against
+    # with each turn's own ratio kept, the cell gives their range (the batches' text and the drift between calls)
     bench["batch_sweep"]["rows"][0] |= {"speedup_turns": [0.8, 0.87, 0.83], "controlled_speedup_turns": [0.95, 1.08]}
     rec = results.bench_record(bench, "box", commit="abc", serving_rev="r", date="2026-01-04")
     assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1] == \
