@@ -668,7 +668,10 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: Non
                     f"{pre}alpha": st.get("alpha"), f"{pre}tau": st.get("tau"), f"{pre}k": st.get("k"),
                     # k="auto": share of rounds run plain because speculation would not pay
                     f"{pre}spec_off_fraction": st.get("spec_off_fraction"),
-                    f"{pre}speedup_turns": turn_ratios(m[name]["calls"], m["plain"]["calls"])}
+                    f"{pre}speedup_turns": turn_ratios(m[name]["calls"], m["plain"]["calls"]),
+                    # greedy: the same tokens as plain decoding at this batch size (bf16 holds it up to the kernels'
+                    # row-invariant sizes, eval/kernels.py); None when sampling
+                    f"{pre}same_tokens": None if R.args.temperature > 0 else m[name]["sequences"] == m["plain"]["sequences"]}
         res["rows"].append(row)
         res["markdown"] = _sweep_markdown(res["rows"], "controlled" in decs)
         saved(res)

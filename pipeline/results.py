@@ -343,7 +343,8 @@ def run_record(run_dir: Path, machine: str, *, command=None, wall_s=None, commit
 # a batch sweep's row (`draftsmith bench --batch-sweep`): plain, the fixed K and the K controller in one run
 SWEEP_KEYS = ("batch_size", "plain_tokens_per_s", "speculative_tokens_per_s", "speedup", "tau", "k",
               "controlled_tokens_per_s", "controlled_speedup", "controlled_tau", "controlled_k",
-              "controlled_spec_off_fraction", "speedup_turns", "controlled_speedup_turns")
+              "controlled_spec_off_fraction", "speedup_turns", "controlled_speedup_turns",
+              "same_tokens", "controlled_same_tokens")
 
 
 def bench_record(bench: dict, machine: str, *, command=None, commit=None, serving_rev=None, title=None,
