@@ -682,7 +682,7 @@ def turn_ratios(calls: list[tuple[int, float]], plain: list[tuple[int, float]]) 
     """Each turn's tokens a second over plain decoding's in the same turn (the same batch). Their spread is what
     one batch's text and the machine's drift between calls move a ratio by: a ratio near 1 is read against it
     (docs/reference/k-auto.md)."""
-    return [(n / t) / (pn / pt) for (n, t), (pn, pt) in zip(calls, plain) if t > 0 and pn > 0]
+    return [(n / t) / (pn / pt) for (n, t), (pn, pt) in zip(calls, plain) if t > 0 and pt > 0 and pn > 0]
 
 
 def _spread(r: dict, key: str) -> str:
