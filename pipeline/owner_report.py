@@ -385,6 +385,16 @@ def k_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: str) -
     return section("k-curve", body), best["k"]
 
 
+def turn_range(r: dict, key: str, src: str) -> str:
+    """ (lowest–highest) of a batch point's per-turn ratios over plain, where it kept them (pipeline/sweeps.py)."""
+    turns = r.get("speedup_turns") or []
+    if len(turns) < 2:
+        return ""
+    lo, hi = turns.index(min(turns)), turns.index(max(turns))
+    cell = lambda i: num(turns[i], ".2f", f"{key}speedup_turns.{i}", src)  # noqa: E731
+    return f" ({cell(lo)}–{cell(hi)})"
+
+
 def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: str) -> str:
     if not curves:
         return section("batch-curve", off)
@@ -398,9 +408,10 @@ def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: st
         claim += "; controller: " + ("exact" if c["exact"] else f"match rate {c['match_rate']:.4f}")
         out.append([str(r["batch_size"]), str(r["n_sequences"]),
                     num(r["plain_tokens_per_s"], ".1f", "plain_tokens_per_s", src),
-                    num(r["tokens_per_s"], ".1f", "tokens_per_s", src), num(r["speedup"], ".2f", "speedup", src, "×"),
+                    num(r["tokens_per_s"], ".1f", "tokens_per_s", src),
+                    num(r["speedup"], ".2f", "speedup", src, "×") + turn_range(r, "", src),
                     num(c["tokens_per_s"], ".1f", "controlled.tokens_per_s", src),
-                    num(c["speedup"], ".2f", "controlled.speedup", src, "×"),
+                    num(c["speedup"], ".2f", "controlled.speedup", src, "×") + turn_range(c, "controlled.", src),
                     num(c["k_chosen"], "d", "controlled.k_chosen", src),
                     num(c["spec_off_fraction"], ".2f", "controlled.spec_off_fraction", src),
                     num(r["match_rate"], ".4f", "match_rate", src), num(r["n_divergences"], "d", "n_divergences", src),
@@ -429,7 +440,10 @@ def batch_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: st
             f"(<code>k=\"auto\"</code>: each round's K from this machine's measured round times and the draft's "
             f"acceptance, 0 where speculation does not pay) in the decoder's ragged batches, greedy, taking turns "
             f"batch by batch (each at least <code>report.batch_turns</code> batches at every size, the prompts "
-            f"cycled to fill them: the sequences column), in {esc(dtype)}; the fixed-K outputs compared token by "
+            f"cycled to fill them: the sequences column), in {esc(dtype)}. Beside each speedup, in parentheses, the "
+            f"lowest and highest of its turns' own ratios over plain decoding's: what one batch's text and this "
+            f"machine's drift between calls move it by, so a speedup within a few percent of 1 is not a "
+            f"difference. The fixed-K outputs are compared token by "
             f"token with plain decoding's at the same batch size (match rate: tokens before each sequence's first "
             f"divergence over all; margin: the target's top-1 minus top-2 logit there). <b>Exactness is claimed "
             f"only at the batch sizes measured here</b>: the row-invariant kernels make batch 1 exact, not every "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eval import draft_dir
-from eval.bench import cycled_batches, turn_order
+from eval.bench import cycled_batches, turn_order, turn_ratios
 from eval.decoder import CONTROLLER_REV, SpeculativeDecoder
 from eval.exactness import compare_greedy, exactness_rule
 from eval.prompt_file import PromptFileError, read_prompt_rows
@@ -149,18 +149,22 @@ class Sweeps:
                     seqs[j].extend(res.sequences)
                     stats[j].append(res.stats)
             plain, spec, auto = (aggregate(s) for s in stats)
+            # each turn's own ratio over plain's: what one batch's text and the drift between calls move a ratio by
+            by_turn = [turn_ratios([(st["n_tokens"], st["wall_s"]) for st in stats[j]],
+                                 [(st["n_tokens"], st["wall_s"]) for st in stats[0]]) for j in (1, 2)]
             match = compare_greedy(self.target, prompts, seqs[0], seqs[1], tol=self.near_tie_tol)
             m_auto = compare_greedy(self.target, prompts, seqs[0], seqs[2], tol=self.near_tie_tol)
             choices = [k for s in stats[2] for k in s["k_choices"]]
             warm = stats[2][0]["k_warmup_choices"]  # a later call at this batch size starts warmed up
             return _row(spec, plain) | {
-                "batch_size": b, "n_sequences": len(prompts), "dtype": self.dtype,
+                "batch_size": b, "n_sequences": len(prompts), "dtype": self.dtype, "speedup_turns": by_turn[0],
                 "row_invariant": spec.get("row_invariant", False), "match_rate": match["match_rate"],
                 "exact": bool(match["exact"]), "n_divergences": len(match["divergences"]),
                 "max_divergence_margin": max((d["margin"] for d in match["divergences"]), default=None),
                 "all_near_ties": bool(match["all_near_ties"]), "divergences": match["divergences"],
                 "controlled": _row(auto, plain) | {
-                    "k_chosen": settled_k(choices, warm), "k_choices": choices, "k_warmup_choices": warm,
+                    "speedup_turns": by_turn[1], "k_chosen": settled_k(choices, warm), "k_choices": choices,
+                    "k_warmup_choices": warm,
                     "spec_off_fraction": choices.count(0) / len(choices) if choices else 0.0,
                     "match_rate": m_auto["match_rate"], "exact": bool(m_auto["exact"]),
                     "n_divergences": len(m_auto["divergences"])}}

@@ -192,6 +192,13 @@ def test_the_batch_curve_shows_the_controller_and_the_vllm_k_table(run, rendered
         assert c["exact"] is True and c["match_rate"] == 1.0 and c["k_chosen"] == settled_k(c["k_choices"], c["k_warmup_choices"])
         assert c["tokens_per_s"] > 0 and 0 <= c["spec_off_fraction"] <= 1
         points.append((b, c["k_chosen"]))
+        # each turn's own ratio over plain's, 3 turns; exact outputs make the speedup their time-weighted mean
+        r = json.loads((run / "report" / f"batch-{b}.json").read_text())
+        for point in (r, c):
+            assert len(point["speedup_turns"]) == 3
+            assert min(point["speedup_turns"]) - 1e-9 <= point["speedup"] <= max(point["speedup_turns"]) + 1e-9
+    ranges = {n.get("data-key") for n in page.numbers if "speedup_turns" in (n.get("data-key") or "")}
+    assert any(k.startswith("controlled.speedup_turns.") for k in ranges) and any(k.startswith("speedup_turns.") for k in ranges)
     want = json.dumps({"num_speculative_tokens": max(max(k for _, k in points), 1),
                        "num_speculative_tokens_per_batch_size": vllm_k_schedule(points)})
     assert want in page.text
