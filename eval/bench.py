@@ -222,7 +222,7 @@ class Runner:
                     fn(batch, self.args.max_new_tokens)
             else:
                 fn(plans[name][0], min(self.args.max_new_tokens, 16))
-        acc = {name: {"seqs": [], "stats": [], "elapsed": 0.0, "calls": []} for name in methods}
+        acc = {name: {"seqs": [], "stats": [], "calls": []} for name in methods}
         names = list(methods)
         for turn in range(max(len(b) for b in plans.values())):
             for name in turn_order(names, turn):
@@ -233,18 +233,17 @@ class Runner:
                 t0 = time.perf_counter()
                 s, st = fn(plans[name][turn], self.args.max_new_tokens)
                 _sync(self.device)
-                dt = time.perf_counter() - t0
-                acc[name]["elapsed"] += dt
-                acc[name]["calls"].append((sum(len(x) for x in s), dt))  # this turn's (tokens, seconds)
+                n = sum(len(x) for x in s)
+                acc[name]["calls"].append((n, time.perf_counter() - t0))  # this turn's (tokens, seconds)
                 acc[name]["seqs"].extend(s)
                 if st:
-                    st["_n"] = sum(len(x) for x in s)
+                    st["_n"] = n
                     acc[name]["stats"].append(st)
         out = {}
         for name, a in acc.items():
-            n_tok = sum(len(x) for x in a["seqs"])
-            r = {"tokens_per_s": n_tok / a["elapsed"] if a["elapsed"] > 0 else None, "n_tokens": n_tok,
-                 "time_s": a["elapsed"], "batch_size": methods[name][1]}
+            n_tok, elapsed = sum(n for n, _ in a["calls"]), sum(t for _, t in a["calls"])
+            r = {"tokens_per_s": n_tok / elapsed if elapsed > 0 else None, "n_tokens": n_tok,
+                 "time_s": elapsed, "batch_size": methods[name][1]}
             out[name] = {"result": r, "sequences": a["seqs"], "stats": a["stats"], "calls": a["calls"]}
         return out
 
