@@ -54,7 +54,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "bf16-cache-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "retimed-plain-1"
+CONTROLLER_REV = "retime-share-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 # A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
 # the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
@@ -69,6 +69,8 @@ PROBE_BACKOFF = 8  # k="auto" off: probes that keep losing stretch the wait up t
 # k="auto" on, the best K expected under this many times plain's rate: its lower probe re-times a plain step, whose
 # price goes stale while speculation runs (these VMs' speed drifts by tens of percent within a minute: k-auto.md)
 RETIME_BELOW = 1.25
+# ... where the resync that plain step causes costs at most this share of what the best K saves until the next one
+RETIME_SHARE = 0.1
 STATIC_MIN_LEN = 256  # compile=True: the KV cache length (the step's attended length), a power of two >= this
 
 
@@ -692,17 +694,17 @@ class KController:
     and K = 0 wins where no K pays. Seconds are kept per band of the rows the target computes (finished rows
     leave the forward, so a call's later rounds cost less at every K): a band first met starts from the last
     band's scores at the weight of one round, and a K not run there yet is priced as the band's timed K moved
-    (_price). Every `probe_every`
-    rounds the best K's neighbour runs once, to keep the scores fresh (below RETIME_BELOW, the lower neighbour is
-    a plain step: a price timed many rounds ago may be another machine speed's, so a K's older rounds also weigh
-    less with every round since it was last timed, AGE); while off, the best K runs once
-    as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). Turning
+    (_price). Every `probe_every` rounds the best K's neighbour runs once, to keep the scores fresh (below
+    RETIME_BELOW, the lower neighbour is a plain step where the resync it causes costs at most RETIME_SHARE of
+    what the best K saves until the next one: a price timed many rounds ago may be another machine speed's, so
+    a K's older rounds also weigh less with every round since it was last timed, AGE); while off, the best K
+    runs once as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). Turning
     speculation back on re-prefills the proposer (a resync): it is switched on only when the time the
-    best K saves over the next `probe_every` rounds exceeds the resyncs' measured cost. One K for the whole batch: a
+    best K saves until the next probe exceeds the resyncs' measured cost. One K for the whole batch: a
     round's verify pads every row to the longest draft, so a shorter K for some rows saves no work."""
 
     DECAY = 0.8  # weight of a K's older rounds in its scores, per newer round at that K
-    AGE = 0.9  # and per round at another K since that K was last timed (a re-timed price soon outweighs the stale one)
+    AGE = 0.9  # and per round since that K was last timed (a re-timed price soon outweighs the stale one)
     POOL_DECAY = 0.95  # weight of older rounds in the pooled per-position acceptance, per newer speculative round
 
     def __init__(self, k_max: int = K_MAX_AUTO, warmup: int = WARMUP_PLAIN, k_warmup: int = K_WARMUP,
@@ -727,6 +729,7 @@ class KController:
         self.gap = probe_every  # rounds from one probe to the next while off (doubles while probes lose)
         self.next_probe = warmup + probe_every  # the choice index of the next probe while off
         self.resync_s = 0.0  # the measured cost of turning speculation back on (decayed mean of resyncs)
+        self.retimed = False  # the last choice was a plain step re-timing plain's price while speculation paid
         self.last_k = 0
         self.ready = False  # warmed up: every later choice is scored
         self.call_rounds = 0  # rounds of the current call (its first, after the prefill, is not timed)
@@ -752,9 +755,10 @@ class KController:
             return self._pick(K if v >= 1.0 else 0)
         K, spec, rate = self._best(alpha_hat)
         self.expected_speedup = rate[spec] / rate[0] if rate[0] > 0 else None
-        if K and self.last_k == 0 and self.resync_s > 0:  # back on costs a resync: worth it over probe_every rounds?
-            saved = self.probe_every * self._tokens(K, alpha_hat) * (1 / rate[0] - 1 / rate[K])
-            K = K if saved > self.resync_s else 0
+        if K and self.last_k == 0 and self.resync_s > 0:  # back on costs a resync: worth it until the next probe?
+            # after a plain re-timing probe, until the next one (2 * probe_every rounds), as when it was taken
+            K = K if self._saved(K, alpha_hat, rate, self.probe_every * (2 if self.retimed else 1)) > self.resync_s else 0
+        self.retimed = False
         n = len(self.choices)
         if K == 0:  # off: a probe of the best K when due, each losing probe doubling the wait for the next
             self.off_rounds += 1
@@ -767,10 +771,18 @@ class KController:
                 self.gap = self.probe_every
             self.next_probe = n + self.gap
             if (n - self.warmup) % self.probe_every == self.probe_every - 1:  # the best K's neighbour, once
-                near = self.expected_speedup is not None and self.expected_speedup < RETIME_BELOW
-                lower = 0 if near else max(K - 1, 1)
-                K = min(K + 1, self.k_max) if ((n - self.warmup) // self.probe_every) % 2 else lower
+                if ((n - self.warmup) // self.probe_every) % 2:
+                    K = min(K + 1, self.k_max)
+                else:
+                    # near break-even a plain step, where its resync costs a small share of what K saves meanwhile
+                    self.retimed = (self.expected_speedup is not None and self.expected_speedup < RETIME_BELOW and
+                                    self.resync_s <= RETIME_SHARE * self._saved(K, alpha_hat, rate, 2 * self.probe_every))
+                    K = 0 if self.retimed else max(K - 1, 1)
         return self._pick(K)
+
+    def _saved(self, K: int, alpha_hat: float, rate: dict[int, float], rounds: int) -> float:
+        """Seconds that `rounds` rounds at K save over plain steps making the same tokens."""
+        return rounds * self._tokens(K, alpha_hat) * (1 / rate[0] - 1 / rate[K])
 
     def _best(self, alpha_hat: float) -> tuple[int, int, dict[int, float]]:
         """-> (the K to run by the scores, 0 when no K beats a plain step; the best K >= 1; rate per K)."""

@@ -448,6 +448,34 @@ def test_controller_retimes_plain_when_the_machine_speeds_up_while_it_speculates
     assert made / spent >= 0.99 / (0.8 * 0.032)  # within 1% of plain decoding's rate
 
 
+def _resyncing_run(resync_s: float, rounds: int = 600) -> tuple[KController, float]:
+    """8 rows where speculation pays 1.17x plain all along (at K = 3), with each return to it after a plain step
+    charged `resync_s`, as the decoder does (-> the controller, the rate from round 100 over plain's)."""
+    ctl, rows, synced = KController(), 8, True
+    made = spent = 0.0
+    for r in range(rounds):
+        k = ctl.choose(0.9, 0.1, measured=ctl.spec_rounds > 0, rows=rows)
+        if k > 0 and not synced:
+            ctl.charge(resync_s, resync=True)
+            spent, synced = spent + resync_s * (r >= 100), True
+        acc = _geo_rows(0.9, k, rows)
+        ctl.observe(k, 0.032 + 0.020 * k, acc)
+        synced = synced and k > 0
+        if r >= 100:
+            made, spent = made + sum(a + 1 for a in acc) / rows, spent + 0.032 + 0.020 * k
+    return ctl, made / spent * 0.032
+
+
+def test_controller_retimes_plain_only_where_speculation_repays_the_resync():
+    """A plain step in the middle of speculation costs the proposer's resync after it. Where K's gain until the
+    next such step repays it, plain is re-timed and speculation goes straight back on; where it does not (a
+    0.4 s resync), the lower probe stays K - 1: re-timing there every 32 rounds ran 1.03x plain's rate."""
+    cheap, rate = _resyncing_run(0.002)
+    assert 0 in cheap.choices[100:] and rate >= 1.12  # re-timed, and back on each time
+    dear, rate = _resyncing_run(0.4)
+    assert 0 not in dear.choices[100:] and rate >= 1.15
+
+
 def test_controller_turns_off_when_speculation_loses_and_probes_back():
     ctl = KController(k_max=8, warmup=3, k_warmup=4, probe_every=4)
     ks = _run(ctl, 5 + 40, plain_s=0.010, spec_s=0.100, alpha=0.8, c=0.1)  # 10x slower rounds: a loss
