@@ -233,8 +233,9 @@ class Runner:
                 t0 = time.perf_counter()
                 s, st = fn(plans[name][turn], self.args.max_new_tokens)
                 _sync(self.device)
+                dt = time.perf_counter() - t0
                 n = sum(len(x) for x in s)
-                acc[name]["calls"].append((n, time.perf_counter() - t0))  # this turn's (tokens, seconds)
+                acc[name]["calls"].append((n, dt))  # this turn's (tokens, seconds)
                 acc[name]["seqs"].extend(s)
                 if st:
                     st["_n"] = n
@@ -665,7 +666,7 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: Non
             row |= {f"{pre}speculative_tokens_per_s" if not pre else f"{pre}tokens_per_s": sr["tokens_per_s"],
                     f"{pre}speedup": (sr["tokens_per_s"] / p["tokens_per_s"]) if p["tokens_per_s"] else None,
                     f"{pre}alpha": st.get("alpha"), f"{pre}tau": st.get("tau"), f"{pre}k": st.get("k"),
-                    # k="auto": share of rounds run plain because speculation would not pay
+                    # k="auto": share of rounds run plain (speculation would not pay, or plain's price was re-timed)
                     f"{pre}spec_off_fraction": st.get("spec_off_fraction"),
                     f"{pre}speedup_turns": turn_ratios(m[name]["calls"], m["plain"]["calls"]),
                     # greedy: the same tokens as plain decoding at this batch size (bf16 holds it up to the kernels'

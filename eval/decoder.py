@@ -712,7 +712,7 @@ class KController:
         self.k_max, self.warmup, self.k_warmup, self.probe_every = k_max, warmup, k_warmup, probe_every
         self.choices: list[int] = []  # the K chosen for each round
         self.rounds = self.spec_rounds = 0  # rounds observed, and those that proposed drafts
-        self.off_rounds = 0  # choices of K = 0 after the warm-up
+        self.off_rounds = 0  # choices of K = 0 after the warm-up with speculation off (plain re-timing probes not counted)
         self.expected_speedup: float | None = None  # the best K's score over the plain step's, last choice
         # per K: decayed sums of [weight, seconds, a lookup's depth past K per row] of the rounds run at that K
         # (its tokens come from the pooled acceptance below), one table per band of computed rows (row_band)

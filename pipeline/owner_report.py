@@ -385,13 +385,14 @@ def k_section(curves: dict | None, sw: Sweeps | None, figs: Figures, off: str) -
     return section("k-curve", body), best["k"]
 
 
-def turn_range(r: dict, key: str, src: str) -> str:
-    """ (lowest–highest) of a batch point's per-turn ratios over plain, where it kept them (pipeline/sweeps.py)."""
+def turn_range(r: dict, prefix: str, src: str) -> str:
+    """A speedup cell's suffix " (lowest–highest)": a batch point's per-turn ratios over plain, where it kept them
+    (pipeline/sweeps.py); `prefix`: the point's key path in the data ("" or "controlled.")."""
     turns = r.get("speedup_turns") or []
     if len(turns) < 2:
         return ""
     lo, hi = turns.index(min(turns)), turns.index(max(turns))
-    cell = lambda i: num(turns[i], ".2f", f"{key}speedup_turns.{i}", src)  # noqa: E731
+    cell = lambda i: num(turns[i], ".2f", f"{prefix}speedup_turns.{i}", src)  # noqa: E731
     return f" ({cell(lo)}–{cell(hi)})"
 
 

@@ -431,7 +431,7 @@ def test_a_band_met_later_prices_a_k_not_run_there_as_its_timed_k_moved():
 def test_controller_retimes_plain_when_the_machine_speeds_up_while_it_speculates():
     """A plain step's price goes stale while speculation runs. K = 1 pays at first (8 rows, 1.9 tokens a row in
     1.8 plain steps); then the machine runs 1.25x faster and the text gets harder (1.6 tokens a row): K = 1 now
-    loses 10%, but against plain's old price it looked 1.18x and ran every remaining round (0.89x plain's rate).
+    loses 10%, but against plain's old price it looked up to 1.18x and ran every remaining round (0.89x plain's rate).
     Re-timing plain near break-even turns it off; with AGE at 1, the re-timed price moved too slowly (11% of the
     rounds at K = 1, 0.98x)."""
     ctl, rows = KController(), 8
