@@ -231,8 +231,10 @@ class LeanLlama:
         slots = pos if slots is None else slots  # [B, T] cache slots written (a chain: its positions)
         # Query at position p sees slots 0..p of its own row; no mask when B == 1, T == 1 and every
         # attended slot is valid (s_len == pos + 1), which lets SDPA take its fast path. A tree round
-        # passes its own mask (committed slots + the node's ancestors).
-        if mask is None and (T > 1 or B > 1 or self.windows is not None):
+        # passes its own mask (committed slots + the node's ancestors). A row left alone once the others
+        # finished (the decoder's _drop_finished) is stepped with s_len past its position: slots that hold
+        # another row's later tokens or stale K/V.
+        if mask is None and (T > 1 or B > 1 or self.windows is not None or not _fills(pos, s_len)):
             mask = causal_mask(pos, s_len)  # [B, 1, T, S]
         # This project's attention kernel (eval/kernels.py) on CPU, where it builds: each row attends
         # over its visible slots in slot order with fixed-order sums, so a verify or tree forward gives
@@ -350,6 +352,12 @@ class LeanLlama:
             h = ew.add_rmsnorm(x, o_proj(a), *nw[2 * i + 1])
             h = ew.add_rmsnorm(x, down_proj(ew.silu_mul(fused[1](h))), *nw[2 * i + 2])  # the next norm; the last: final
         return self._head(h, logit_idx, taps)  # h: after the final norm
+
+
+def _fills(pos: torch.Tensor, s_len: int) -> bool:
+    """Whether one query at pos [1, 1] attends to exactly slots 0..pos (s_len == pos + 1). Read on the host where
+    that is free (CPU); on a GPU it would sync, so there the answer is no and the mask is built."""
+    return pos.device.type == "cpu" and int(pos[0, 0]) + 1 == s_len
 
 
 def make_runner(model, lean: bool = True, fuse: bool = True):

@@ -115,6 +115,23 @@ def test_a_bf16_cache_gives_a_float32_caches_numbers():
     assert torch.equal(out["bf16"][1], out["fp32"][1]) and torch.equal(out["bf16"][2], out["fp32"][2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_row_does_not_attend_past_its_position(dtype):
+    """A one-row step over more slots than its position needs (the decoder's s_len counts rows that finished
+    longer) sees only slots 0..pos: what lies past them (another row's tokens, stale K/V) changes nothing."""
+    r = LeanLlama(_tiny(dtype))
+    ids = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        r.reset(1, 64)  # a fresh cache: zeros past the prompt
+        r(ids[:, :20], torch.arange(20)[None], 20)
+        want, _ = r(ids[:, 20:21], torch.tensor([[20]]), 40)
+        r.reset(1, 64)
+        r(ids[:, :20], torch.arange(20)[None], 20)
+        r(ids[:, 21:], torch.arange(21, 40)[None], 40)  # slots 21..39 now hold K/V the step must not see
+        got, _ = r(ids[:, 20:21], torch.tensor([[20]]), 40)
+    assert torch.equal(got, want)
+
+
 def test_reset_allocates_the_cache_again_when_its_dtype_changes():
     """A runner whose cache dtype is switched (eval.cpu_bench's float32-cache turns share one runner's packed
     weights) gets a cache of the new dtype from reset(), though the old one's shape would fit."""
