@@ -259,6 +259,20 @@ def test_finished_rows_leave_the_targets_forward(target, draft, tree):
     assert res.stats["tree_rounds"] > 0 if tree else res.stats["tree_rounds"] == 0
 
 
+def test_a_row_left_alone_after_a_longer_one_finished_decodes_as_in_the_batch(target):
+    """Plain decoding: once the longer row of two stops at EOS the target computes the shorter one alone, over
+    an attended length that still counts the longer row; it must see only its own slots, so its tokens equal a
+    chain verify's (k=3, masked) from the same prefill."""
+    prompts = [PROMPTS[0] * 3, PROMPTS[1]]  # the shorter row's slots past its prompt hold its padded prefill's K/V
+    free = SpeculativeDecoder(target, None).generate(prompts, max_new_tokens=40).sequences
+    eos = next(t for t in free[0] if t not in free[1])  # ends row 0 early, never row 1
+    plain = SpeculativeDecoder(target, None)
+    got = plain.generate(prompts, max_new_tokens=40, eos_token_id=eos).sequences
+    assert len(got[0]) < 40 and len(got[1]) == 40 and plain.runner.K.shape[1] == 1  # row 1 ran alone
+    ref = SpeculativeDecoder(target, NgramProposer(), k=3).generate(prompts, max_new_tokens=40, eos_token_id=eos)
+    assert got == ref.sequences
+
+
 # ---------------------------------------------------------------- the k="auto" controller alone
 
 def _run(ctl, rounds, plain_s, spec_s, tokens=1.0, alpha=0.8, c=0.1, accept_s=0.0):
