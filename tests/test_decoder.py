@@ -483,7 +483,7 @@ def _resyncing_run(resync_s: float, rounds: int = 600) -> tuple[KController, flo
 def test_controller_retimes_plain_only_where_speculation_repays_the_resync():
     """A plain step in the middle of speculation costs the proposer's resync after it. Where K's gain until the
     next such step repays it, plain is re-timed and speculation goes straight back on; where it does not (a
-    0.4 s resync), the lower probe stays K - 1: re-timing there every 32 rounds ran 1.03x plain's rate."""
+    0.4 s resync), the lower probe stays K - 1: retimed-plain-1 turned K off there after a re-timing step (0.95x)."""
     cheap, rate = _resyncing_run(0.002)
     assert 0 in cheap.choices[100:] and rate >= 1.12  # re-timed, and back on each time
     dear, rate = _resyncing_run(0.4)
