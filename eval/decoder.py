@@ -54,7 +54,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "lone-row-mask-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "retime-share-1"
+CONTROLLER_REV = "laggard-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 # A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
 # the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
@@ -71,6 +71,9 @@ PROBE_BACKOFF = 8  # k="auto" off: probes that keep losing stretch the wait up t
 RETIME_BELOW = 1.25
 # ... where the resync that plain step causes costs at most this share of what the best K saves until the next one
 RETIME_SHARE = 0.1
+# k="auto" in a batch: the rows' own acceptance decides the batch's pace once they ran this many speculative rounds
+# of a call on average (fewer left the slowest-looking row to chance, and speculation off: docs/reference/k-auto.md)
+LAGGARD_ROUNDS = 8
 STATIC_MIN_LEN = 256  # compile=True: the KV cache length (the step's attended length), a power of two >= this
 
 
@@ -275,7 +278,8 @@ class SpeculativeDecoder:
                 r = self._chain_round(s, k)
             new = self._record(s, r, active)
             if ctl is not None:  # scored under the K it chose: a hybrid's tree depth (r.k) follows the text
-                ctl.observe(k, time.perf_counter() - t_round, [h[0] for h, a in zip(r.host, active) if a])
+                ctl.observe(k, time.perf_counter() - t_round, [h[0] for h, a in zip(r.host, active) if a],
+                            rows=[b for b, a in enumerate(active) if a])
             yield s.emit(new)
             self._update(s, r, ctl, plain=k == 0)
 
@@ -396,7 +400,8 @@ class SpeculativeDecoder:
         if ctl is None:
             return self.k
         rows = len(s.live_host) if s.live_host is not None else len(s.prompts)  # the rows the target computes
-        return ctl.choose(s.stats.alpha_hat, s.stats.c, measured=s.stats.reached > 0, rows=rows)
+        remaining = {b: s.max_new - len(o) for b, (o, d) in enumerate(zip(s.out, s.done)) if not d}
+        return ctl.choose(s.stats.alpha_hat, s.stats.c, measured=s.stats.reached > 0, rows=rows, remaining=remaining)
 
     def _resync(self, s: "_Batch", ctl: "KController | None"):
         """Re-prefill the proposer on every row's tokens before its current one (it missed the plain rounds)."""
@@ -694,7 +699,8 @@ class KController:
     and K = 0 wins where no K pays. Seconds are kept per band of the rows the target computes (finished rows
     leave the forward, so a call's later rounds cost less at every K): a band first met starts from the last
     band's scores at the weight of one round, and a K not run there yet is priced as the band's timed K moved
-    (_price). Every `probe_every` rounds the best K's neighbour runs once, to keep the scores fresh (below
+    (_price). A batch ends with its slowest row, so a round's tokens count as far as they move that end
+    (_batch_tokens). Every `probe_every` rounds the best K's neighbour runs once, to keep the scores fresh (below
     RETIME_BELOW, the lower neighbour is a plain step where the resync it causes costs at most RETIME_SHARE of
     what the best K saves until the next one: a price timed many rounds ago may be another machine speed's, so
     a K's older rounds also weigh less with every round since it was last timed, AGE); while off, the best K
@@ -735,12 +741,20 @@ class KController:
         self.call_rounds = 0  # rounds of the current call (its first, after the prefill, is not timed)
         self.alpha = 0.0  # the last measured per-token acceptance (a new call's own starts unmeasured)
         self.warm_choices = 0  # choices of the current call made during the warm-up
+        # this call's rows (batch index): their speculative rounds, and the sum and the sum of squares of their
+        # accepted drafts less each round's mean over its rows
+        self.row_accepted: dict[int, tuple[int, float, float]] = {}
+        self.round_means = [0.0, 0.0]  # the speculative rounds' mean accepted drafts and their count, decayed sums
+        self.remaining: dict[int, int] | None = None  # the running rows' tokens left, at the last choice
 
-    def choose(self, alpha_hat: float, c: float, measured: bool = True, rows: int = 1) -> int:
+    def choose(self, alpha_hat: float, c: float, measured: bool = True, rows: int = 1,
+               remaining: dict[int, int] | None = None) -> int:
         """The next round's K, from what the rounds so far measured; alpha_hat (the per-token
         acceptance) models the K not measured yet (measured: some draft position was reached); rows: how many
-        rows the target computes this round."""
+        rows the target computes this round; remaining: each running row's tokens left (batch index -> count),
+        to score a K by when the batch ends (_batch_tokens)."""
         self._at(row_band(rows))
+        self.remaining = remaining
         if not self.ready:
             if self.rounds < self.warmup or self.spec_rounds < 2 or not measured:
                 self.warm_choices += 1
@@ -781,8 +795,8 @@ class KController:
         return self._pick(K)
 
     def _saved(self, K: int, alpha_hat: float, rate: dict[int, float], rounds: int) -> float:
-        """Seconds that `rounds` rounds at K save over plain steps making the same tokens."""
-        return rounds * self._tokens(K, alpha_hat) * (1 / rate[0] - 1 / rate[K])
+        """Seconds that `rounds` rounds at K save over plain steps making the same progress."""
+        return rounds * self._batch_tokens(self._tokens(K, alpha_hat)) * (1 / rate[0] - 1 / rate[K])
 
     def _best(self, alpha_hat: float) -> tuple[int, int, dict[int, float]]:
         """-> (the K to run by the scores, 0 when no K beats a plain step; the best K >= 1; rate per K)."""
@@ -797,12 +811,12 @@ class KController:
         band = max(self.tables, default=None)
         if not self.ready or band is None or 0 not in self.tables[band]:
             return None
-        current = self.arms, self.band
-        self.arms, self.band = self.tables[band], band
+        current = self.arms, self.band, self.remaining
+        self.arms, self.band, self.remaining = self.tables[band], band, None  # the rows' mean: no call's laggard
         try:
             return self._best(self.alpha)[0]
         finally:
-            self.arms, self.band = current
+            self.arms, self.band, self.remaining = current
 
     def _at(self, band: int):
         """Score this round's seconds in `band`; a band first met starts from the current one's scores, each at
@@ -819,8 +833,38 @@ class KController:
     def rate(self, k: int, alpha_hat: float, line: tuple[float, float, float]) -> float:
         """Tokens per row per second at K = k: measured there, or modelled from the nearest measured K and
         the cost line (_cost_line)."""
-        tok, sec = self._tokens(k, alpha_hat), self._seconds(k, line)
+        tok, sec = self._batch_tokens(self._tokens(k, alpha_hat)), self._seconds(k, line)
         return tok / sec if sec > 0 else 0.0
+
+    def _batch_tokens(self, tokens: float) -> float:
+        """A round's tokens per row at some K (`tokens`: the rows' mean) as the batch's progress: the plain steps
+        it is worth. A batch ends with its last row, and a plain step moves every row one token, so a round moves
+        the batch's end as far as it moves the row that finishes last: row b, with r_b tokens left, makes
+        t_b = 1 + (tokens - 1) * s_b a round (s_b: its acceptance over the rows' mean, _row_shares), and the
+        batch ends after max_b r_b / t_b rounds where plain steps need max_b r_b. One row, or rows that accept
+        alike: `tokens` itself."""
+        rem = self.remaining
+        if not rem or len(rem) < 2 or tokens <= 1.0:
+            return tokens
+        share = self._row_shares()
+        if not share:
+            return tokens
+        return max(rem.values()) / max(r / (1.0 + (tokens - 1.0) * share.get(b, 1.0)) for b, r in rem.items())
+
+    def _row_shares(self) -> dict[int, float]:
+        """Each row's accepted drafts a round over the rows' mean, shrunk to 1 as far as its rounds leave it to
+        chance (empirical Bayes: the rows' spread beyond chance against the spread within one row). {} until the
+        rows ran LAGGARD_ROUNDS speculative rounds of this call on average, or where they accept alike."""
+        rows = self.row_accepted
+        mean = self.round_means[0] / self.round_means[1] if self.round_means[1] else 0.0
+        dof = sum(n - 1 for n, _, _ in rows.values())
+        if mean <= 0 or not rows or dof < (LAGGARD_ROUNDS - 1) * len(rows):
+            return {}
+        within = sum(q - d * d / n for n, d, q in rows.values()) / dof  # a round's spread in one row
+        between = max(sum((d / n) ** 2 - within / n for n, d, _ in rows.values()) / len(rows), 0.0)
+        if between <= 0:
+            return {}
+        return {b: max(1.0 + d / n * between / (between + within / n) / mean, 0.0) for b, (n, d, _) in rows.items()}
 
     def _mean(self, k: int, i: int) -> float:
         w = self.arms[k]
@@ -873,25 +917,30 @@ class KController:
         self.choices.append(k)
         return k
 
-    def observe(self, k: int, seconds: float, accepted: list[int]):
+    def observe(self, k: int, seconds: float, accepted: list[int], rows: list[int] | None = None):
         """A round ran at the K this controller chose (0: a plain step) in `seconds`; `accepted`: each active
-        row's drafts accepted. Keyed by the choice, not by what the proposer made of
-        it: a hybrid's lookups run deeper than K where the text repeats, so arms keyed by depth would credit
-        predictable stretches to long K."""
+        row's drafts accepted (`rows`: their batch indices, default 0..). Keyed by the choice, not by what the
+        proposer made of it: a hybrid's lookups run deeper than K where the text repeats, so arms keyed by depth
+        would credit predictable stretches to long K."""
         self.rounds += 1
         self.call_rounds += 1
         self.spec_rounds += k > 0
         self.last_k = k
-        rows = max(len(accepted), 1)
-        if k > 0:
+        if k > 0 and accepted:
             self._pool(k, accepted)
+            mean = sum(accepted) / len(accepted)
+            self.round_means = [self.POOL_DECAY * self.round_means[0] + mean, self.POOL_DECAY * self.round_means[1] + 1]
+            for b, a in zip(range(len(accepted)) if rows is None else rows, accepted):
+                n, d, q = self.row_accepted.get(b, (0, 0.0, 0.0))
+                self.row_accepted[b] = (n + 1, d + (a - mean), q + (a - mean) ** 2)
+        n_rows = max(len(accepted), 1)
         if self.call_rounds == 1:  # the first round after prefill runs slow: left out of the timings
             return
         w = self.arms.setdefault(k, [0.0, 0.0, 0.0])
         self.timed.setdefault(self.band, set()).add(k)
         since = self.rounds - self.stamp.get((self.band, k), self.rounds - 1) - 1  # rounds at other K since
         self.stamp[(self.band, k)] = self.rounds
-        beyond = sum(max(a - k, 0) for a in accepted) / rows
+        beyond = sum(max(a - k, 0) for a in accepted) / n_rows
         for i, x in enumerate((1.0, seconds, beyond)):
             w[i] = self.DECAY * self.AGE ** since * w[i] + x
 
@@ -914,6 +963,7 @@ class KController:
     def next_call(self):
         """A new stream() at the same batch size: the scores carry over, the call's own counters start afresh."""
         self.choices, self.call_rounds, self.off_rounds, self.warm_choices = [], 0, 0, 0
+        self.row_accepted, self.remaining = {}, None  # a new call's rows
         self.last_k, self.next_probe = -1, self.warmup + self.gap  # -1: no round yet (a fresh proposer, no resync)
 
 

@@ -179,8 +179,8 @@ def test_stream_equals_generate(target, draft):
 class _SpyController(KController):
     """KController recording what the decoder told it before each choice."""
 
-    def choose(self, alpha_hat, c, measured=True, rows=1):
-        k = super().choose(alpha_hat, c, measured, rows)
+    def choose(self, alpha_hat, c, measured=True, rows=1, remaining=None):
+        k = super().choose(alpha_hat, c, measured, rows, remaining)
         self.seen = getattr(self, "seen", []) + [(alpha_hat, c, measured, self.spec_rounds, k)]
         return k
 
@@ -480,6 +480,43 @@ def _resyncing_run(resync_s: float, rounds: int = 600) -> tuple[KController, flo
     return ctl, made / spent * 0.032
 
 
+def _static_batch(ctl, accepts, new_tokens=128, calls=3) -> tuple[float, float, list[int]]:
+    """Drive `ctl` through `calls` static batches, as the decoder does: each row runs until it made `new_tokens`,
+    a round prices every row still running (a plain step 10 ms + 0.25 ms a row, a round of K 10 ms + (0.25 +
+    0.6 K) ms a row), and row b accepts accepts(b, k, round) of its K drafts. -> (the last call's seconds, plain
+    decoding's, its choices)."""
+    def price(k, rows):
+        return 0.010 + (0.00025 + 0.0006 * k) * rows
+    rows = 16
+    for call in range(calls):
+        if call:
+            ctl.next_call()
+        left, spent, r = {b: new_tokens for b in range(rows)}, 0.0, 0
+        while left:
+            k = ctl.choose(0.9, 0.1, measured=ctl.spec_rounds > 0, rows=len(left), remaining=dict(left))
+            run = sorted(left)
+            acc = [min(accepts(b, k, r), k) for b in run]
+            ctl.observe(k, price(k, len(run)), acc, rows=run)
+            spent, r = spent + price(k, len(run)), r + 1
+            for b, a in zip(run, acc):
+                left[b] -= min(a + 1, left[b])
+                if not left[b]:
+                    del left[b]
+    return spent, new_tokens * price(0, rows), ctl.choices
+
+
+def test_controller_paces_a_static_batch_by_the_row_that_finishes_last():
+    """A batch ends with its last row. Sixteen rows of which one never accepts a draft: speculation makes the
+    other fifteen finish early and leaves that row to finish alone, so the batch takes longer than plain steps
+    would, while the rows' mean acceptance says K = 2 pays 1.2x. Scored by the mean, a call took 1.25x plain's
+    time; laggard-1 turns speculation off once each row ran LAGGARD_ROUNDS speculative rounds (1.08x). The same
+    acceptance spread over the rows, a different row missing each round, keeps it on."""
+    one_lags, plain, choices = _static_batch(KController(), lambda b, k, r: 0 if b == 0 else 2)
+    assert one_lags <= 1.1 * plain and choices.count(0) >= 0.7 * len(choices)
+    spread, plain, choices = _static_batch(KController(), lambda b, k, r: 0 if b == r % 16 else 2)
+    assert spread <= plain / 1.15 and choices.count(0) <= 0.1 * len(choices)
+
+
 def test_controller_retimes_plain_only_where_speculation_repays_the_resync():
     """A plain step in the middle of speculation costs the proposer's resync after it. Where K's gain until the
     next such step repays it, plain is re-timed and speculation goes straight back on; where it does not (a
@@ -538,7 +575,7 @@ def test_k_auto_scores_the_k_it_chose_not_the_trees_depth(target, draft, monkeyp
     """A hybrid's lookups (k_ngram=6) run deeper than the K chosen: the round is scored under that K, so a K's
     score is what choosing it gave, not the rounds where the text happened to repeat."""
     class AlwaysOne(KController):
-        def choose(self, alpha_hat, c, measured=True, rows=1):
+        def choose(self, alpha_hat, c, measured=True, rows=1, remaining=None):
             return self._pick(1)
     monkeypatch.setattr(D, "KController", AlwaysOne)
     dec = SpeculativeDecoder(target, HybridProposer(DraftLMProposer(draft, V), min_match=1, k_ngram=6), k="auto")
