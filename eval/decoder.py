@@ -41,6 +41,7 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import torch
 
@@ -54,7 +55,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "lone-row-mask-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "laggard-1"
+CONTROLLER_REV = "laggard-2"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 # A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
 # the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
@@ -72,7 +73,8 @@ RETIME_BELOW = 1.25
 # ... where the resync that plain step causes costs at most this share of what the best K saves until the next one
 RETIME_SHARE = 0.1
 # k="auto" in a batch: the rows' own acceptance decides the batch's pace once they ran this many speculative rounds
-# of a call on average (fewer left the slowest-looking row to chance, and speculation off: docs/reference/k-auto.md)
+# of a call on average (fewer left the slowest-looking row to chance: docs/reference/k-auto.md); before, the
+# slowest of as many rows as far apart as last measured
 LAGGARD_ROUNDS = 8
 STATIC_MIN_LEN = 256  # compile=True: the KV cache length (the step's attended length), a power of two >= this
 
@@ -746,6 +748,7 @@ class KController:
         self.row_accepted: dict[int, tuple[int, float, float]] = {}
         self.round_means = [0.0, 0.0]  # the speculative rounds' mean accepted drafts and their count, decayed sums
         self.remaining: dict[int, int] | None = None  # the running rows' tokens left, at the last choice
+        self.spread = 0.0  # the rows' shares' spread between rows (a standard deviation), as last measured
 
     def choose(self, alpha_hat: float, c: float, measured: bool = True, rows: int = 1,
                remaining: dict[int, int] | None = None) -> int:
@@ -841,28 +844,32 @@ class KController:
         it is worth. A batch ends with its last row, and a plain step moves every row one token, so a round moves
         the batch's end as far as it moves the row that finishes last: row b, with r_b tokens left, makes
         t_b = 1 + (tokens - 1) * s_b a round (s_b: its acceptance over the rows' mean, _row_shares), and the
-        batch ends after max_b r_b / t_b rounds where plain steps need max_b r_b. One row, or rows that accept
-        alike: `tokens` itself."""
+        batch ends after max_b r_b / t_b rounds where plain steps need max_b r_b. Before the call's rows are
+        known, s_b is the expected slowest of as many rows spread as the last measured (a normal order
+        statistic, Blom's). One row, or rows that accept alike: `tokens` itself."""
         rem = self.remaining
         if not rem or len(rem) < 2 or tokens <= 1.0:
             return tokens
         share = self._row_shares()
-        if not share:
-            return tokens
+        if not share:  # before this call's rows are known: the slowest of len(rem) rows, as far apart as the last call's
+            n = len(rem)
+            return 1.0 + (tokens - 1.0) * max(1.0 - NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) * self.spread, 0.0)
         return max(rem.values()) / max(r / (1.0 + (tokens - 1.0) * share.get(b, 1.0)) for b, r in rem.items())
 
     def _row_shares(self) -> dict[int, float]:
         """Each row's accepted drafts a round over the rows' mean, shrunk to 1 as far as its rounds leave it to
-        chance (empirical Bayes: the rows' spread beyond chance against the spread within one row). {} until the
-        rows ran LAGGARD_ROUNDS speculative rounds of this call on average, or where they accept alike."""
+        chance (empirical Bayes: the rows' spread beyond chance against the spread within one row, kept as
+        `spread`). {} until the rows ran LAGGARD_ROUNDS speculative rounds of this call on average, or where
+        they accept alike."""
         rows = self.row_accepted
         mean = self.round_means[0] / self.round_means[1] if self.round_means[1] else 0.0
         dof = sum(n - 1 for n, _, _ in rows.values())
-        if mean <= 0 or not rows or dof < (LAGGARD_ROUNDS - 1) * len(rows):
+        if mean <= 0 or dof <= 0:
             return {}
         within = sum(q - d * d / n for n, d, q in rows.values()) / dof  # a round's spread in one row
         between = max(sum((d / n) ** 2 - within / n for n, d, _ in rows.values()) / len(rows), 0.0)
-        if between <= 0:
+        self.spread = math.sqrt(between) / mean  # the prior until a call's rows are known (_batch_tokens)
+        if between <= 0 or dof < (LAGGARD_ROUNDS - 1) * len(rows):
             return {}
         return {b: max(1.0 + d / n * between / (between + within / n) / mean, 0.0) for b, (n, d, _) in rows.items()}
 
