@@ -748,6 +748,7 @@ class KController:
         self.row_accepted: dict[int, tuple[int, float, float]] = {}
         self.round_means = [0.0, 0.0]  # the speculative rounds' mean accepted drafts and their count, decayed sums
         self.remaining: dict[int, int] | None = None  # the running rows' tokens left, at the last choice
+        self.shares: dict[int, float] = {}  # _row_shares at the last choice of a batch of running rows
         self.spread = 0.0  # the rows' shares' spread between rows (a standard deviation), as last measured
 
     def choose(self, alpha_hat: float, c: float, measured: bool = True, rows: int = 1,
@@ -758,6 +759,7 @@ class KController:
         to score a K by when the batch ends (_batch_tokens)."""
         self._at(row_band(rows))
         self.remaining = remaining
+        self.shares = self._row_shares() if remaining and len(remaining) >= 2 else {}  # once, for every K's score
         if not self.ready:
             if self.rounds < self.warmup or self.spec_rounds < 2 or not measured:
                 self.warm_choices += 1
@@ -850,8 +852,8 @@ class KController:
         rem = self.remaining
         if not rem or len(rem) < 2 or tokens <= 1.0:
             return tokens
-        share = self._row_shares()
-        if not share:  # before this call's rows are known: the slowest of len(rem) rows, as far apart as the last call's
+        share = self.shares
+        if not share:  # rows not known yet: the expected slowest of n rows at the kept spread (k-auto.md)
             n = len(rem)
             return 1.0 + (tokens - 1.0) * max(1.0 - NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) * self.spread, 0.0)
         return max(rem.values()) / max(r / (1.0 + (tokens - 1.0) * share.get(b, 1.0)) for b, r in rem.items())

@@ -508,10 +508,10 @@ def _static_batch(ctl, accepts, new_tokens=128, calls=3) -> tuple[float, float, 
 def test_controller_paces_a_static_batch_by_the_row_that_finishes_last():
     """A batch ends with its last row. Sixteen rows of which one never accepts a draft: speculation makes the
     other fifteen finish early and leaves that row to finish alone, so the batch takes longer than plain steps
-    would, while the rows' mean acceptance says K = 2 pays 1.2x. Scored by the mean, the third call took 1.25x
-    plain's time; laggard-2 turns speculation off once the rows ran LAGGARD_ROUNDS speculative rounds, and
-    later calls start from how far apart the rows were (1.01x). The same acceptance spread over the rows, a
-    different row missing each round, keeps it on."""
+    would, while the rows' mean acceptance says K = 2 pays 1.2x. Speculation goes off once the rows ran
+    LAGGARD_ROUNDS speculative rounds, and later calls start from how far apart the rows were (the figures:
+    docs/reference/k-auto.md). The same acceptance spread over the rows, a different row missing each round,
+    keeps it on."""
     one_lags, plain, choices = _static_batch(KController(), lambda b, k, r: 0 if b == 0 else 2)
     assert one_lags <= 1.04 * plain and choices.count(0) >= 0.9 * len(choices)
     spread, plain, choices = _static_batch(KController(), lambda b, k, r: 0 if b == r % 16 else 2)
