@@ -813,6 +813,20 @@ static void with_cache(torch::Tensor& kc, torch::Tensor& vc, F&& f) {
     f((uint16_t*)kc.data_ptr<at::BFloat16>(), (uint16_t*)vc.data_ptr<at::BFloat16>());
 }
 
+// How many visible slots ahead the attention loops prefetch a slot's key or value. In decoding a row sees
+// fewer slots than its cache holds, so each (row, kv head) is a short run of lines from memory on which the
+// hardware prefetcher starts over; 16 slots ahead took a fifth to a quarter off attention alone at batch
+// 16-32, on AMX and AVX2 alike (docs/reference/kernels.md, "Prefetching the cache's next slots").
+constexpr int64_t ATT_PREFETCH = 16;
+
+// Slot ix[j + ATT_PREFETCH]'s hd values of one cache head into L1, where the row sees that many more slots.
+template <class C>
+static inline void prefetch_slot(const C* h, const int32_t* ix, int64_t j, int64_t n, int64_t hd) {
+  if (j + ATT_PREFETCH >= n) return;
+  const char* f = (const char*)(h + (int64_t)ix[j + ATT_PREFETCH] * hd);
+  for (int64_t o = 0; o < hd * (int64_t)sizeof(C); o += 64) _mm_prefetch(f + o, _MM_HINT_T0);
+}
+
 // The query heads r0 .. r0 + NR - 1 of one kv head at one query row (see `attend`). NC = hd / 16 as a
 // compile-time constant keeps q and the p.v accumulators in registers, and NR the real head count (no
 // padded fourth head's FMAs); NC = 0 is the generic path (hd from `nc`). Every variant runs the same
@@ -829,6 +843,7 @@ static void attend_heads(const float* const* qrow, float* const* orow, const C* 
   __m128 mx = _mm_set1_ps(-INFINITY);
   for (int64_t j = 0; j < n; j++) {  // scores: a dot product over hd per visible slot and head
     const C* kr = kh + (int64_t)ix[j] * hd;
+    prefetch_slot(kh, ix, j, n, hd);
     vf acc[4];
     for (int r = 0; r < 4; r++) acc[r] = vzero();
     for (int64_t c = 0; c < nc; c++) {
@@ -858,6 +873,7 @@ static void attend_heads(const float* const* qrow, float* const* orow, const C* 
   for (int r = 0; r < NR; r++) for (int64_t c = 0; c < nc; c++) acc[r][c] = vzero();
   for (int64_t j = 0; j < n; j++) {  // p . v, slot by slot in compact order
     const C* vr = vh + (int64_t)ix[j] * hd;
+    prefetch_slot(vh, ix, j, n, hd);
     for (int64_t c = 0; c < nc; c++) {
       const vf vv = cload(vr + c * 16);
       for (int r = 0; r < NR; r++) acc[r][c] = vfma(vset(sb[r][j]), vv, acc[r][c]);
@@ -903,14 +919,11 @@ static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t 
                          const std::vector<int64_t>& cnt, double scale, Rows rows, Finish finish) {
   const int64_t nc = hd / 16, group = nh / nkv;
   const __m128 scv = _mm_set1_ps((float)scale);
-  // A bf16 cache read by several query rows (a verify, a tree): each (row, kv head)'s first S slots are
-  // widened once into fp32 scratch that its T tasks (consecutive, so on one thread) read from cache, instead
-  // of each task widening every key and value again. The same values, so the same numbers.
-  constexpr bool widen_once = std::is_same_v<C, uint16_t>;
+  // A (row, kv head)'s T tasks are consecutive, so on one thread: the first reads its keys and values from
+  // memory, the others from cache, each widening as it reads, which costs less than writing fp32 scratch
+  // (docs/reference/kernels.md, "Prefetching the cache's next slots").
   at::parallel_for(0, B * nkv * T, 2, [&](int64_t i0, int64_t i1) {
     std::vector<float> sbuf(4 * (S + 16)), qbuf(4 * hd), obuf(4 * hd);
-    std::vector<float> kw(widen_once && T > 1 ? S * hd : 0), vw(kw.size());
-    int64_t widened = -1;  // the (row, kv head) whose slots kw/vw hold
     float* sb[4] = {sbuf.data(), sbuf.data() + (S + 16), sbuf.data() + 2 * (S + 16), sbuf.data() + 3 * (S + 16)};
     for (int64_t i = i0; i < i1; i++) {
       const int64_t t = i % T, g = (i / T) % nkv, b = i / (T * nkv);
@@ -918,31 +931,18 @@ static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t 
       const int32_t* ix = idx.data() + bt * S;
       const C* kh = kp + (b * nkv + g) * Smax * hd;
       const C* vh = vcp + (b * nkv + g) * Smax * hd;
-      if constexpr (widen_once) {
-        if (T > 1 && widened != b * nkv + g) {
-          for (int64_t e = 0; e < S * hd; e += 16) {
-            vstore(kw.data() + e, cload(kh + e));
-            vstore(vw.data() + e, cload(vh + e));
-          }
-          widened = b * nkv + g;
+      for (int64_t r0 = 0; r0 < group; r0 += 4) {
+        const int64_t nr = group - r0 < 4 ? group - r0 : 4, head0 = g * group + r0;
+        const float* qrow[4];
+        float* orow[4];
+        rows(bt, head0, nr, qbuf.data(), obuf.data(), qrow, orow);
+        if (n > 0) {
+          if (nc == 4) attend_heads_nr<4>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
+          else if (nc == 8) attend_heads_nr<8>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
+          else attend_heads_nr<0>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
         }
+        finish(bt, head0, nr, n, orow);
       }
-      auto heads = [&](auto* kq, auto* vq) {
-        for (int64_t r0 = 0; r0 < group; r0 += 4) {
-          const int64_t nr = group - r0 < 4 ? group - r0 : 4, head0 = g * group + r0;
-          const float* qrow[4];
-          float* orow[4];
-          rows(bt, head0, nr, qbuf.data(), obuf.data(), qrow, orow);
-          if (n > 0) {
-            if (nc == 4) attend_heads_nr<4>(nr, qrow, orow, kq, vq, ix, n, nc, hd, scv, sb);
-            else if (nc == 8) attend_heads_nr<8>(nr, qrow, orow, kq, vq, ix, n, nc, hd, scv, sb);
-            else attend_heads_nr<0>(nr, qrow, orow, kq, vq, ix, n, nc, hd, scv, sb);
-          }
-          finish(bt, head0, nr, n, orow);
-        }
-      };
-      if (widen_once && T > 1) heads((const float*)kw.data(), (const float*)vw.data());
-      else heads(kh, vh);
     }
   });
 }
