@@ -218,7 +218,9 @@ def test_k_auto_turns_off_and_probes(target, draft, monkeypatch):
     assert res.sequences == ref
     ks = res.stats["k_choices"][D.WARMUP_PLAIN + 2:]  # after the plain and K=4 warm-up rounds
     assert 0 in ks and any(k > 0 for k in ks[ks.index(0):])  # off, then probed back on
-    assert res.stats["expected_speedup"] < 1 and res.stats["spec_off_fraction"] > 0.5
+    # A draft that never matches makes a round's tokens 1 at any K, so its best K scores at most plain's rate:
+    # exactly 1.0 where a verify timed no dearer than a step (the controller floors it there), below otherwise.
+    assert res.stats["expected_speedup"] <= 1 and res.stats["spec_off_fraction"] > 0.5
 
 
 def test_prefill_groups_pad_each_group_to_its_own_longest():
