@@ -128,6 +128,7 @@ class LeanLlama:
                                                                            device=self.device))[0].shape[-1]
         ext = small_gemm() if fuse and self.device.type == "cpu" else None
         self.attend = ext.attend if ext is not None and self.head_dim % 16 == 0 and self.head_dim <= 256 else None
+        self.move_slots = ext.move_slots if ext is not None else None  # move()'s copy, where the kernels run
         # Where that kernel attends, a bf16 model's cache is kept in bf16: k and v are the bf16 projections'
         # values, which the kernel widens exactly, so attention sees the numbers of a float32 cache while a step
         # reads half the bytes (at batch 16 a float32 cache streamed half the weights' bytes again: kernels.md).
@@ -205,6 +206,8 @@ class LeanLlama:
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from cache slots src [B, P] to slots dst [B, P] (all reads before
         any write): after a tree round, the accepted path's nodes move to consecutive positions."""
+        if self.move_slots is not None:
+            return self.move_slots(self.K, self.V, src, dst)
         rows = torch.arange(src.shape[0], device=src.device)[:, None]  # [B, 1]
         for t in (self.K, self.V):  # [L, B, nkv, S_max, hd]
             if t.shape[1] == 1:  # one row: index_select/index_copy_, cheaper than indexing

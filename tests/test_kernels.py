@@ -351,11 +351,12 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
-@pytest.mark.parametrize("rows", [1, 9, 16])
+@pytest.mark.parametrize("rows", [1, 9, 16, 48])
 def test_fused_elementwise_ops_round_like_the_torch_code_they_replace(rows, ext):
     """add_rmsnorm, silu_mul and rope (eval/target.py's fused layer steps) against the PyTorch ops: the
     residual add and RoPE bit for bit; RMSNorm and SiLU within one bf16 ulp (RMSNorm's mean is summed
-    in another order, SiLU's exp is our own), and almost always exactly."""
+    in another order, SiLU's exp is our own), and almost always exactly. Each row's result is its own:
+    many rows (split between threads) give each row what it gets alone."""
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 576, generator=g) * 3).bfloat16()
     y = torch.randn(rows, 576, generator=g).bfloat16()
@@ -381,6 +382,10 @@ def test_fused_elementwise_ops_round_like_the_torch_code_they_replace(rows, ext)
     qk = qkv[:, :12 * 64].view(rows, 12, 64)
     want = qk * cos[:, None] + torch.cat([qk[..., 32:], qk[..., :32]], -1) * sin[:, None]
     assert torch.equal(ext.rope(qkv, 12, cos, sin).view(rows, 12, 64), want)
+    last = slice(rows - 1, rows)  # the last row alone, against its place among all the rows
+    assert torch.equal(ext.silu_mul(gu)[last], ext.silu_mul(gu[last].contiguous()))
+    assert torch.equal(ext.rope(qkv, 12, cos, sin)[last], ext.rope(qkv[last].contiguous(), 12, cos[last].contiguous(), sin[last].contiguous()))
+    assert torch.equal(ext.add_rmsnorm(x.clone(), y, w, 1e-5)[last], ext.add_rmsnorm(x[last].clone(), y[last].contiguous(), w, 1e-5))
 
 
 def test_fused_layer_steps_agree_with_the_unfused_forward(ext):

@@ -166,24 +166,35 @@ def test_greedy_argmax_is_argmax_with_first_index_on_ties(dtype):
     assert greedy_argmax(x)[0, 0] == 10 and greedy_argmax(x)[2, 4] == 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 2])
-def test_move_copies_every_layers_slots_reading_before_writing(B):
+def test_move_copies_every_layers_slots_reading_before_writing(B, dtype):
     """runner.move(src, dst) copies slots src -> dst in every layer's K and V (one op over the stacked
-    cache), with all reads before any write: a destination may be another pair's source."""
-    r = LeanLlama(_tiny(torch.float32))
-    r.reset(B, 16)
-    torch.manual_seed(0)
-    r.K.normal_(), r.V.normal_()
-    before_k, before_v = r.K.clone(), r.V.clone()
-    src = torch.tensor([[7, 9, 10], [4, 6, 5]][:B])
-    dst = torch.tensor([[5, 6, 7], [3, 4, 5]][:B])  # 7 (row 0) and 4, 5 (row 1) are read and written
-    r.move(src, dst)
-    for b in range(B):
-        want_k, want_v = before_k[:, b].clone(), before_v[:, b].clone()
-        want_k[:, :, dst[b]], want_v[:, :, dst[b]] = before_k[:, b][:, :, src[b]], before_v[:, b][:, :, src[b]]
-        assert torch.equal(r.K[:, b], want_k) and torch.equal(r.V[:, b], want_v)
-    for layer, c in enumerate(r.caches):  # the per-layer caches the forward writes are views of K and V
-        assert c.k.data_ptr() == r.K[layer].data_ptr() and c.v.data_ptr() == r.V[layer].data_ptr()
+    cache), with all reads before any write: a destination may be another pair's source. The kernel's
+    copy (where the kernels run) and ATen's indexed copy agree, also on a batch's kept rows (a view)."""
+    r = LeanLlama(_tiny(dtype))
+    copies = [r.move_slots, None] if r.move_slots is not None else [None]
+    src = torch.tensor([[7, 9, 10], [4, 6, 5], [1, 2, 3]])
+    dst = torch.tensor([[5, 6, 7], [3, 4, 5], [2, 3, 4]])  # 7 (row 0) and 4, 5 (row 1) are read and written
+    for keep in (False, True):
+        results = []
+        for copy in copies:
+            r.move_slots = copy
+            r.reset(B + keep, 16)
+            torch.manual_seed(0)
+            r.K.normal_(), r.V.normal_()
+            if keep:  # rows 1.. stay, a view of the first B + 1 rows' cache
+                r.keep(list(range(1, B + 1)), 16)
+            before_k, before_v = r.K.clone(), r.V.clone()
+            r.move(src[:B], dst[:B])
+            for b in range(B):
+                want_k, want_v = before_k[:, b].clone(), before_v[:, b].clone()
+                want_k[:, :, dst[b]], want_v[:, :, dst[b]] = before_k[:, b][:, :, src[b]], before_v[:, b][:, :, src[b]]
+                assert torch.equal(r.K[:, b], want_k) and torch.equal(r.V[:, b], want_v)
+            for layer, c in enumerate(r.caches):  # the per-layer caches the forward writes are views of K and V
+                assert c.k.data_ptr() == r.K[layer].data_ptr() and c.v.data_ptr() == r.V[layer].data_ptr()
+            results.append((r.K.clone(), r.V.clone()))
+        assert all(torch.equal(k, results[0][0]) and torch.equal(v, results[0][1]) for k, v in results)
 
 
 @pytest.mark.parametrize("family", ["granite", "cohere"])

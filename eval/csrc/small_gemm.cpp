@@ -1056,6 +1056,14 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
   return out;
 }
 
+// The elementwise kernels below split their rows between threads in chunks of at least this many
+// outputs: each row is computed alone, so the split changes no number. At a verify's 48 rows SiLU's
+// division and RMSNorm's pass were a single thread's work (docs/reference/kernels.md, "Elementwise
+// kernels on every thread").
+#ifndef ELEM_GRAIN_ELEMS
+#define ELEM_GRAIN_ELEMS 16384
+#endif
+
 // x [R, H] bf16 (updated in place to x + y, rounded to bf16, when y is given), w [H] bf16 ->
 // h = w * bf16(x * rsqrt(mean(x^2) + eps)), HF's LlamaRMSNorm on the new x. H a multiple of 16.
 torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch::Tensor w, double eps) {
@@ -1070,7 +1078,8 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch
   const uint16_t* yp = add ? (const uint16_t*)y->data_ptr<at::BFloat16>() : nullptr;
   const uint16_t* wp = (const uint16_t*)w.data_ptr<at::BFloat16>();
   uint16_t* hp = (uint16_t*)h.data_ptr<at::BFloat16>();
-  for (int64_t r = 0; r < R; r++) {
+  at::parallel_for(0, R, ELEM_GRAIN_ELEMS / H + 1, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; r++) {
     uint16_t* xr = xp + r * H;
     vf ss = vzero();
     for (int64_t i = 0; i < H; i += 16) {
@@ -1090,6 +1099,7 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch
       bf16x16_store(hp + r * H + i, vmul(bf16x16_load(wp + i), bf16x16_load(tmp)));
     }
   }
+  });
   return h;
 }
 
@@ -1104,7 +1114,8 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   const uint16_t* gp = (const uint16_t*)gu.data_ptr<at::BFloat16>();
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
   const vf one = vset(1.0f);
-  for (int64_t r = 0; r < R; r++) {
+  at::parallel_for(0, R, ELEM_GRAIN_ELEMS / I + 1, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; r++) {
     for (int64_t i = 0; i < I; i += 16) {
       const vf g = bf16x16_load(gp + r * I2 + i);
       // silu(g) = g / (1 + exp(-g)); exp16 takes x <= 0, so: g >= 0: g / (1 + e), g < 0: g e / (1 + e),
@@ -1116,6 +1127,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
       bf16x16_store(op + r * I + i, vmul(bf16x16_load(tmp), bf16x16_load(gp + r * I2 + I + i)));
     }
   }
+  });
   return out;
 }
 
@@ -1135,7 +1147,8 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
   const uint16_t* sp = (const uint16_t*)sin.data_ptr<at::BFloat16>();
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
   if (half % 16 == 0) {  // 16 lanes at a time (the head's halves are whole vectors): ~4x the scalar loop at 11 rows
-    for (int64_t r = 0; r < R; r++)
+    at::parallel_for(0, R, ELEM_GRAIN_ELEMS / (n * hd) + 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
       for (int64_t h = 0; h < n; h++) {
         const uint16_t* xr = xp + r * C + h * hd;
         uint16_t* o = op + (r * n + h) * hd;
@@ -1145,6 +1158,7 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
           bf16x16_store(o + d, vadd(a, b));
         }
       }
+    });
     return out;
   }
   for (int64_t r = 0; r < R; r++)
@@ -1263,6 +1277,34 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor>
   return add_rmsnorm(x, mlp.view_as(x), n2, eps2);
 }
 
+// Every layer's k and v from cache slots src [B, P] to slots dst [B, P] of the same row (a tree round's accepted
+// path to consecutive positions), each (layer, row, kv head)'s P slots read before any is written. K, V:
+// [L, B, nkv, S_max, hd], fp32 or bf16, contiguous in their last two dims (a batch's later calls keep a view
+// of fewer rows). As an indexed copy in ATen it cost ~1 ms a round at batch 16 (docs/reference/verify-cost.md).
+void move_slots(torch::Tensor K, torch::Tensor V, torch::Tensor src, torch::Tensor dst) {
+  TORCH_CHECK(K.dim() == 5 && K.sizes() == V.sizes() && K.strides() == V.strides() && K.scalar_type() == V.scalar_type() &&
+              K.stride(4) == 1 && K.stride(3) == K.size(4), "move_slots: K, V [L, B, nkv, S_max, hd] alike, rows contiguous");
+  TORCH_CHECK(src.scalar_type() == at::kLong && dst.scalar_type() == at::kLong && src.is_contiguous() && dst.is_contiguous() &&
+              src.dim() == 2 && src.sizes() == dst.sizes() && src.size(0) == K.size(1), "move_slots: src, dst [B, P] int64");
+  const int64_t L = K.size(0), B = K.size(1), nkv = K.size(2), Smax = K.size(3), P = src.size(1);
+  const int64_t row = K.size(4) * K.element_size();  // bytes of one slot of one head
+  const int64_t* sp = src.data_ptr<int64_t>();
+  const int64_t* dp = dst.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * P; i++)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < Smax && dp[i] >= 0 && dp[i] < Smax, "move_slots: slot out of the cache");
+  const int64_t es = K.element_size(), s0 = K.stride(0) * es, s1 = K.stride(1) * es, s2 = K.stride(2) * es;
+  char* bases[2] = {(char*)K.data_ptr(), (char*)V.data_ptr()};
+  at::parallel_for(0, 2 * L * B * nkv, 16, [&](int64_t i0, int64_t i1) {
+    std::vector<char> buf(P * row);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t h = i % nkv, b = (i / nkv) % B, l = (i / (nkv * B)) % L, which = i / (nkv * B * L);
+      char* head = bases[which] + l * s0 + b * s1 + h * s2;  // [S_max, hd] of this layer, row and kv head
+      for (int64_t p = 0; p < P; p++) std::memcpy(buf.data() + p * row, head + sp[b * P + p] * row, row);
+      for (int64_t p = 0; p < P; p++) std::memcpy(head + dp[b * P + p] * row, buf.data() + p * row, row);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear");
   m.def("linear", &linear, "y = x @ W^T (+ b), any M (row-invariant)");
@@ -1276,5 +1318,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_qkv", &attend_qkv, "write k, v at slots, then attend from the bf16 projections -> bf16 [B, T, nh * hd]");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 rows), as torch's max(-1).indices");
   m.def("amx_ready", &amx_ready, "whether the matmul runs on AMX tiles here (built for amx-bf16, and Linux granted AMX)");
+  m.def("move_slots", &move_slots, "copy every layer's k/v cache slots src [B, P] -> dst [B, P] per row, all reads first");
   m.def("rope", &rope, "RoPE on the first n heads of each row, cos and signed sin [rows, hd], bf16 roundings of eval/target.py");
 }
