@@ -1058,8 +1058,8 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
 
 // The elementwise kernels below split their rows between threads in chunks of at least this many
 // outputs: each row is computed alone, so the split changes no number. At a verify's 48 rows SiLU's
-// division and RMSNorm's pass were a single thread's work (docs/reference/kernels.md, "Elementwise
-// kernels on every thread").
+// division was one thread's 47 us a layer (docs/reference/kernels.md, "The tree's K/V move and the
+// elementwise kernels on every thread").
 #ifndef ELEM_GRAIN_ELEMS
 #define ELEM_GRAIN_ELEMS 16384
 #endif
@@ -1280,7 +1280,8 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor>
 // Every layer's k and v from cache slots src [B, P] to slots dst [B, P] of the same row (a tree round's accepted
 // path to consecutive positions), each (layer, row, kv head)'s P slots read before any is written. K, V:
 // [L, B, nkv, S_max, hd], fp32 or bf16, contiguous in their last two dims (a batch's later calls keep a view
-// of fewer rows). As an indexed copy in ATen it cost ~1 ms a round at batch 16 (docs/reference/verify-cost.md).
+// of fewer rows). As an indexed copy in ATen it cost 0.5-1 ms a round at batch 16 (docs/reference/kernels.md,
+// "The tree's K/V move and the elementwise kernels on every thread").
 void move_slots(torch::Tensor K, torch::Tensor V, torch::Tensor src, torch::Tensor dst) {
   TORCH_CHECK(K.dim() == 5 && K.sizes() == V.sizes() && K.strides() == V.strides() && K.scalar_type() == V.scalar_type() &&
               K.stride(4) == 1 && K.stride(3) == K.size(4), "move_slots: K, V [L, B, nkv, S_max, hd] alike, rows contiguous");
