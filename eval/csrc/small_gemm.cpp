@@ -1064,6 +1064,12 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
 #define ELEM_GRAIN_ELEMS 16384
 #endif
 
+// f(r0, r1) over rows [0, R) of `per_row` outputs each, split as above.
+template <class F>
+static void for_row_chunks(int64_t R, int64_t per_row, const F& f) {
+  at::parallel_for(0, R, ELEM_GRAIN_ELEMS / per_row + 1, f);
+}
+
 // x [R, H] bf16 (updated in place to x + y, rounded to bf16, when y is given), w [H] bf16 ->
 // h = w * bf16(x * rsqrt(mean(x^2) + eps)), HF's LlamaRMSNorm on the new x. H a multiple of 16.
 torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch::Tensor w, double eps) {
@@ -1078,27 +1084,27 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch
   const uint16_t* yp = add ? (const uint16_t*)y->data_ptr<at::BFloat16>() : nullptr;
   const uint16_t* wp = (const uint16_t*)w.data_ptr<at::BFloat16>();
   uint16_t* hp = (uint16_t*)h.data_ptr<at::BFloat16>();
-  at::parallel_for(0, R, ELEM_GRAIN_ELEMS / H + 1, [&](int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; r++) {
-    uint16_t* xr = xp + r * H;
-    vf ss = vzero();
-    for (int64_t i = 0; i < H; i += 16) {
-      vf v = bf16x16_load(xr + i);
-      if (add) {
-        bf16x16_store(xr + i, vadd(v, bf16x16_load(yp + r * H + i)));
-        v = bf16x16_load(xr + i);  // the rounded sum: the residual stream is bf16
+  for_row_chunks(R, H, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      uint16_t* xr = xp + r * H;
+      vf ss = vzero();
+      for (int64_t i = 0; i < H; i += 16) {
+        vf v = bf16x16_load(xr + i);
+        if (add) {
+          bf16x16_store(xr + i, vadd(v, bf16x16_load(yp + r * H + i)));
+          v = bf16x16_load(xr + i);  // the rounded sum: the residual stream is bf16
+        }
+        ss = vfma(v, v, ss);
       }
-      ss = vfma(v, v, ss);
+      const float inv = 1.0f / std::sqrt(vsum(ss) / (float)H + (float)eps);
+      const vf iv = vset(inv);
+      for (int64_t i = 0; i < H; i += 16) {
+        const vf n = vmul(bf16x16_load(xr + i), iv);
+        uint16_t tmp[16];
+        bf16x16_store(tmp, n);  // .to(bf16) before the weight, as HF does
+        bf16x16_store(hp + r * H + i, vmul(bf16x16_load(wp + i), bf16x16_load(tmp)));
+      }
     }
-    const float inv = 1.0f / std::sqrt(vsum(ss) / (float)H + (float)eps);
-    const vf iv = vset(inv);
-    for (int64_t i = 0; i < H; i += 16) {
-      const vf n = vmul(bf16x16_load(xr + i), iv);
-      uint16_t tmp[16];
-      bf16x16_store(tmp, n);  // .to(bf16) before the weight, as HF does
-      bf16x16_store(hp + r * H + i, vmul(bf16x16_load(wp + i), bf16x16_load(tmp)));
-    }
-  }
   });
   return h;
 }
@@ -1114,19 +1120,19 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   const uint16_t* gp = (const uint16_t*)gu.data_ptr<at::BFloat16>();
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
   const vf one = vset(1.0f);
-  at::parallel_for(0, R, ELEM_GRAIN_ELEMS / I + 1, [&](int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; r++) {
-    for (int64_t i = 0; i < I; i += 16) {
-      const vf g = bf16x16_load(gp + r * I2 + i);
-      // silu(g) = g / (1 + exp(-g)); exp16 takes x <= 0, so: g >= 0: g / (1 + e), g < 0: g e / (1 + e),
-      // with e = exp(-|g|)
-      const vf e = exp16(vsub(vzero(), vabs(g)));
-      const vf num = vmul_where_neg(g, e);
-      uint16_t tmp[16];
-      bf16x16_store(tmp, vdiv(num, vadd(one, e)));
-      bf16x16_store(op + r * I + i, vmul(bf16x16_load(tmp), bf16x16_load(gp + r * I2 + I + i)));
+  for_row_chunks(R, I, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+      for (int64_t i = 0; i < I; i += 16) {
+        const vf g = bf16x16_load(gp + r * I2 + i);
+        // silu(g) = g / (1 + exp(-g)); exp16 takes x <= 0, so: g >= 0: g / (1 + e), g < 0: g e / (1 + e),
+        // with e = exp(-|g|)
+        const vf e = exp16(vsub(vzero(), vabs(g)));
+        const vf num = vmul_where_neg(g, e);
+        uint16_t tmp[16];
+        bf16x16_store(tmp, vdiv(num, vadd(one, e)));
+        bf16x16_store(op + r * I + i, vmul(bf16x16_load(tmp), bf16x16_load(gp + r * I2 + I + i)));
+      }
     }
-  }
   });
   return out;
 }
@@ -1147,17 +1153,17 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
   const uint16_t* sp = (const uint16_t*)sin.data_ptr<at::BFloat16>();
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
   if (half % 16 == 0) {  // 16 lanes at a time (the head's halves are whole vectors): ~4x the scalar loop at 11 rows
-    at::parallel_for(0, R, ELEM_GRAIN_ELEMS / (n * hd) + 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++)
-      for (int64_t h = 0; h < n; h++) {
-        const uint16_t* xr = xp + r * C + h * hd;
-        uint16_t* o = op + (r * n + h) * hd;
-        for (int64_t d = 0; d < hd; d += 16) {
-          const vf a = bf16_round(vmul(bf16x16_load(xr + d), bf16x16_load(cp + r * hd + d)));
-          const vf b = bf16_round(vmul(bf16x16_load(xr + (d < half ? d + half : d - half)), bf16x16_load(sp + r * hd + d)));
-          bf16x16_store(o + d, vadd(a, b));
+    for_row_chunks(R, n * hd, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; r++)
+        for (int64_t h = 0; h < n; h++) {
+          const uint16_t* xr = xp + r * C + h * hd;
+          uint16_t* o = op + (r * n + h) * hd;
+          for (int64_t d = 0; d < hd; d += 16) {
+            const vf a = bf16_round(vmul(bf16x16_load(xr + d), bf16x16_load(cp + r * hd + d)));
+            const vf b = bf16_round(vmul(bf16x16_load(xr + (d < half ? d + half : d - half)), bf16x16_load(sp + r * hd + d)));
+            bf16x16_store(o + d, vadd(a, b));
+          }
         }
-      }
     });
     return out;
   }
@@ -1288,12 +1294,12 @@ void move_slots(torch::Tensor K, torch::Tensor V, torch::Tensor src, torch::Tens
   TORCH_CHECK(src.scalar_type() == at::kLong && dst.scalar_type() == at::kLong && src.is_contiguous() && dst.is_contiguous() &&
               src.dim() == 2 && src.sizes() == dst.sizes() && src.size(0) == K.size(1), "move_slots: src, dst [B, P] int64");
   const int64_t L = K.size(0), B = K.size(1), nkv = K.size(2), Smax = K.size(3), P = src.size(1);
-  const int64_t row = K.size(4) * K.element_size();  // bytes of one slot of one head
+  const int64_t es = K.element_size(), row = K.size(4) * es;  // bytes of one slot of one head
   const int64_t* sp = src.data_ptr<int64_t>();
   const int64_t* dp = dst.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * P; i++)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < Smax && dp[i] >= 0 && dp[i] < Smax, "move_slots: slot out of the cache");
-  const int64_t es = K.element_size(), s0 = K.stride(0) * es, s1 = K.stride(1) * es, s2 = K.stride(2) * es;
+  const int64_t s0 = K.stride(0) * es, s1 = K.stride(1) * es, s2 = K.stride(2) * es;
   char* bases[2] = {(char*)K.data_ptr(), (char*)V.data_ptr()};
   at::parallel_for(0, 2 * L * B * nkv, 16, [&](int64_t i0, int64_t i1) {
     std::vector<char> buf(P * row);
