@@ -55,7 +55,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "move-slots-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "laggard-2"
+CONTROLLER_REV = "stall-clip-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 # A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
 # the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
@@ -76,6 +76,10 @@ RETIME_SHARE = 0.1
 # of a call on average (fewer left the slowest-looking row to chance: docs/reference/k-auto.md); before, the
 # slowest of as many rows as far apart as last measured
 LAGGARD_ROUNDS = 8
+# k="auto": a round timed over this many times its K's fresh price counts at this many times it. A stalled round (a
+# busy host) then cannot switch speculation off where it pays, or a stalled plain step on where it loses; a lasting
+# slowdown still moves the price within a few rounds (docs/reference/k-auto.md)
+STALL_CLIP = 1.5
 STATIC_MIN_LEN = 256  # compile=True: the KV cache length (the step's attended length), a power of two >= this
 
 
@@ -696,7 +700,7 @@ class KController:
     it (a Kaplan-Meier estimate). A short per-K sample, taken where the text happened to be easy or hard,
     no longer decides (docs/reference/k-auto.md). Positions never proposed take alpha_hat (eval.speedup's
     geometric model); a hybrid's lookups past K add what they added at that K. Seconds are measured at
-    each K, and a K not run yet lies on the line through the measured rounds' times against K, so a
+    each K (a stalled round counted at STALL_CLIP times its K's price at most), and a K not run yet lies on the line through the measured rounds' times against K, so a
     verify that grows with the batch (the forward stops being bandwidth-bound) prices long drafts out,
     and K = 0 wins where no K pays. Seconds are kept per band of the rows the target computes (finished rows
     leave the forward, so a call's later rounds cost less at every K): a band first met starts from the last
@@ -950,8 +954,11 @@ class KController:
         since = self.rounds - self.stamp.get((self.band, k), self.rounds - 1) - 1  # rounds at other K since
         self.stamp[(self.band, k)] = self.rounds
         beyond = sum(max(a - k, 0) for a in accepted) / n_rows
+        fade = self.DECAY * self.AGE ** since
+        if fade * w[0] >= 1.0:  # a price at least one round's weight: a stall moves it by STALL_CLIP at most
+            seconds = min(seconds, STALL_CLIP * w[1] / w[0])
         for i, x in enumerate((1.0, seconds, beyond)):
-            w[i] = self.DECAY * self.AGE ** since * w[i] + x
+            w[i] = fade * w[i] + x
 
     def _pool(self, k: int, accepted: list[int]):
         """Each position 1..k of this round: the rows that reached it (accepted every draft before it) and
