@@ -76,8 +76,8 @@ RETIME_SHARE = 0.1
 # of a call on average (fewer left the slowest-looking row to chance: docs/reference/k-auto.md); before, the
 # slowest of as many rows as far apart as last measured
 LAGGARD_ROUNDS = 8
-# k="auto": a round timed over this many times its K's fresh price counts at this many times it. A stalled round (a
-# busy host) then cannot switch speculation off where it pays, or a stalled plain step on where it loses; a lasting
+# k="auto": a round timed over this many times its K's price counts at this many times it. A stalled round (a busy
+# host) then cannot switch speculation off where it pays, or a stalled plain step on where it loses; a lasting
 # slowdown still moves the price within a few rounds (docs/reference/k-auto.md)
 STALL_CLIP = 1.5
 STATIC_MIN_LEN = 256  # compile=True: the KV cache length (the step's attended length), a power of two >= this
@@ -954,11 +954,10 @@ class KController:
         since = self.rounds - self.stamp.get((self.band, k), self.rounds - 1) - 1  # rounds at other K since
         self.stamp[(self.band, k)] = self.rounds
         beyond = sum(max(a - k, 0) for a in accepted) / n_rows
-        fade = self.DECAY * self.AGE ** since
-        if fade * w[0] >= 1.0:  # a price at least one round's weight: a stall moves it by STALL_CLIP at most
+        if w[0] > 0:  # a stall moves the K's price (stale or not) by STALL_CLIP at most
             seconds = min(seconds, STALL_CLIP * w[1] / w[0])
         for i, x in enumerate((1.0, seconds, beyond)):
-            w[i] = fade * w[i] + x
+            w[i] = self.DECAY * self.AGE ** since * w[i] + x
 
     def _pool(self, k: int, accepted: list[int]):
         """Each position 1..k of this round: the rows that reached it (accepted every draft before it) and
