@@ -700,7 +700,8 @@ class KController:
     it (a Kaplan-Meier estimate). A short per-K sample, taken where the text happened to be easy or hard,
     no longer decides (docs/reference/k-auto.md). Positions never proposed take alpha_hat (eval.speedup's
     geometric model); a hybrid's lookups past K add what they added at that K. Seconds are measured at
-    each K (a stalled round counted at STALL_CLIP times its K's price at most), and a K not run yet lies on the line through the measured rounds' times against K, so a
+    each K (a stalled round counts at most STALL_CLIP times its K's price), and a K not run yet lies on
+    the line through the measured rounds' times against K, so a
     verify that grows with the batch (the forward stops being bandwidth-bound) prices long drafts out,
     and K = 0 wins where no K pays. Seconds are kept per band of the rows the target computes (finished rows
     leave the forward, so a call's later rounds cost less at every K): a band first met starts from the last
