@@ -701,11 +701,11 @@ class KController:
     no longer decides (docs/reference/k-auto.md). Positions never proposed take alpha_hat (eval.speedup's
     geometric model); a hybrid's lookups past K add what they added at that K. Seconds are measured at
     each K (a stalled round counts at most STALL_CLIP times its K's price), and a K not run yet lies on
-    the line through the measured rounds' times against K, so a
-    verify that grows with the batch (the forward stops being bandwidth-bound) prices long drafts out,
-    and K = 0 wins where no K pays. Seconds are kept per band of the rows the target computes (finished rows
-    leave the forward, so a call's later rounds cost less at every K): a band first met starts from the last
-    band's scores at the weight of one round, and a K not run there yet is priced as the band's timed K moved
+    the line through the measured rounds' times against K, so a verify that grows with the batch (the
+    forward stops being bandwidth-bound) prices long drafts out, and K = 0 wins where no K pays. Seconds
+    are kept per band of the rows the target computes (finished rows leave the forward, so a call's later
+    rounds cost less at every K): a band first met starts from the last band's scores at the weight of one
+    round, and a K not run there yet is priced as the band's timed K moved
     (_price). A batch ends with its slowest row, so a round's tokens count as far as they move that end
     (_batch_tokens). Every `probe_every` rounds the best K's neighbour runs once, to keep the scores fresh (below
     RETIME_BELOW, the lower neighbour is a plain step where the resync it causes costs at most RETIME_SHARE of
