@@ -4,7 +4,7 @@ Four named paths (docs/reference/kernels.md has each one's figures):
   amx-bf16     the same kernels with the bf16 matmul on AMX tiles (`tdpbf16ps`), for every row count: on
                AMX CPUs (Sapphire Rapids and later) a verify of 16-48 rows then costs about a one-row step;
   avx512-bf16  this project's kernels built for AVX512-BF16 (`vdpbf16ps`), oneDNN's bf16 matmul beside
-               them for forwards of more than MAX_ROWS rows (prefill);
+               them for forwards of more than VDP_MAX_ROWS rows (prefills);
   avx2         the same kernels built for AVX2 + FMA (bf16 weights widened to fp32 in registers), for every
                row count, since oneDNN has no bf16 matmul on such a CPU;
   generic      PyTorch's own ops: oneDNN where its bf16 path runs here, else ATen's.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
-from .kernels import MAX_ROWS, KernelBuildError
+from .kernels import KernelBuildError
 
 ENV_PATH = "DRAFTSMITH_CPU_PATH"
 ENV_KERNELS = "DRAFTSMITH_KERNELS"
@@ -40,6 +40,10 @@ NEEDS = {  # /proc/cpuinfo flags each path's kernels execute
     "avx2": ("avx2", "fma"),
     "generic": (),
 }
+# On avx512-bf16, forwards of up to this many rows (a batch-16 K=3 verify, a batch-32 K=1 one) stay on the
+# kernels, so batched verifies round like one-token steps: alike with oneDNN's there, 10-17% dearer from ~128 rows
+# (prefills) on a Zen 5 EPYC (docs/reference/kernels.md#on-a-zen-5-epyc-avx512-bf16-cpu-2core-h).
+VDP_MAX_ROWS = 64
 # oneDNN's bf16 matmul and weight reorder run with these (PyTorch's mkldnn_bf16_device_check)
 ONEDNN_BF16_NEEDS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
 SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
@@ -99,12 +103,12 @@ class CpuPath:
     @property
     def kernel_rows(self) -> int | None:
         """The most rows of one matmul this path's kernels take; None: every row count, so every forward
-        rounds each row as a one-token step would. vdpbf16ps hands more rows to oneDNN where that runs
-        (faster for prefills); AMX's tiles stay fast at any row count, and AVX2 has nothing else. 0 on the
-        generic path, which has no kernels."""
+        rounds each row as a one-token step would. vdpbf16ps hands more rows than VDP_MAX_ROWS to oneDNN where
+        that runs (faster for prefills); AMX's tiles stay fast at any row count, and AVX2 has nothing else. 0 on
+        the generic path, which has no kernels."""
         if self.kernels is None:
             return 0
-        return MAX_ROWS if self.name == "avx512-bf16" and self.onednn_bf16 else None
+        return VDP_MAX_ROWS if self.name == "avx512-bf16" and self.onednn_bf16 else None
 
     def summary(self) -> dict:
         """What bench, evaluate's metrics.json and the report record."""
@@ -242,8 +246,8 @@ def small_gemm():
 # PyTorch's default bf16 matmul (oneDNN) re-lays the weights out on every call. Without the kernels, two
 # faster routes give the same numbers: the native GEMV (fp32 accumulation) at one or two rows, which slows
 # down sharply with more, and oneDNN with the weights packed once (`_reorder_linear_weight`) for verify and
-# prefill forwards. The kernels beat both at 1-16 rows, so where they build they take every forward of
-# <= 16 rows, and every forward where oneDNN has no bf16 path. Figures: docs/reference/kernels.md.
+# prefill forwards. The kernels beat both at 1-16 rows, so where they build they take every forward of up to
+# the path's kernel_rows, and every forward where oneDNN has no bf16 path. Figures: docs/reference/kernels.md.
 GEMV_MAX_ROWS = 2
 PACK_HINT_ROWS = 16  # the row count oneDNN picks its packed layout for (docs/reference/kernels.md)
 

@@ -29,7 +29,7 @@ import torch
 
 from .loading import cache_dir
 
-MAX_ROWS = 16  # the row count up to which every forward goes through the kernels (row-invariant verifies)
+MAX_ROWS = 16  # the most tokens a row verifies through the attention kernel (row-invariant verifies)
 SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
 # Compiler flags per CPU path; the source picks its instructions from them (DS_AVX512 in small_gemm.cpp).
 FLAGS = {

@@ -99,7 +99,7 @@ def test_matches_fp32_reference_up_to_summation_order(rows, n_out, bias, k, ext)
     assert (got == ref.to(torch.bfloat16)).float().mean() > 0.97
 
 
-@pytest.mark.parametrize("rows", [5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 19, 40])  # AVX2: 5, 6 one pass (6: each line even k then odd); 7, 13 passes of 5 (5+2, 5+5+3); 8, 9, 16 a 2-4 row pass after 6; 17-40 its panel kernel (19: a 4-row tile)
+@pytest.mark.parametrize("rows", [5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 19, 40, 64])  # AVX2: 5, 6 one pass (6: each line even k then odd); 7, 13 passes of 5 (5+2, 5+5+3); 8, 9, 16 a 2-4 row pass after 6; 17-64 its panel kernel (19: a 4-row tile); 64: avx512-bf16's last row count on the kernels
 @pytest.mark.parametrize("n_out", [192, 168])  # 168: a span of 3 blocks, the last one partial
 def test_a_row_rounds_the_same_whatever_the_other_rows(rows, n_out, ext, kernel_path):
     if kernel_path.kernel_rows is not None and rows > kernel_path.kernel_rows:
@@ -112,11 +112,11 @@ def test_a_row_rounds_the_same_whatever_the_other_rows(rows, n_out, ext, kernel_
     assert not torch.equal(lin(x[:, :1]), lin(x[:, 1:2]))  # and it does compute something per row
 
 
-def test_more_rows_than_max_rows_go_to_onednn_where_it_has_bf16_else_to_the_kernel(ext, kernel_path):
-    w, _, x = _case(kernels.MAX_ROWS + 4, 96, 64, False, 1)
+def test_more_rows_than_the_kernel_rows_go_to_onednn_where_it_has_bf16_else_to_the_kernel(ext, kernel_path):
+    assert (kernel_path.kernel_rows is None) == (kernel_path.name != "avx512-bf16" or not kernel_path.onednn_bf16)
+    w, _, x = _case((kernel_path.kernel_rows or cpu.VDP_MAX_ROWS) + 4, 96, 64, False, 1)
     lin = packed_linear(w)
     got = lin(x)
-    assert (kernel_path.kernel_rows is None) == (kernel_path.name != "avx512-bf16" or not kernel_path.onednn_bf16)
     if kernel_path.kernel_rows is not None:
         assert torch.equal(got, F.linear(x, w))  # oneDNN's packed weight is bit-identical to F.linear
     else:  # AMX, fast at any row count; AVX2, where oneDNN has no bf16 matmul: the kernel, still row-invariant
@@ -341,8 +341,12 @@ def test_decoder_reports_row_invariance_only_when_every_verify_fit_the_kernels(e
     for k, want in ((1, True), (kernels.MAX_ROWS - 1, True), (kernels.MAX_ROWS, False)):
         stats = SpeculativeDecoder(target, None if k == 1 else Zeros(), k=k).generate(prompts, max_new_tokens=6).stats
         assert stats["row_invariant"] is want, k
-    # A batch whose verify rows (batch x tokens) pass the path's kernel_rows: oneDNN takes them on avx512-bf16.
+    # A batch of 4 verifying 5 tokens a row (20 rows) stays on the kernels on every path; one whose verify rows
+    # (batch x tokens) pass the path's kernel_rows goes to oneDNN on avx512-bf16.
     stats = SpeculativeDecoder(target, Zeros(), k=4).generate(prompts * 4, max_new_tokens=6).stats
+    assert stats["row_invariant"] is True
+    wide = cpu.VDP_MAX_ROWS // 5 + 1
+    stats = SpeculativeDecoder(target, Zeros(), k=4).generate(prompts * wide, max_new_tokens=6).stats
     assert stats["row_invariant"] is (kernel_path.kernel_rows is None)
 
 
@@ -551,7 +555,8 @@ def test_fused_forward_gives_the_same_numbers_with_and_without_the_layer_call(ex
 
 def test_the_layer_call_takes_as_many_rows_as_the_matmul_kernel(ext, kernel_path):
     """A batch's verify (6 rows x 4 tokens = 24 matmul rows): ext.layer wherever the path's kernels take
-    that many rows (amx-bf16, avx2), with the per-kernel loop's numbers bit for bit; the loop elsewhere."""
+    that many rows (amx-bf16, avx2, avx512-bf16 up to VDP_MAX_ROWS), with the per-kernel loop's numbers bit for
+    bit; the loop elsewhere."""
     from eval.target import LeanLlama
 
     r = LeanLlama(_bf16_target())
@@ -559,7 +564,7 @@ def test_the_layer_call_takes_as_many_rows_as_the_matmul_kernel(ext, kernel_path
     layers, B = r.layers, 6
     toks = torch.randint(1, 96, (B, 14), generator=torch.Generator().manual_seed(3))
     calls = []
-    real = r.ew.layer if kernel_path.kernel_rows is None else None
+    real = r.ew.layer if kernel_path.kernel_rows is None or B * 4 <= kernel_path.kernel_rows else None
     out = {}
     with torch.no_grad():
         for name, ls in (("layer", layers), ("loop", None)):

@@ -748,7 +748,7 @@ static void gemm(const uint16_t* x, int64_t M, int64_t K, const W* p, const floa
 }
 
 // x [M, K] bf16 contiguous, packed from `pack`, bias fp32 [Nb*16] or empty -> y [M, N] bf16. Any M >= 1;
-// eval/target.py sends it up to MAX_ROWS rows, and every row count on CPUs without oneDNN's bf16 path.
+// eval/cpu.py sends it up to VDP_MAX_ROWS rows on avx512-bf16 (oneDNN takes more), every row count elsewhere.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear: x [M, K] bf16");
   const int64_t M = x.size(0), K = x.size(1), Nb = packed.size(0), Kp = packed.size(1);
@@ -1268,7 +1268,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // norm's output; w: (packed, bias) of q|k|v, o, gate|up and down from `pack` (bias fp32 or empty);
 // cos/sin [B, T, hd]; the layer's caches, slots and vis as attend_qkv takes them; n1/n2: the
 // post-attention norm and the next norm (the next layer's input norm, or the final one) -> their output.
-// B * T <= 16 rows (the matmul kernel's limit).
+// B * T rows up to the path's kernel_rows (eval/cpu.py).
 torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> w, std::vector<int64_t> n_out,
                     torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
                     torch::Tensor vis, int64_t nh, double scale, torch::Tensor n1, double eps1, torch::Tensor n2,
@@ -1321,7 +1321,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "bf16(silu(gate)) * up from the fused [gate | up]");
   m.def("pack_i8", &pack_i8, "W [N, K] -> (int8 weights packed for linear_i8, per-output scales)");
   m.def("linear_i8", &linear_i8, "y = x @ (s * q)^T (+ b), int8 weights");
-  m.def("layer", &layer, "one Llama layer of the fused bf16 forward, <= 16 rows (packed weights)");
+  m.def("layer", &layer, "one Llama layer of the fused bf16 forward, any rows (packed weights)");
   m.def("attend_qkv", &attend_qkv, "write k, v at slots, then attend from the bf16 projections -> bf16 [B, T, nh * hd]");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 rows), as torch's max(-1).indices");
   m.def("amx_ready", &amx_ready, "whether the matmul runs on AMX tiles here (built for amx-bf16, and Linux granted AMX)");
