@@ -671,7 +671,10 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: Non
                     f"{pre}speedup_turns": turn_ratios(m[name]["calls"], m["plain"]["calls"]),
                     # greedy: the same tokens as plain decoding at this batch size (bf16 holds it up to the kernels'
                     # row-invariant sizes, eval/kernels.py); None when sampling
-                    f"{pre}same_tokens": None if R.args.temperature > 0 else m[name]["sequences"] == m["plain"]["sequences"]}
+                    f"{pre}same_tokens": None if R.args.temperature > 0 else m[name]["sequences"] == m["plain"]["sequences"],
+                    # where not the same (verifies past the path's row-invariant sizes): how much still matched
+                    f"{pre}match_rate": None if R.args.temperature > 0 else
+                    match_rate(m["plain"]["sequences"], m[name]["sequences"])}
         res["rows"].append(row)
         res["markdown"] = _sweep_markdown(res["rows"], "controlled" in decs)
         saved(res)
@@ -693,20 +696,21 @@ def _spread(r: dict, key: str) -> str:
 
 
 def _sweep_markdown(rows: list[dict], controlled: bool) -> str:
-    head = "| batch | plain tok/s | speculative tok/s | speedup | τ | mean K | rounds plain (auto off) |"
-    rule = "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    head = "| batch | plain tok/s | speculative tok/s | speedup | τ | mean K | rounds plain (auto off) | match |"
+    rule = "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     if controlled:
-        head += " controller tok/s | controller speedup | controller τ | controller mean K | controller rounds plain |"
-        rule += " ---: | ---: | ---: | ---: | ---: |"
+        head += (" controller tok/s | controller speedup | controller τ | controller mean K | controller rounds plain |"
+                 " controller match |")
+        rule += " ---: | ---: | ---: | ---: | ---: | ---: |"
     md = [head, rule]
     for r in rows:
         line = (f"| {r['batch_size']} | {_fmt(r['plain_tokens_per_s'], '.1f')} | "
                 f"{_fmt(r['speculative_tokens_per_s'], '.1f')} | {_spread(r, 'speedup')} | {_fmt(r['tau'])} | "
-                f"{_fmt(r['k'], '.1f')} | {_fmt(r['spec_off_fraction'])} |")
+                f"{_fmt(r['k'], '.1f')} | {_fmt(r['spec_off_fraction'])} | {_fmt(r['match_rate'], '.3f')} |")
         if controlled:
             line += (f" {_fmt(r['controlled_tokens_per_s'], '.1f')} | {_spread(r, 'controlled_speedup')} | "
                      f"{_fmt(r['controlled_tau'])} | {_fmt(r['controlled_k'], '.1f')} | "
-                     f"{_fmt(r['controlled_spec_off_fraction'])} |")
+                     f"{_fmt(r['controlled_spec_off_fraction'])} | {_fmt(r['controlled_match_rate'], '.3f')} |")
         md.append(line)
     return "\n".join(md)
 

@@ -188,6 +188,13 @@ def render_compare(rec: dict, machines: dict) -> str:
     return "\n".join(out).rstrip()
 
 
+def _match(r: dict, pre: str = "") -> str:
+    """A sweep row's greedy token match with plain decoding; results recorded before the rate was kept say only
+    whether the tokens were the same (1.000) or not ("differs")."""
+    rate, same = r.get(f"{pre}match_rate"), r.get(f"{pre}same_tokens")
+    return _num(rate, ".3f") if rate is not None else "1.000" if same else "differs" if same is False else "–"
+
+
 def render_bench(rec: dict, machines: dict) -> str:
     f = rec["figures"]
     out = [f"### {rec['title']}", "", _provenance(rec, machines) + ".", ""]
@@ -202,11 +209,13 @@ def render_bench(rec: dict, machines: dict) -> str:
         out += ["", "Batch sweep: plain decoding, the fixed K and the K controller (k=auto) taking turns batch by batch:",
                 ""]
         out += _table(["batch", "plain tok/s", "fixed K tok/s", "fixed K speedup", "fixed K τ", "controller tok/s",
-                       "controller speedup", "controller mean K", "controller rounds plain"],
+                       "controller speedup", "controller mean K", "controller rounds plain",
+                       "token match with plain (fixed K / controller)"],
                       [[str(r["batch_size"]), _num(r.get("plain_tokens_per_s"), ".1f"),
                         _num(r.get("speculative_tokens_per_s"), ".1f"), _x_turns(r, "speedup"), _num(r.get("tau"), ".2f"),
                         _num(r.get("controlled_tokens_per_s"), ".1f"), _x_turns(r, "controlled_speedup"),
-                        _num(r.get("controlled_k"), ".1f"), _num(r.get("controlled_spec_off_fraction"), ".2f")]
+                        _num(r.get("controlled_k"), ".1f"), _num(r.get("controlled_spec_off_fraction"), ".2f"),
+                        f"{_match(r)} / {_match(r, 'controlled_')}"]
                        for r in f["batch_sweep"]])
     return "\n".join(out)
 
@@ -344,7 +353,7 @@ def run_record(run_dir: Path, machine: str, *, command=None, wall_s=None, commit
 SWEEP_KEYS = ("batch_size", "plain_tokens_per_s", "speculative_tokens_per_s", "speedup", "tau", "k",
               "controlled_tokens_per_s", "controlled_speedup", "controlled_tau", "controlled_k",
               "controlled_spec_off_fraction", "speedup_turns", "controlled_speedup_turns",
-              "same_tokens", "controlled_same_tokens")
+              "same_tokens", "controlled_same_tokens", "match_rate", "controlled_match_rate")
 
 
 def bench_record(bench: dict, machine: str, *, command=None, commit=None, serving_rev=None, title=None,

@@ -70,6 +70,8 @@ def test_ngram_writes_required_keys(tiny, tmp_path, capsys):
             assert len(turns) == 3 and min(turns) - 1e-9 <= r[key] <= max(turns) + 1e-9, (key, r)
     # float32 greedy: every batch size's outputs are plain decoding's, for the fixed K and the controller alike
     assert all(r["same_tokens"] is True and r["controlled_same_tokens"] is True for r in sweep["rows"])
+    assert all(r["match_rate"] == 1.0 and r["controlled_match_rate"] == 1.0 for r in sweep["rows"])
+    assert sweep["markdown"].splitlines()[-1].endswith("| 1.000 |") and "| controller match |" in sweep["markdown"]
     assert f"× ({min(sweep['rows'][0]['speedup_turns']):.2f}–" in sweep["markdown"]
     assert res["complete"] is True
     out = capsys.readouterr().out

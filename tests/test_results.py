@@ -91,12 +91,20 @@ def test_bench_import_takes_every_row(tmp_path):
                                       "controlled_spec_off_fraction": 0.9}]}
     rec = results.bench_record(bench, "box", commit="abc", serving_rev="r", date="2026-01-04")
     assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1] == \
-        "| 16 | 300.0 | 250.0 | 0.83× | 2.20 | 303.0 | 1.01× | 1.0 | 0.90 |"
+        "| 16 | 300.0 | 250.0 | 0.83× | 2.20 | 303.0 | 1.01× | 1.0 | 0.90 | – / – |"
     # with each turn's own ratio kept, the cell gives their range (the batches' text and the drift between calls)
     bench["batch_sweep"]["rows"][0] |= {"speedup_turns": [0.8, 0.87, 0.83], "controlled_speedup_turns": [0.95, 1.08]}
     rec = results.bench_record(bench, "box", commit="abc", serving_rev="r", date="2026-01-04")
     assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1] == \
-        "| 16 | 300.0 | 250.0 | 0.83× (0.80–0.87) | 2.20 | 303.0 | 1.01× (0.95–1.08) | 1.0 | 0.90 |"
+        "| 16 | 300.0 | 250.0 | 0.83× (0.80–0.87) | 2.20 | 303.0 | 1.01× (0.95–1.08) | 1.0 | 0.90 | – / – |"
+    # greedy: how much of each output matched plain decoding's (a result from before the rate was kept: same or not)
+    bench["batch_sweep"]["rows"][0] |= {"same_tokens": False, "match_rate": 0.9312, "controlled_same_tokens": True,
+                                        "controlled_match_rate": 1.0}
+    rec = results.bench_record(bench, "box", commit="abc", serving_rev="r", date="2026-01-04")
+    assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1].endswith("| 0.931 / 1.000 |")
+    for r in rec["figures"]["batch_sweep"]:
+        r.pop("match_rate"), r.pop("controlled_match_rate")
+    assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1].endswith("| differs / 1.000 |")
 
 
 def test_parse_wall():
