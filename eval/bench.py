@@ -669,8 +669,8 @@ def _sweep(R: Runner, prompts, sizes, proposer, k, target, saved=lambda res: Non
                     # k="auto": share of rounds run plain (speculation would not pay, or plain's price was re-timed)
                     f"{pre}spec_off_fraction": st.get("spec_off_fraction"),
                     f"{pre}speedup_turns": turn_ratios(m[name]["calls"], m["plain"]["calls"]),
-                    # greedy: the same tokens as plain decoding at this batch size (bf16 holds it up to the kernels'
-                    # row-invariant sizes, eval/kernels.py); None when sampling
+                    # greedy: the same tokens as plain decoding at this batch size (bf16 holds it up to the path's
+                    # row-invariant sizes, eval/cpu.py CpuPath.kernel_rows); None when sampling
                     f"{pre}same_tokens": None if R.args.temperature > 0 else m[name]["sequences"] == m["plain"]["sequences"],
                     # where not the same (verifies past the path's row-invariant sizes): how much still matched
                     f"{pre}match_rate": None if R.args.temperature > 0 else
