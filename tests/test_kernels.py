@@ -553,6 +553,33 @@ def test_fused_forward_gives_the_same_numbers_with_and_without_the_layer_call(ex
     assert torch.equal(out["layer"][1], out["loop"][1]) and torch.equal(out["layer"][2], out["loop"][2])
 
 
+def test_the_layer_calls_scratch_reuse_changes_no_number_and_no_output(ext):
+    """ext.layer keeps its intermediates in a buffer reused across calls on the thread: a call's output is
+    its own tensor (later calls, of the same or another row count, leave it as it was), and the same inputs
+    give the same numbers whether the buffer last held a larger call's intermediates or none."""
+    from eval.target import LeanLlama
+
+    r = LeanLlama(_bf16_target())
+    (w, n_out), nw = r.layers[0], r.norm_w
+
+    def call(T, seed):
+        r.reset(1, 64)
+        x = (torch.randn(1, T, 576, generator=torch.Generator().manual_seed(seed)) * 2).bfloat16()
+        h = ext.add_rmsnorm(x.clone(), None, *nw[0])
+        cos, sin = torch.ones(1, T, 32).bfloat16(), torch.zeros(1, T, 32).bfloat16()
+        vis = torch.ones(1, T, T, dtype=torch.bool).tril()
+        return ext.layer(x, h, w, n_out, cos, sin, r.caches[0].k, r.caches[0].v, torch.arange(T)[None], vis,
+                         r.n_heads, r.scale, *nw[1], *nw[2])
+
+    with torch.no_grad():
+        first = call(3, 0)
+        kept = first.clone()
+        other = call(3, 1)  # the same sizes: the same places in the buffer
+        big = call(40, 2)  # a larger call grows the buffer
+        assert torch.equal(first, kept) and not torch.equal(other, kept)
+        assert torch.equal(call(3, 0), kept) and torch.equal(call(40, 2), big)
+
+
 def test_the_layer_call_takes_as_many_rows_as_the_matmul_kernel(ext, kernel_path):
     """A batch's verify (6 rows x 4 tokens = 24 matmul rows): ext.layer wherever the path's kernels take
     that many rows (amx-bf16, avx2, avx512-bf16 up to VDP_MAX_ROWS), with the per-kernel loop's numbers bit for

@@ -51,6 +51,52 @@ static inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat
   return (uint16_t)(u >> 16);
 }
 
+// Scratch memory reused across calls on the calling thread, instead of malloc: in a process whose heap
+// is fragmented (the distill's, after generate and train), glibc's malloc made a 13-row verify 1.6x
+// slower while a one-token step kept its speed (docs/reference/verify-cost.md, "In the distill's own
+// process"). `grown` keeps a thread's buffer at the largest size asked for.
+template <class T>
+static T* grown(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// A layer's intermediates: while a Scratch is open on this thread, `fresh` carves outputs out of one reused
+// buffer (64-byte aligned pieces) instead of allocating; they must not outlive it. Outside one, `fresh` is
+// torch::empty. Forwards larger than SCRATCH_MAX_BYTES (prefills) allocate as before.
+#ifndef SCRATCH_MAX_BYTES
+#define SCRATCH_MAX_BYTES (16 << 20)
+#endif
+struct Arena {
+  std::vector<char> buf;
+  size_t used = 0, cap = 0;
+  bool on = false;
+};
+static thread_local Arena arena;
+
+struct Scratch {
+  explicit Scratch(size_t bytes) {
+    if (arena.on || bytes > SCRATCH_MAX_BYTES) return;  // nested or too large: malloc as before
+    grown(arena.buf, bytes + 64);
+    arena.used = 0, arena.cap = bytes, arena.on = owner = true;
+  }
+  void close() { if (owner) arena.on = false, owner = false; }
+  ~Scratch() { close(); }
+  bool owner = false;
+};
+
+static torch::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& o) {
+  if (!arena.on) return torch::empty(sizes, o);
+  int64_t n = 1;
+  for (auto d : sizes) n *= d;
+  const size_t bytes = (n * o.dtype().itemsize() + 63) / 64 * 64;
+  const size_t base = (64 - (size_t)arena.buf.data() % 64) % 64;
+  if (arena.used + bytes > arena.cap) return torch::empty(sizes, o);  // a size the caller did not plan for
+  void* p = arena.buf.data() + base + arena.used;
+  arena.used += bytes;
+  return torch::from_blob(p, sizes, o);
+}
+
 #if DS_AVX512
 using vf = __m512;
 static inline vf vzero() { return _mm512_setzero_ps(); }
@@ -564,9 +610,11 @@ static void gemm_panel(const float* xf, int64_t M, int64_t K, const uint16_t* p,
                        uint16_t* y, int64_t N) {
   const int64_t Kp = K / 2;
   at::parallel_for(0, Nb, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> panel(K * 16), c(M * 16);
+    static thread_local std::vector<float> pbuf, cbuf;
+    float* const panel = grown(pbuf, K * 16);
+    float* const cc = grown(cbuf, M * 16);
     for (int64_t b = b0; b < b1; b++) {
-      widen_panel(p + b * Kp * 32, Kp, panel.data());
+      widen_panel(p + b * Kp * 32, Kp, panel);
       const float* bb = bias ? bias + b * 16 : nullptr;
       // ceil(M / 6) tiles of near-equal height, 4 to 6 rows from 8 rows on: a lone tile of one or two rows
       // would leave the FMA pipes waiting on its few accumulators.
@@ -577,12 +625,12 @@ static void gemm_panel(const float* xf, int64_t M, int64_t K, const uint16_t* p,
           const int64_t r = (M - m) / (tiles - t) + ((M - m) % (tiles - t) ? 1 : 0);
           const float* xm = xf + m * K;
           uint16_t* ym = y + m * N;
-          float* cm = c.data() + m * 16;
+          float* cm = cc + m * 16;
           const uint16_t* next = (t == 0 && b + 1 < b1) ? p + (b + 1) * Kp * 32 : nullptr;
           switch (r) {
-            case 4: panel_tile<4>(xm, K, k0, k1, panel.data(), bb, cm, ym, N, b * 16, next); break;
-            case 5: panel_tile<5>(xm, K, k0, k1, panel.data(), bb, cm, ym, N, b * 16, next); break;
-            default: panel_tile<6>(xm, K, k0, k1, panel.data(), bb, cm, ym, N, b * 16, next); break;
+            case 4: panel_tile<4>(xm, K, k0, k1, panel, bb, cm, ym, N, b * 16, next); break;
+            case 5: panel_tile<5>(xm, K, k0, k1, panel, bb, cm, ym, N, b * 16, next); break;
+            default: panel_tile<6>(xm, K, k0, k1, panel, bb, cm, ym, N, b * 16, next); break;
           }
           m += r;
         }
@@ -592,10 +640,11 @@ static void gemm_panel(const float* xf, int64_t M, int64_t K, const uint16_t* p,
 }
 
 // bf16 x [M, K] -> fp32 [M, K] (exact): the broadcasts read it.
-static std::vector<float> widen_rows(const uint16_t* x, int64_t n) {
-  std::vector<float> xf(n);
+static const float* widen_rows(const uint16_t* x, int64_t n) {
+  static thread_local std::vector<float> buf;
+  float* xf = grown(buf, n);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(xf.data() + i, bf16x8_load(x + i));
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(xf + i, bf16x8_load(x + i));
   for (; i < n; i++) xf[i] = bf2f(x[i]);
   return xf;
 }
@@ -667,8 +716,12 @@ static void amx_blocks(const uint16_t* xp, int64_t K, const uint16_t* p, const f
 static void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, const float* bias, int64_t Nb,
                      uint16_t* y, int64_t N) {
   const int64_t chunks = (M + 15) / 16, tail = M > 16 ? M % 16 : 0;
-  std::vector<uint16_t> padded(tail ? 16 * K : 0, 0);  // the last chunk's rows, then zeros
-  if (tail) std::memcpy(padded.data(), x + (chunks - 1) * 16 * K, tail * K * sizeof(uint16_t));
+  static thread_local std::vector<uint16_t> pad;  // the last chunk's rows, then zeros
+  uint16_t* const padded = tail ? grown(pad, 16 * K) : nullptr;
+  if (tail) {
+    std::memcpy(padded, x + (chunks - 1) * 16 * K, tail * K * sizeof(uint16_t));
+    std::memset(padded + tail * K, 0, (16 - tail) * K * sizeof(uint16_t));
+  }
   constexpr int64_t NB = 6;
   const int64_t groups = (Nb + NB - 1) / NB;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -677,7 +730,7 @@ static void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p,
     for (int64_t g = g0; g < g1; g++) {
       const int64_t b = g * NB, nb = Nb - b < NB ? Nb - b : NB;
       for (int64_t c = 0; c < chunks; c++) {
-        const uint16_t* xc = tail && c == chunks - 1 ? padded.data() : x + c * 16 * K;
+        const uint16_t* xc = tail && c == chunks - 1 ? padded : x + c * 16 * K;
         uint16_t* yc = y + c * 16 * N;
         const int64_t rows = M - c * 16 < 16 ? M - c * 16 : 16;
         switch (nb) {
@@ -740,10 +793,10 @@ static void gemm(const uint16_t* x, int64_t M, int64_t K, const W* p, const floa
     }
   }
 #else
-  const auto xf = widen_rows(x, M * K);
+  const float* xf = widen_rows(x, M * K);
   if constexpr (std::is_same_v<W, uint16_t>)
-    if (M >= PANEL_MIN_ROWS) return gemm_panel(xf.data(), M, K, p, bias, Nb, y, N);
-  gemm_rows<W>(xf.data(), M, K, p, bias, Nb, y, N, scale);
+    if (M >= PANEL_MIN_ROWS) return gemm_panel(xf, M, K, p, bias, Nb, y, N);
+  gemm_rows<W>(xf, M, K, p, bias, Nb, y, N, scale);
 #endif
 }
 
@@ -753,7 +806,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear: x [M, K] bf16");
   const int64_t M = x.size(0), K = x.size(1), Nb = packed.size(0), Kp = packed.size(1);
   TORCH_CHECK(K == 2 * Kp && M >= 1 && N <= Nb * 16, "linear: K must match the packed weight and M >= 1");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = fresh({M, N}, x.options());
   gemm<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
                  reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                  bias.numel() ? bias.data_ptr<float>() : nullptr, Nb,
@@ -923,8 +976,11 @@ static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t 
   // memory, the others from cache, each widening as it reads, which costs less than writing fp32 scratch
   // (docs/reference/kernels.md, "Prefetching the cache's next slots").
   at::parallel_for(0, B * nkv * T, 2, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sbuf(4 * (S + 16)), qbuf(4 * hd), obuf(4 * hd);
-    float* sb[4] = {sbuf.data(), sbuf.data() + (S + 16), sbuf.data() + 2 * (S + 16), sbuf.data() + 3 * (S + 16)};
+    static thread_local std::vector<float> buf;
+    float* const sbuf = grown(buf, 4 * (S + 16) + 8 * hd);  // scores of 4 heads, then q and out rows
+    float* const qbuf = sbuf + 4 * (S + 16);
+    float* const obuf = qbuf + 4 * hd;
+    float* sb[4] = {sbuf, sbuf + (S + 16), sbuf + 2 * (S + 16), sbuf + 3 * (S + 16)};
     for (int64_t i = i0; i < i1; i++) {
       const int64_t t = i % T, g = (i / T) % nkv, b = i / (T * nkv);
       const int64_t bt = b * T + t, n = cnt[bt];
@@ -935,7 +991,7 @@ static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t 
         const int64_t nr = group - r0 < 4 ? group - r0 : 4, head0 = g * group + r0;
         const float* qrow[4];
         float* orow[4];
-        rows(bt, head0, nr, qbuf.data(), obuf.data(), qrow, orow);
+        rows(bt, head0, nr, qbuf, obuf, qrow, orow);
         if (n > 0) {
           if (nc == 4) attend_heads_nr<4>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
           else if (nc == 8) attend_heads_nr<8>(nr, qrow, orow, kh, vh, ix, n, nc, hd, scv, sb);
@@ -964,8 +1020,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   TORCH_CHECK(hd % 16 == 0 && hd <= 256 && nh % nkv == 0 && S <= Smax && vis.size(0) == B && vis.size(1) == T,
               "attend: head_dim a multiple of 16 (<= 256), heads a multiple of kv heads, S <= cache length");
   auto out = torch::empty_like(q);
-  std::vector<int32_t> idx;
-  std::vector<int64_t> cnt;
+  static thread_local std::vector<int32_t> idx;
+  static thread_local std::vector<int64_t> cnt;
   visible_slots(vis, idx, cnt);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -1030,9 +1086,9 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
           cstore(vp + at, qkvp + (b * T + t) * C + v_off + g * hd, hd);
         }
   });
-  auto out = torch::empty({B, T, nh * hd}, qk.options());
-  std::vector<int32_t> idx;
-  std::vector<int64_t> cnt;
+  auto out = fresh({B, T, nh * hd}, qk.options());
+  static thread_local std::vector<int32_t> idx;
+  static thread_local std::vector<int64_t> cnt;
   visible_slots(vis, idx, cnt);
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
   auto rows = [&](int64_t bt, int64_t head0, int64_t nr, float* qbuf, float* obuf, const float** qrow, float** orow) {
@@ -1079,7 +1135,7 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch
   TORCH_CHECK(H % 16 == 0 && w.numel() == H, "add_rmsnorm: hidden size a multiple of 16");
   const bool add = y.has_value();
   if (add) TORCH_CHECK(y->scalar_type() == at::kBFloat16 && y->is_contiguous() && y->numel() == x.numel(), "add_rmsnorm: y like x");
-  auto h = torch::empty_like(x);
+  auto h = fresh(x.sizes(), x.options());
   uint16_t* xp = (uint16_t*)x.data_ptr<at::BFloat16>();
   const uint16_t* yp = add ? (const uint16_t*)y->data_ptr<at::BFloat16>() : nullptr;
   const uint16_t* wp = (const uint16_t*)w.data_ptr<at::BFloat16>();
@@ -1116,7 +1172,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   TORCH_CHECK(I2 % 32 == 0, "silu_mul: intermediate size a multiple of 16");
   auto sizes = gu.sizes().vec();
   sizes.back() = I;
-  auto out = torch::empty(sizes, gu.options());
+  auto out = fresh(sizes, gu.options());
   const uint16_t* gp = (const uint16_t*)gu.data_ptr<at::BFloat16>();
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
   const vf one = vset(1.0f);
@@ -1147,7 +1203,7 @@ torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor 
   const int64_t C = x.size(-1), R = x.numel() / C, hd = cos.size(-1), half = hd / 2;
   TORCH_CHECK(hd % 2 == 0 && n * hd <= C && cos.numel() == R * hd && sin.numel() == R * hd,
               "rope: x [rows, >= n * hd], cos/sin [rows, hd]");
-  auto out = torch::empty({R, n * hd}, x.options());
+  auto out = fresh({R, n * hd}, x.options());
   const uint16_t* xp = (const uint16_t*)x.data_ptr<at::BFloat16>();
   const uint16_t* cp = (const uint16_t*)cos.data_ptr<at::BFloat16>();
   const uint16_t* sp = (const uint16_t*)sin.data_ptr<at::BFloat16>();
@@ -1275,11 +1331,14 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor>
                     double eps2) {
   TORCH_CHECK(w.size() == 8 && n_out.size() == 4 && x.dim() == 3 && h.sizes() == x.sizes(), "layer: 4 (packed, bias) pairs");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), R = B * T, nkv = kc.size(1), hd = kc.size(3);
+  // qkv, qk, a, o, h1, gate|up, silu, down: every output but the last, 64-byte aligned each
+  Scratch scratch(2 * R * (n_out[0] + (nh + nkv) * hd + nh * hd + n_out[1] + H + n_out[2] + n_out[2] / 2 + n_out[3]) + 8 * 64);
   const auto qkv = linear(h.view({R, H}), w[0], w[1], n_out[0]);  // [R, q + k + v]
   const auto qk = rope(qkv, nh + nkv, cos, sin);  // [R, (nh + nkv) hd]
   const auto a = attend_qkv(qk.view({B, T, -1}), qkv.view({B, T, -1}), (nh + nkv) * hd, kc, vc, slots, vis, nh, scale);
   const auto h1 = add_rmsnorm(x, linear(a.view({R, nh * hd}), w[2], w[3], n_out[1]).view_as(x), n1, eps1);
   const auto mlp = linear(silu_mul(linear(h1.view({R, H}), w[4], w[5], n_out[2])), w[6], w[7], n_out[3]);
+  scratch.close();  // the layer's output outlives the call
   return add_rmsnorm(x, mlp.view_as(x), n2, eps2);
 }
 
