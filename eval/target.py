@@ -164,6 +164,7 @@ class LeanLlama:
                    for fused, out in zip(self.fused, self.out)] if self.ew is not None else []
         if kernels and all(k is not None for ks in kernels for k in ks):
             self.layers = [([t for kp, kb, _ in ks for t in (kp, kb)], [n for _, _, n in ks]) for ks in kernels]
+        self._between = None  # the two buffers ext.layer's outputs take turns in (_forward_fused)
 
     def reset(self, batch: int, max_len: int) -> None:
         # Reuse the allocation when the shape fits; stale slots are never attended (mask: slot <= pos).
@@ -311,6 +312,12 @@ class LeanLlama:
             return self.lm_head(feats_sel), out
         return self.lm_head(feats), out
 
+    def _between_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat bf16 buffers of at least n elements, kept across forwards (grown when one needs more)."""
+        if self._between is None or self._between[0].numel() < n:
+            self._between = tuple(torch.empty(n, dtype=torch.bfloat16, device=self.device) for _ in range(2))
+        return self._between
+
     def _forward_fused(self, x, cos, sin, slots, mask, vis, s_len, logit_idx):
         """_forward's layers with the elementwise kernels (self.ew): the same roundings (eval/csrc), so
         the same numbers up to RMSNorm's summation order and SiLU's exp. x [B, T, H] bf16 (the
@@ -332,11 +339,16 @@ class LeanLlama:
         if direct and self.layers is not None and (self.layer_rows is None or B * T <= self.layer_rows):
             # Each layer in one call (ext.layer: the same kernels in the same order), without the Python
             # time the loop below spends between them.
+            # Every layer's output but the last (returned as the features) in one of two buffers kept across
+            # forwards: a tensor freed per layer slowed glibc's malloc in a fragmented heap (verify-cost.md).
+            pair = self._between_buffers(x.numel())
+            last = len(self.layers) - 1
             for i, (cache, (w, n_out)) in enumerate(zip(self.caches, self.layers)):
                 if aux is not None and i in aux:
                     taps[i] = x.clone()
+                out = None if i == last else pair[i % 2][:x.numel()].view(x.shape)
                 h = ew.layer(x, h, w, n_out, cos, sin, cache.k, cache.v, slots, vis, self.n_heads, self.scale,
-                             *nw[2 * i + 1], *nw[2 * i + 2])
+                             *nw[2 * i + 1], *nw[2 * i + 2], out)
             return self._head(h, logit_idx, taps)
         for i, (cache, fused, (o_proj, down_proj)) in enumerate(zip(self.caches, self.fused, self.out)):
             if aux is not None and i in aux:

@@ -556,20 +556,21 @@ def test_fused_forward_gives_the_same_numbers_with_and_without_the_layer_call(ex
 def test_the_layer_calls_scratch_reuse_changes_no_number_and_no_output(ext):
     """ext.layer keeps its intermediates in a buffer reused across calls on the thread: a call's output is
     its own tensor (later calls, of the same or another row count, leave it as it was), and the same inputs
-    give the same numbers whether the buffer last held a larger call's intermediates or none."""
+    give the same numbers whether the buffer last held a larger call's intermediates or none, or when the
+    output goes to a buffer of the caller's."""
     from eval.target import LeanLlama
 
     r = LeanLlama(_bf16_target())
     (w, n_out), nw = r.layers[0], r.norm_w
 
-    def call(T, seed):
+    def call(T, seed, out=None):
         r.reset(1, 64)
         x = (torch.randn(1, T, 576, generator=torch.Generator().manual_seed(seed)) * 2).bfloat16()
         h = ext.add_rmsnorm(x.clone(), None, *nw[0])
         cos, sin = torch.ones(1, T, 32).bfloat16(), torch.zeros(1, T, 32).bfloat16()
         vis = torch.ones(1, T, T, dtype=torch.bool).tril()
         return ext.layer(x, h, w, n_out, cos, sin, r.caches[0].k, r.caches[0].v, torch.arange(T)[None], vis,
-                         r.n_heads, r.scale, *nw[1], *nw[2])
+                         r.n_heads, r.scale, *nw[1], *nw[2], out)
 
     with torch.no_grad():
         first = call(3, 0)
@@ -578,6 +579,9 @@ def test_the_layer_calls_scratch_reuse_changes_no_number_and_no_output(ext):
         big = call(40, 2)  # a larger call grows the buffer
         assert torch.equal(first, kept) and not torch.equal(other, kept)
         assert torch.equal(call(3, 0), kept) and torch.equal(call(40, 2), big)
+        buf = torch.empty_like(kept)  # the forward's own buffer for a layer's output: the same numbers, written there
+        got = call(3, 0, buf)
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(buf, kept)
 
 
 def test_the_layer_call_takes_as_many_rows_as_the_matmul_kernel(ext, kernel_path):

@@ -1128,14 +1128,17 @@ static void for_row_chunks(int64_t R, int64_t per_row, const F& f) {
 
 // x [R, H] bf16 (updated in place to x + y, rounded to bf16, when y is given), w [H] bf16 ->
 // h = w * bf16(x * rsqrt(mean(x^2) + eps)), HF's LlamaRMSNorm on the new x. H a multiple of 16.
-torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch::Tensor w, double eps) {
+// h: into `out` when given (x's shape, contiguous), else a new tensor.
+static torch::Tensor add_rmsnorm_to(torch::Tensor x, c10::optional<torch::Tensor> y, torch::Tensor w, double eps,
+                                    c10::optional<torch::Tensor> out) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && w.scalar_type() == at::kBFloat16,
               "add_rmsnorm: bf16 x (contiguous) and weight");
   const int64_t H = x.size(-1), R = x.numel() / H;
   TORCH_CHECK(H % 16 == 0 && w.numel() == H, "add_rmsnorm: hidden size a multiple of 16");
   const bool add = y.has_value();
   if (add) TORCH_CHECK(y->scalar_type() == at::kBFloat16 && y->is_contiguous() && y->numel() == x.numel(), "add_rmsnorm: y like x");
-  auto h = fresh(x.sizes(), x.options());
+  if (out) TORCH_CHECK(out->scalar_type() == at::kBFloat16 && out->is_contiguous() && out->sizes() == x.sizes(), "add_rmsnorm: out like x");
+  auto h = out ? *out : fresh(x.sizes(), x.options());
   uint16_t* xp = (uint16_t*)x.data_ptr<at::BFloat16>();
   const uint16_t* yp = add ? (const uint16_t*)y->data_ptr<at::BFloat16>() : nullptr;
   const uint16_t* wp = (const uint16_t*)w.data_ptr<at::BFloat16>();
@@ -1163,6 +1166,10 @@ torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch
     }
   });
   return h;
+}
+
+torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch::Tensor w, double eps) {
+  return add_rmsnorm_to(x, y, w, eps, c10::nullopt);
 }
 
 // gu [R, 2I] bf16 (gate | up, the fused projection's output) -> bf16(bf16(silu(gate)) * up) [R, I].
@@ -1323,12 +1330,13 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // (docs/reference/kernels.md). x [B, T, H] the residual stream (updated in place), h [B, T, H] the input
 // norm's output; w: (packed, bias) of q|k|v, o, gate|up and down from `pack` (bias fp32 or empty);
 // cos/sin [B, T, hd]; the layer's caches, slots and vis as attend_qkv takes them; n1/n2: the
-// post-attention norm and the next norm (the next layer's input norm, or the final one) -> their output.
+// post-attention norm and the next norm (the next layer's input norm, or the final one) -> their output, in
+// `out` when given ([B, T, H] bf16, not x or h: the forward's buffers reused across layers), else a new tensor.
 // B * T rows up to the path's kernel_rows (eval/cpu.py).
 torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> w, std::vector<int64_t> n_out,
                     torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
                     torch::Tensor vis, int64_t nh, double scale, torch::Tensor n1, double eps1, torch::Tensor n2,
-                    double eps2) {
+                    double eps2, c10::optional<torch::Tensor> out) {
   TORCH_CHECK(w.size() == 8 && n_out.size() == 4 && x.dim() == 3 && h.sizes() == x.sizes(), "layer: 4 (packed, bias) pairs");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), R = B * T, nkv = kc.size(1), hd = kc.size(3);
   // qkv, qk, a, o, h1, gate|up, silu, down: every output but the last, 64-byte aligned each
@@ -1339,7 +1347,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor>
   const auto h1 = add_rmsnorm(x, linear(a.view({R, nh * hd}), w[2], w[3], n_out[1]).view_as(x), n1, eps1);
   const auto mlp = linear(silu_mul(linear(h1.view({R, H}), w[4], w[5], n_out[2])), w[6], w[7], n_out[3]);
   scratch.close();  // the layer's output outlives the call
-  return add_rmsnorm(x, mlp.view_as(x), n2, eps2);
+  return add_rmsnorm_to(x, mlp.view_as(x), n2, eps2, out);
 }
 
 // Every layer's k and v from cache slots src [B, P] to slots dst [B, P] of the same row (a tree round's accepted
