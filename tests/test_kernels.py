@@ -584,6 +584,23 @@ def test_the_layer_calls_scratch_reuse_changes_no_number_and_no_output(ext):
         assert got.data_ptr() == buf.data_ptr() and torch.equal(buf, kept)
 
 
+def test_calls_larger_than_the_kept_scratch_give_the_same_numbers(ext):
+    """A call whose scratch exceeds what a thread keeps (16 MB: a prefill's widened rows on avx2, its attention's
+    visible-slot lists) takes a buffer of its own, freed with the call: its rows equal the same rows computed in
+    a small call, which uses the kept buffer."""
+    g = torch.Generator().manual_seed(5)
+    M, K, N = 4200, 1024, 32  # 4200 x 1024 fp32 widened rows: 17 MB
+    x, w = torch.randn(M, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
+    packed, none = ext.pack(w), torch.empty(0)
+    assert torch.equal(ext.linear(x, packed, none, N)[-3:], ext.linear(x[-3:].contiguous(), packed, none, N))
+    T, nh, hd = 2100, 2, 16  # 2100 x 2100 visible-slot indices: 17 MB
+    q = torch.randn(1, nh, T, hd, generator=g)
+    kc, vc = torch.randn(1, 1, T, hd, generator=g), torch.randn(1, 1, T, hd, generator=g)
+    vis = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    last = ext.attend(q[:, :, -2:].contiguous(), kc, vc, vis[:, -2:].contiguous(), 0.25)
+    assert torch.equal(ext.attend(q, kc, vc, vis, 0.25)[:, :, -2:], last)
+
+
 def test_the_layer_call_takes_as_many_rows_as_the_matmul_kernel(ext, kernel_path):
     """A batch's verify (6 rows x 4 tokens = 24 matmul rows): ext.layer wherever the path's kernels take
     that many rows (amx-bf16, avx2, avx512-bf16 up to VDP_MAX_ROWS), with the per-kernel loop's numbers bit for

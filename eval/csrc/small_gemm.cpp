@@ -54,9 +54,17 @@ static inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat
 // Scratch memory reused across calls on the calling thread, instead of malloc: in a process whose heap
 // is fragmented (the distill's, after generate and train), glibc's malloc made a 13-row verify 1.6x
 // slower while a one-token step kept its speed (docs/reference/verify-cost.md, "In the distill's own
-// process"). `grown` keeps a thread's buffer at the largest size asked for.
+// process"). `grown` keeps a thread's buffer at the largest size asked for, up to SCRATCH_MAX_BYTES; a
+// larger request (a prefill's) goes to `big`, the caller's, freed with it, so no thread keeps it for life.
+#ifndef SCRATCH_MAX_BYTES
+#define SCRATCH_MAX_BYTES (16 << 20)
+#endif
 template <class T>
-static T* grown(std::vector<T>& v, size_t n) {
+static T* grown(std::vector<T>& v, size_t n, std::vector<T>* big = nullptr) {
+  if (big && n * sizeof(T) > SCRATCH_MAX_BYTES) {
+    big->resize(n);
+    return big->data();
+  }
   if (v.size() < n) v.resize(n);
   return v.data();
 }
@@ -64,9 +72,6 @@ static T* grown(std::vector<T>& v, size_t n) {
 // A layer's intermediates: while a Scratch is open on this thread, `fresh` carves outputs out of one reused
 // buffer (64-byte aligned pieces) instead of allocating; they must not outlive it. Outside one, `fresh` is
 // torch::empty. Forwards larger than SCRATCH_MAX_BYTES (prefills) allocate as before.
-#ifndef SCRATCH_MAX_BYTES
-#define SCRATCH_MAX_BYTES (16 << 20)
-#endif
 struct Arena {
   std::vector<char> buf;
   size_t used = 0, cap = 0;
@@ -640,9 +645,9 @@ static void gemm_panel(const float* xf, int64_t M, int64_t K, const uint16_t* p,
 }
 
 // bf16 x [M, K] -> fp32 [M, K] (exact): the broadcasts read it.
-static const float* widen_rows(const uint16_t* x, int64_t n) {
+static const float* widen_rows(const uint16_t* x, int64_t n, std::vector<float>& big) {
   static thread_local std::vector<float> buf;
-  float* xf = grown(buf, n);
+  float* xf = grown(buf, n, &big);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(xf + i, bf16x8_load(x + i));
   for (; i < n; i++) xf[i] = bf2f(x[i]);
@@ -793,7 +798,8 @@ static void gemm(const uint16_t* x, int64_t M, int64_t K, const W* p, const floa
     }
   }
 #else
-  const float* xf = widen_rows(x, M * K);
+  std::vector<float> big;
+  const float* xf = widen_rows(x, M * K, big);
   if constexpr (std::is_same_v<W, uint16_t>)
     if (M >= PANEL_MIN_ROWS) return gemm_panel(xf, M, K, p, bias, Nb, y, N);
   gemm_rows<W>(xf, M, K, p, bias, Nb, y, N, scale);
@@ -1020,8 +1026,10 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   TORCH_CHECK(hd % 16 == 0 && hd <= 256 && nh % nkv == 0 && S <= Smax && vis.size(0) == B && vis.size(1) == T,
               "attend: head_dim a multiple of 16 (<= 256), heads a multiple of kv heads, S <= cache length");
   auto out = torch::empty_like(q);
-  static thread_local std::vector<int32_t> idx;
+  static thread_local std::vector<int32_t> kept;
   static thread_local std::vector<int64_t> cnt;
+  std::vector<int32_t> big;  // a prefill's slot lists: not kept
+  auto& idx = (size_t)vis.numel() * sizeof(int32_t) > SCRATCH_MAX_BYTES ? big : kept;
   visible_slots(vis, idx, cnt);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -1087,8 +1095,10 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
         }
   });
   auto out = fresh({B, T, nh * hd}, qk.options());
-  static thread_local std::vector<int32_t> idx;
+  static thread_local std::vector<int32_t> kept;
   static thread_local std::vector<int64_t> cnt;
+  std::vector<int32_t> big;  // a prefill's slot lists: not kept
+  auto& idx = (size_t)vis.numel() * sizeof(int32_t) > SCRATCH_MAX_BYTES ? big : kept;
   visible_slots(vis, idx, cnt);
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
   auto rows = [&](int64_t bt, int64_t head0, int64_t nr, float* qbuf, float* obuf, const float** qrow, float** orow) {
