@@ -341,12 +341,12 @@ class LeanLlama:
             # time the loop below spends between them.
             # Every layer's output but the last (returned as the features) in one of two buffers kept across
             # forwards: a tensor freed per layer slowed glibc's malloc in a fragmented heap (verify-cost.md).
-            pair = self._between_buffers(x.numel())
+            outs = [b[:x.numel()].view(x.shape) for b in self._between_buffers(x.numel())]
             last = len(self.layers) - 1
             for i, (cache, (w, n_out)) in enumerate(zip(self.caches, self.layers)):
                 if aux is not None and i in aux:
                     taps[i] = x.clone()
-                out = None if i == last else pair[i % 2][:x.numel()].view(x.shape)
+                out = None if i == last else outs[i % 2]
                 h = ew.layer(x, h, w, n_out, cos, sin, cache.k, cache.v, slots, vis, self.n_heads, self.scale,
                              *nw[2 * i + 1], *nw[2 * i + 2], out)
             return self._head(h, logit_idx, taps)

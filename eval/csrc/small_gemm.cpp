@@ -954,17 +954,22 @@ static void attend_heads_nr(int64_t nr, const float* const* qrow, float* const* 
   }
 }
 
-// The visible slots of each (b, t) row of vis [B, T, S] in slot order: idx[bt * S + i] for i < cnt[bt].
-static void visible_slots(const torch::Tensor& vis, std::vector<int32_t>& idx, std::vector<int64_t>& cnt) {
+// The visible slots of each (b, t) row of vis [B, T, S] in slot order: idx[bt * S + i] for i < cnt[bt], in this
+// thread's kept buffers (`grown`; a prefill's larger list in `big`, the caller's).
+struct Slots { const int32_t* idx; const int64_t* cnt; };
+static Slots visible_slots(const torch::Tensor& vis, std::vector<int32_t>& big) {
+  static thread_local std::vector<int32_t> kept;
+  static thread_local std::vector<int64_t> counts;
   const int64_t BT = vis.size(0) * vis.size(1), S = vis.size(2);
-  idx.resize(BT * S);
-  cnt.resize(BT);
+  int32_t* idx = grown(kept, BT * S, &big);
+  int64_t* cnt = grown(counts, BT);
   const bool* vp = vis.data_ptr<bool>();
   for (int64_t bt = 0; bt < BT; bt++) {
     int64_t c = 0;
     for (int64_t s = 0; s < S; s++) if (vp[bt * S + s]) idx[bt * S + c++] = (int32_t)s;
     cnt[bt] = c;
   }
+  return {idx, cnt};
 }
 
 // One task per (b, kv head, t): the query heads sharing a kv head (4 at a time) read each key and value
@@ -974,8 +979,9 @@ static void visible_slots(const torch::Tensor& vis, std::vector<int32_t>& idx, s
 // after the heads (n visible slots; n == 0: nothing was computed, the rows must read zeros).
 template <class C, class Rows, class Finish>
 static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t S, int64_t Smax,
-                         const C* kp, const C* vcp, const std::vector<int32_t>& idx,
-                         const std::vector<int64_t>& cnt, double scale, Rows rows, Finish finish) {
+                         const C* kp, const C* vcp, Slots slots, double scale, Rows rows, Finish finish) {
+  const int32_t* idx = slots.idx;
+  const int64_t* cnt = slots.cnt;
   const int64_t nc = hd / 16, group = nh / nkv;
   const __m128 scv = _mm_set1_ps((float)scale);
   // A (row, kv head)'s T tasks are consecutive, so on one thread: the first reads its keys and values from
@@ -990,7 +996,7 @@ static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t 
     for (int64_t i = i0; i < i1; i++) {
       const int64_t t = i % T, g = (i / T) % nkv, b = i / (T * nkv);
       const int64_t bt = b * T + t, n = cnt[bt];
-      const int32_t* ix = idx.data() + bt * S;
+      const int32_t* ix = idx + bt * S;
       const C* kh = kp + (b * nkv + g) * Smax * hd;
       const C* vh = vcp + (b * nkv + g) * Smax * hd;
       for (int64_t r0 = 0; r0 < group; r0 += 4) {
@@ -1026,11 +1032,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   TORCH_CHECK(hd % 16 == 0 && hd <= 256 && nh % nkv == 0 && S <= Smax && vis.size(0) == B && vis.size(1) == T,
               "attend: head_dim a multiple of 16 (<= 256), heads a multiple of kv heads, S <= cache length");
   auto out = torch::empty_like(q);
-  static thread_local std::vector<int32_t> kept;
-  static thread_local std::vector<int64_t> cnt;
-  std::vector<int32_t> big;  // a prefill's slot lists: not kept
-  auto& idx = (size_t)vis.numel() * sizeof(int32_t) > SCRATCH_MAX_BYTES ? big : kept;
-  visible_slots(vis, idx, cnt);
+  std::vector<int32_t> big;
+  const Slots vs = visible_slots(vis, big);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   auto rows = [&](int64_t bt, int64_t head0, int64_t nr, float*, float*, const float** qrow, float** orow) {
@@ -1045,7 +1048,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
     if (n == 0) for (int64_t r = 0; r < nr; r++) std::memset(orow[r], 0, hd * sizeof(float));
   };
   with_cache(kc, vc, [&](auto* kp, auto* vp) {
-    attend_tasks(B, T, nh, nkv, hd, S, Smax, kp, vp, idx, cnt, scale, rows, finish);
+    attend_tasks(B, T, nh, nkv, hd, S, Smax, kp, vp, vs, scale, rows, finish);
   });
   return out;
 }
@@ -1095,11 +1098,8 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
         }
   });
   auto out = fresh({B, T, nh * hd}, qk.options());
-  static thread_local std::vector<int32_t> kept;
-  static thread_local std::vector<int64_t> cnt;
-  std::vector<int32_t> big;  // a prefill's slot lists: not kept
-  auto& idx = (size_t)vis.numel() * sizeof(int32_t) > SCRATCH_MAX_BYTES ? big : kept;
-  visible_slots(vis, idx, cnt);
+  std::vector<int32_t> big;
+  const Slots vs = visible_slots(vis, big);
   uint16_t* op = (uint16_t*)out.data_ptr<at::BFloat16>();
   auto rows = [&](int64_t bt, int64_t head0, int64_t nr, float* qbuf, float* obuf, const float** qrow, float** orow) {
     for (int64_t r = 0; r < 4; r++) {  // q widened from bf16 into qbuf; the output into obuf
@@ -1117,7 +1117,7 @@ torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, tor
         bf16x16_store(o + r * hd + c, n == 0 ? vzero() : vload(orow[r] + c));
   };
   with_cache(kc, vc, [&](auto* kp, auto* vp) {
-    attend_tasks(B, T, nh, nkv, hd, S, Smax, kp, vp, idx, cnt, scale, rows, finish);
+    attend_tasks(B, T, nh, nkv, hd, S, Smax, kp, vp, vs, scale, rows, finish);
   });
   return out;
 }
