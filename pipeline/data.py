@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import ast
 import gzip
+import hashlib
 import importlib.util
 import json
 import os
 import random
 import re
+import sys
 import sysconfig
 import tokenize
 from pathlib import Path
 
+from eval.loading import cache_dir
 from eval.prompt_file import PromptFileError, chat_turns, jsonl_objects, render_chat, text_of
 
+from .atomic import write_text_atomic
 from .faults import kill_point
 
 CHAT_INSTRUCTION = "Complete this Python function:\n"
@@ -132,11 +136,18 @@ def stdlib_prompts(limit: int | None = None, seed: int = 0) -> list[dict]:
     """Completion prompts (signature + docstring) for functions and methods with docstrings in this
     Python's standard library. Deduplicated by normalised text; ids are `module:qualname` (a `#n`
     suffix on a repeated name). Order is deterministic: files in sorted order; with `limit`, files
-    are visited in a `seed`-shuffled order until `limit` prompts are found, then sorted by id."""
+    are visited in a `seed`-shuffled order until `limit` prompts are found, then sorted by id. The whole
+    scan (no `limit`) is cached on disk: parsing ~600 files takes seconds, and every code distill reads it."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = _stdlib_files(root)
-    if limit is not None:
-        random.Random(seed).shuffle(files)
+    if limit is None:
+        return _cached_stdlib_scan(root, files)
+    random.Random(seed).shuffle(files)
+    return sorted(_scan_files(root, files, limit), key=lambda r: r["id"])
+
+
+def _scan_files(root: Path, files: list[Path], limit: int | None = None) -> list[dict]:
+    """Every file's prompts in `files` order, deduplicated, stopping at `limit` prompts."""
     seen_text, seen_id, out = set(), {}, []
     for path in files:
         for row in _file_prompts(root, path):
@@ -150,8 +161,35 @@ def stdlib_prompts(limit: int | None = None, seed: int = 0) -> list[dict]:
                 row["id"] = f"{row['id']}#{n}"
             out.append(row)
             if limit is not None and len(out) >= limit:
-                return sorted(out, key=lambda r: r["id"])
-    return sorted(out, key=lambda r: r["id"]) if limit is not None else out
+                return out
+    return out
+
+
+def stdlib_cache_path(root: Path, files: list[Path]) -> Path:
+    """Where the scan of `files` is cached: keyed by this module's source (the scanner), the Python build,
+    and each file's path, size and mtime, so an edited scanner or a changed standard library scans afresh."""
+    h = hashlib.sha1(Path(__file__).read_bytes())
+    h.update(f"{sys.version}\0{root}".encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"\0{f}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return cache_dir() / "prompts" / f"stdlib-{h.hexdigest()[:16]}.json"
+
+
+def _cached_stdlib_scan(root: Path, files: list[Path]) -> list[dict]:
+    path = stdlib_cache_path(root, files)
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(rows, list) and all(isinstance(r, dict) and {"id", "prompt"} <= r.keys() for r in rows):
+            return rows
+    except (OSError, ValueError):  # not cached yet, or unreadable: scan again
+        pass
+    rows = _scan_files(root, files)
+    try:
+        write_text_atomic(path, json.dumps(rows))
+    except OSError:  # a read-only cache directory costs the scan each time, nothing else
+        pass
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,32 @@ def test_stdlib_limit_deterministic():
     assert a == b and len(a) == 30
 
 
+def test_the_stdlib_scan_is_cached_and_rescanned_when_a_file_changes(tmp_path, monkeypatch):
+    """The scan is read back from the cache as it was written; an edited file, or a corrupt cache file,
+    means a fresh scan."""
+    import os
+
+    from pipeline import data
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "lib"
+    (root / "pkg").mkdir(parents=True)
+    body = 'def f(x):\n    """Return x."""\n    return x\n'
+    (root / "a.py").write_text(body)
+    (root / "pkg" / "b.py").write_text(body.replace("f(", "g("))
+    files = data._stdlib_files(root)
+    first = data._cached_stdlib_scan(root, files)
+    cached = data.stdlib_cache_path(root, files)
+    assert [r["id"] for r in first] == ["a:f", "pkg.b:g"] and cached.exists()
+    assert data._cached_stdlib_scan(root, files) == first == data._scan_files(root, files)
+    cached.write_text("[{")  # corrupt: scanned again and rewritten
+    assert data._cached_stdlib_scan(root, files) == first and json.loads(cached.read_text()) == first
+    (root / "a.py").write_text(body.replace("f(", "h("))
+    os.utime(root / "a.py", ns=(1, 1))
+    assert data.stdlib_cache_path(root, files) != cached
+    assert [r["id"] for r in data._cached_stdlib_scan(root, files)] == ["a:h", "pkg.b:g"]
+
+
 def test_humaneval_and_export(tmp_path):
     rows = humaneval_prompts()
     assert len(rows) == 164 and rows[0]["id"] == "HumanEval/0"
