@@ -6,7 +6,14 @@
 // two FMAs do it. No horizontal sums, and W is streamed once whatever M is. The sum for each output runs
 // over k in the same order for every M, so a row's result does not depend on how many other rows share
 // the call (a verify forward rounds like a one-token step).
-#include <torch/extension.h>
+// Narrow headers, not <torch/extension.h>: parsing that took 48 s of a 66 s cold build (docs/reference/kernels.md).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/TensorOperators.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
@@ -71,7 +78,7 @@ static T* grown(std::vector<T>& v, size_t n, std::vector<T>* big = nullptr) {
 
 // A layer's intermediates: while a Scratch is open on this thread, `fresh` carves outputs out of one reused
 // buffer (64-byte aligned pieces) instead of allocating; they must not outlive it. Outside one, `fresh` is
-// torch::empty. Forwards larger than SCRATCH_MAX_BYTES (prefills) allocate as before.
+// at::empty. Forwards larger than SCRATCH_MAX_BYTES (prefills) allocate as before.
 struct Arena {
   std::vector<char> buf;
   size_t used = 0, cap = 0;
@@ -90,16 +97,16 @@ struct Scratch {
   bool owner = false;
 };
 
-static torch::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& o) {
-  if (!arena.on) return torch::empty(sizes, o);
+static at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions& o) {
+  if (!arena.on) return at::empty(sizes, o);
   int64_t n = 1;
   for (auto d : sizes) n *= d;
   const size_t bytes = (n * o.dtype().itemsize() + 63) / 64 * 64;
   const size_t base = (64 - (size_t)arena.buf.data() % 64) % 64;
-  if (arena.used + bytes > arena.cap) return torch::empty(sizes, o);  // a size the caller did not plan for
+  if (arena.used + bytes > arena.cap) return at::empty(sizes, o);  // a size the caller did not plan for
   void* p = arena.buf.data() + base + arena.used;
   arena.used += bytes;
-  return torch::from_blob(p, sizes, o);
+  return at::from_blob(p, sizes, o);
 }
 
 #if DS_AVX512
@@ -257,16 +264,16 @@ static inline vf exp16(vf x) {
 
 
 // [16 Nb, K] -> [Nb, K/2, 16, 2]: 32 consecutive weights hold 16 outputs x 2 k (one 64-byte line in bf16).
-static torch::Tensor to_blocks(const torch::Tensor& w) {
+static at::Tensor to_blocks(const at::Tensor& w) {
   return w.view({w.size(0) / 16, 16, w.size(1) / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
 // W [N, K] bf16 -> [ceil(N/16), K/2, 16, 2] bf16 (N zero-padded to a multiple of 16). K must be even.
-torch::Tensor pack(torch::Tensor w) {
+at::Tensor pack(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack: a 2-d bf16 weight");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(K % 2 == 0, "pack: in_features must be even");
-  auto wp = torch::zeros({(N + 15) / 16 * 16, K}, w.options());
+  auto wp = at::zeros({(N + 15) / 16 * 16, K}, w.options());
   wp.narrow(0, 0, N).copy_(w);
   return to_blocks(wp);
 }
@@ -808,7 +815,7 @@ static void gemm(const uint16_t* x, int64_t M, int64_t K, const W* p, const floa
 
 // x [M, K] bf16 contiguous, packed from `pack`, bias fp32 [Nb*16] or empty -> y [M, N] bf16. Any M >= 1;
 // eval/cpu.py sends it up to VDP_MAX_ROWS rows on avx512-bf16 (oneDNN takes more), every row count elsewhere.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N) {
+at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear: x [M, K] bf16");
   const int64_t M = x.size(0), K = x.size(1), Nb = packed.size(0), Kp = packed.size(1);
   TORCH_CHECK(K == 2 * Kp && M >= 1 && N <= Nb * 16, "linear: K must match the packed weight and M >= 1");
@@ -829,10 +836,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, 
 // to bf16. Only proposals use it: verification, and so the output, never sees these weights.
 
 // W [N, K] (bf16 or fp32) -> (q [ceil(N/16), K/2, 16, 2] int8, scale [ceil(N/16) * 16] fp32).
-std::vector<torch::Tensor> pack_i8(torch::Tensor w) {
+std::vector<at::Tensor> pack_i8(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.size(1) % 2 == 0, "pack_i8: a 2-d weight with an even in_features");
   const int64_t N = w.size(0), K = w.size(1);
-  auto wf = torch::zeros({(N + 15) / 16 * 16, K}, w.options().dtype(at::kFloat));
+  auto wf = at::zeros({(N + 15) / 16 * 16, K}, w.options().dtype(at::kFloat));
   wf.narrow(0, 0, N).copy_(w);
   auto scale = (std::get<0>(wf.abs().max(1)) / 127.0).clamp_min(1e-30);  // [Nb * 16]
   auto q = (wf / scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);
@@ -840,12 +847,12 @@ std::vector<torch::Tensor> pack_i8(torch::Tensor w) {
 }
 
 // x [M, K] bf16 contiguous, (q, scale) from `pack_i8`, bias fp32 [Nb*16] or empty -> y [M, N] bf16.
-torch::Tensor linear_i8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor bias, int64_t N) {
+at::Tensor linear_i8(at::Tensor x, at::Tensor q, at::Tensor scale, at::Tensor bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear_i8: x [M, K] bf16");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && scale.scalar_type() == at::kFloat, "linear_i8: pack_i8's tensors");
   const int64_t M = x.size(0), K = x.size(1), Nb = q.size(0), Kp = q.size(1);
   TORCH_CHECK(K == 2 * Kp && M >= 1 && N <= Nb * 16, "linear_i8: K must match the packed weight and M >= 1");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   gemm<int8_t>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, q.data_ptr<int8_t>(),
                bias.numel() ? bias.data_ptr<float>() : nullptr, Nb,
                reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N, scale.data_ptr<float>());
@@ -865,7 +872,7 @@ static inline void cstore(uint16_t* dst, const uint16_t* src, int64_t hd) { std:
 
 // f(k, v) on a pair of caches' data as the kernel reads it: float*, or a bf16 cache's raw uint16_t*.
 template <class F>
-static void with_cache(torch::Tensor& kc, torch::Tensor& vc, F&& f) {
+static void with_cache(at::Tensor& kc, at::Tensor& vc, F&& f) {
   if (kc.scalar_type() == at::kFloat)
     f(kc.data_ptr<float>(), vc.data_ptr<float>());
   else
@@ -957,7 +964,7 @@ static void attend_heads_nr(int64_t nr, const float* const* qrow, float* const* 
 // The visible slots of each (b, t) row of vis [B, T, S] in slot order: idx[bt * S + i] for i < cnt[bt], in this
 // thread's kept buffers (`grown`; a prefill's larger list in `big`, the caller's).
 struct Slots { const int32_t* idx; const int64_t* cnt; };
-static Slots visible_slots(const torch::Tensor& vis, std::vector<int32_t>& big) {
+static Slots visible_slots(const at::Tensor& vis, std::vector<int32_t>& big) {
   static thread_local std::vector<int32_t> kept;
   static thread_local std::vector<int64_t> counts;
   const int64_t BT = vis.size(0) * vis.size(1), S = vis.size(2);
@@ -1022,7 +1029,7 @@ static void attend_tasks(int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t 
 // the keys/values it sees, in their order: a tree node over [committed slots + its ancestors' slots]
 // gets exactly the numbers a one-token step at the same position gets over consecutive slots, which
 // PyTorch's SDPA (blocked over the kv length, masked or not) does not guarantee.
-torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor vis, double scale) {
+at::Tensor attend(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor vis, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attend: q [B, nh, T, hd] fp32");
   TORCH_CHECK((kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16) && vc.scalar_type() == kc.scalar_type() &&
               kc.is_contiguous() && vc.is_contiguous(), "attend: fp32 or bf16 caches, both alike");
@@ -1031,7 +1038,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   const int64_t nkv = kc.size(1), Smax = kc.size(2), S = vis.size(2);
   TORCH_CHECK(hd % 16 == 0 && hd <= 256 && nh % nkv == 0 && S <= Smax && vis.size(0) == B && vis.size(1) == T,
               "attend: head_dim a multiple of 16 (<= 256), heads a multiple of kv heads, S <= cache length");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   std::vector<int32_t> big;
   const Slots vs = visible_slots(vis, big);
   const float* qp = q.data_ptr<float>();
@@ -1069,8 +1076,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
 // widened from bf16 and the output rounded to bf16 (round to nearest even, as .to(bf16)): the same
 // numbers as cache.write + attend + the casts and transposes around them, which were ~12 ATen ops a
 // layer whose copies grew with the rows (docs/reference/kernels.md).
-torch::Tensor attend_qkv(torch::Tensor qk, torch::Tensor qkv, int64_t v_off, torch::Tensor kc, torch::Tensor vc,
-                         torch::Tensor slots, torch::Tensor vis, int64_t nh, double scale) {
+at::Tensor attend_qkv(at::Tensor qk, at::Tensor qkv, int64_t v_off, at::Tensor kc, at::Tensor vc,
+                         at::Tensor slots, at::Tensor vis, int64_t nh, double scale) {
   TORCH_CHECK(qk.dim() == 3 && qk.scalar_type() == at::kBFloat16 && qk.is_contiguous() &&
               qkv.dim() == 3 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(), "attend_qkv: bf16 qk, qkv [B, T, C]");
   TORCH_CHECK(kc.dim() == 4 && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16) &&
@@ -1139,8 +1146,8 @@ static void for_row_chunks(int64_t R, int64_t per_row, const F& f) {
 // x [R, H] bf16 (updated in place to x + y, rounded to bf16, when y is given), w [H] bf16 ->
 // h = w * bf16(x * rsqrt(mean(x^2) + eps)), HF's LlamaRMSNorm on the new x. H a multiple of 16.
 // h: into `out` when given (x's shape, contiguous), else a new tensor.
-static torch::Tensor add_rmsnorm_to(torch::Tensor x, c10::optional<torch::Tensor> y, torch::Tensor w, double eps,
-                                    c10::optional<torch::Tensor> out) {
+static at::Tensor add_rmsnorm_to(at::Tensor x, c10::optional<at::Tensor> y, at::Tensor w, double eps,
+                                    c10::optional<at::Tensor> out) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && w.scalar_type() == at::kBFloat16,
               "add_rmsnorm: bf16 x (contiguous) and weight");
   const int64_t H = x.size(-1), R = x.numel() / H;
@@ -1178,12 +1185,12 @@ static torch::Tensor add_rmsnorm_to(torch::Tensor x, c10::optional<torch::Tensor
   return h;
 }
 
-torch::Tensor add_rmsnorm(torch::Tensor x, c10::optional<torch::Tensor> y, torch::Tensor w, double eps) {
+at::Tensor add_rmsnorm(at::Tensor x, c10::optional<at::Tensor> y, at::Tensor w, double eps) {
   return add_rmsnorm_to(x, y, w, eps, c10::nullopt);
 }
 
 // gu [R, 2I] bf16 (gate | up, the fused projection's output) -> bf16(bf16(silu(gate)) * up) [R, I].
-torch::Tensor silu_mul(torch::Tensor gu) {
+at::Tensor silu_mul(at::Tensor gu) {
   TORCH_CHECK(gu.scalar_type() == at::kBFloat16 && gu.is_contiguous(), "silu_mul: bf16 contiguous");
   const int64_t I2 = gu.size(-1), I = I2 / 2, R = gu.numel() / I2;
   TORCH_CHECK(I2 % 32 == 0, "silu_mul: intermediate size a multiple of 16");
@@ -1214,7 +1221,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // fused q|k|v projection's output, read in place), cos/sin [R, hd] bf16 with rotate_half's sign folded
 // into sin's first half -> [R, n * hd]: bf16(bf16(x * cos) + bf16(swap_halves(x) * sin)) per head, the
 // roundings of eval/target.py's RoPE.
-torch::Tensor rope(torch::Tensor x, int64_t n, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rope(at::Tensor x, int64_t n, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous()
               && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16, "rope: bf16 contiguous");
   const int64_t C = x.size(-1), R = x.numel() / C, hd = cos.size(-1), half = hd / 2;
@@ -1303,13 +1310,13 @@ static bool lanes_max(const uint16_t* xr, int64_t Vv, float* vals, int32_t* ids)
 // bf16 max(-1) is several times slower than a read of a row's 98 KB (docs/reference/kernels.md).
 // Each lane (16 on AVX-512, 8 on AVX2) keeps its own maximum and the index where it first appeared
 // (strictly greater replaces), then the lanes reduce to the largest value at the smallest index.
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
               "argmax_rows: bf16 contiguous, non-empty last dim");
   const int64_t V = x.size(-1), R = x.numel() / V;
   auto sizes = x.sizes().vec();
   sizes.pop_back();
-  auto out = torch::empty(sizes, x.options().dtype(at::kLong));
+  auto out = at::empty(sizes, x.options().dtype(at::kLong));
   const uint16_t* xp = (const uint16_t*)x.data_ptr<at::BFloat16>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
@@ -1343,10 +1350,10 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // post-attention norm and the next norm (the next layer's input norm, or the final one) -> their output, in
 // `out` when given ([B, T, H] bf16, not x or h: the forward's buffers reused across layers), else a new tensor.
 // B * T rows up to the path's kernel_rows (eval/cpu.py).
-torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> w, std::vector<int64_t> n_out,
-                    torch::Tensor cos, torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots,
-                    torch::Tensor vis, int64_t nh, double scale, torch::Tensor n1, double eps1, torch::Tensor n2,
-                    double eps2, c10::optional<torch::Tensor> out) {
+at::Tensor layer(at::Tensor x, at::Tensor h, std::vector<at::Tensor> w, std::vector<int64_t> n_out,
+                    at::Tensor cos, at::Tensor sin, at::Tensor kc, at::Tensor vc, at::Tensor slots,
+                    at::Tensor vis, int64_t nh, double scale, at::Tensor n1, double eps1, at::Tensor n2,
+                    double eps2, c10::optional<at::Tensor> out) {
   TORCH_CHECK(w.size() == 8 && n_out.size() == 4 && x.dim() == 3 && h.sizes() == x.sizes(), "layer: 4 (packed, bias) pairs");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), R = B * T, nkv = kc.size(1), hd = kc.size(3);
   // qkv, qk, a, o, h1, gate|up, silu, down: every output but the last, 64-byte aligned each
@@ -1365,7 +1372,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor>
 // [L, B, nkv, S_max, hd], fp32 or bf16, contiguous in their last two dims (a batch's later calls keep a view
 // of fewer rows). As an indexed copy in ATen it cost 0.5-1 ms a round at batch 16 (docs/reference/kernels.md,
 // "The tree's K/V move and the elementwise kernels on every thread").
-void move_slots(torch::Tensor K, torch::Tensor V, torch::Tensor src, torch::Tensor dst) {
+void move_slots(at::Tensor K, at::Tensor V, at::Tensor src, at::Tensor dst) {
   TORCH_CHECK(K.dim() == 5 && K.sizes() == V.sizes() && K.strides() == V.strides() && K.scalar_type() == V.scalar_type() &&
               K.stride(4) == 1 && K.stride(3) == K.size(4), "move_slots: K, V [L, B, nkv, S_max, hd] alike, rows contiguous");
   TORCH_CHECK(src.scalar_type() == at::kLong && dst.scalar_type() == at::kLong && src.is_contiguous() && dst.is_contiguous() &&
