@@ -18,6 +18,26 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(_threads)
 
 
+_KERNEL_BUILD = []  # the controller's background build of this CPU's kernels (pytest_configure)
+
+
+def pytest_configure(config):
+    """Under xdist the controller builds this CPU path's kernels (eval/kernels.py) while the workers import
+    and collect: cold, the first decoder on each worker otherwise waits, idle, on one worker's build."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    import subprocess
+    import sys
+
+    _KERNEL_BUILD.append(subprocess.Popen([sys.executable, "-m", "eval.cpu"], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(__file__))))
+
+
+def pytest_unconfigure(config):
+    for proc in _KERNEL_BUILD:  # a build is never left half-done behind the run (its lock would stay)
+        proc.wait()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
