@@ -18,23 +18,26 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(_threads)
 
 
-_KERNEL_BUILD = []  # the controller's background build of this CPU's kernels (pytest_configure)
+_WARMUPS = []  # the controller's background processes (pytest_configure)
 
 
 def pytest_configure(config):
-    """Under xdist the controller builds this CPU path's kernels (eval/kernels.py) while the workers import
-    and collect: cold, the first decoder on each worker otherwise waits, idle, on one worker's build."""
+    """Under xdist the controller converts the embedded target (its tokenizer is most modules' first fixture)
+    and builds this CPU path's kernels (eval/kernels.py) while the workers import and collect: on a fresh
+    machine each worker's first test otherwise waits on them, or repeats the conversion (docs/reference/cold-start.md)."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
     import subprocess
     import sys
 
-    _KERNEL_BUILD.append(subprocess.Popen([sys.executable, "-m", "eval.cpu"], stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for code in ("from eval.loading import convert_embedded; convert_embedded()", "from eval import cpu; cpu.cpu_path()"):
+        _WARMUPS.append(subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL))
 
 
 def pytest_unconfigure(config):
-    for proc in _KERNEL_BUILD:  # a build is never left half-done behind the run (its lock would stay)
+    for proc in _WARMUPS:  # never left half-done behind the run (a kernel build's lock would stay)
         proc.wait()
 
 

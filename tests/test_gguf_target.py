@@ -101,3 +101,26 @@ def test_a_missing_or_unreadable_gguf_is_one_line(tmp_path, monkeypatch):
         convert_gguf(bad)
     assert main(["generate", "--recipe", "recipes/code.yaml", f"target={bad}", f"runs_dir={tmp_path / 'runs'}",
                  "wandb.mode=disabled"]) == 2
+
+
+def test_the_array_reader_reads_what_gguf_reads_and_the_patch_is_undone(tmp_path):
+    """convert_gguf's faster reads (eval.loading._fast_gguf_reads): the same fields, values and tensors as
+    gguf-py's own reader, one tensor-name map per (arch, blocks), and gguf's names restored afterwards."""
+    import gguf
+
+    from eval.loading import _fast_gguf_reads
+
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path)
+    plain, name_map = gguf.GGUFReader(path), gguf.get_tensor_name_map
+    with _fast_gguf_reads():
+        fast = gguf.GGUFReader(path)
+        assert type(fast.data) is np.ndarray and type(plain.data) is np.memmap
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert gguf.GGUFReader is not type(fast) and gguf.get_tensor_name_map is name_map
+    assert list(fast.fields) == list(plain.fields)
+    for name, f in plain.fields.items():
+        g = fast.fields[name]
+        assert f.types == g.types and f.data == g.data and all(np.array_equal(a, b) for a, b in zip(f.parts, g.parts))
+    assert [t.name for t in fast.tensors] == [t.name for t in plain.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(plain.tensors, fast.tensors))
