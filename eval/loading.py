@@ -94,26 +94,28 @@ def convert_gguf(path, force: bool = False, out: Path | None = None, dtype: torc
     if not path.is_file():
         raise LoadError(f"GGUF file {path} does not exist; give the path of a .gguf file")
     out = out or cache_dir() / "gguf" / f"{file_sha256(path)[:16]}-{path.stem}"
-    if (out / "config.json").exists() and (out / "model.safetensors").exists() and not force:
+    converted = lambda: (out / "config.json").exists() and (out / "model.safetensors").exists()  # noqa: E731
+    if converted() and not force:
         return out
-    with _convert_lock(out):  # a second process waits for the first's conversion instead of repeating it
-        if (out / "config.json").exists() and (out / "model.safetensors").exists() and not force:
+    with exclusive_lock(out.parent / f".{out.name}.lock"):  # a second process waits for the first's conversion
+        if converted() and not force:
             return out
-        return _convert(path, out, force, dtype)
+        return _convert(path, out, dtype)
 
 
 @contextlib.contextmanager
-def _convert_lock(out: Path):
-    """An exclusive lock beside `out`, released when its holder ends, however it ends."""
+def exclusive_lock(path: Path):
+    """An exclusive lock on file `path` between processes, released when its holder leaves the block or ends,
+    however it ends."""
     import fcntl
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as fh:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         yield
 
 
-def _convert(path: Path, out: Path, force: bool, dtype: torch.dtype) -> Path:
+def _convert(path: Path, out: Path, dtype: torch.dtype) -> Path:
     src, name = path.parent, path.name
     try:
         with _fast_gguf_reads():
@@ -130,9 +132,6 @@ def _convert(path: Path, out: Path, force: bool, dtype: torch.dtype) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if (out / "model.safetensors").exists() and not force:  # someone else finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        return out
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -31,8 +31,6 @@ for completion_ids[i].
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import logging
 import math
@@ -42,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from eval.loading import target_eos_ids
+from eval.loading import exclusive_lock, target_eos_ids
 
 from . import shards
 from .config import drop_budgets, drop_later_defaults, stable_hash
@@ -76,16 +74,9 @@ def batch_seed(seed: int, batch_index: int) -> int:
     return (seed * 1_000_003 + batch_index * 7919 + 12345) % (2**63 - 1)
 
 
-@contextlib.contextmanager
 def _manifest_lock(stage_dir: Path):
     """Serialise manifest read-modify-writes between processes (shards.record_shard has one writer)."""
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    with open(stage_dir / ".manifest.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return exclusive_lock(stage_dir / ".manifest.lock")
 
 
 def plan_batches(rows: list[dict], tokenizer, chat: bool, batch_size: int):
