@@ -203,7 +203,7 @@ def render_bench(rec: dict, machines: dict) -> str:
     out += _table(["method", "tok/s", "speedup", "τ", "α", "K", "token match with plain"],
                   [[r["method"], _num(r.get("tokens_per_s"), ".1f"), _x(r.get("speedup")),
                     _num(r.get("tau"), ".2f"), _num(r.get("alpha"), ".3f"),
-                    "–" if r.get("k") is None else str(r["k"]), _num(r.get("match_rate"), ".3f")]
+                    "–" if r.get("k") is None else _num(r["k"], ".1f") if isinstance(r["k"], float) else str(r["k"]), _num(r.get("match_rate"), ".3f")]
                    for r in f["rows"]])
     if f.get("batch_sweep"):
         out += ["", "Batch sweep: plain decoding, the fixed K and the K controller (k=auto) taking turns batch by batch:",
@@ -380,8 +380,21 @@ def bench_record(bench: dict, machine: str, *, command=None, commit=None, servin
                         "ngram_speedup": ngram, "greedy_exact": bench.get("greedy_exact"),
                         "versions": {"torch": bench.get("torch"), "transformers": bench.get("transformers")},
                         "device_name": bench.get("device_name"), "rows": rows}
-            | ({"batch_sweep": [{k: r.get(k) for k in SWEEP_KEYS} for r in bench["batch_sweep"]["rows"]]}
+            | ({"batch_sweep": [{k: r.get(k) for k in SWEEP_KEYS} for r in _sweep_rows(bench)]}
                if bench.get("batch_sweep") else {})}
+
+
+def _sweep_rows(bench: dict) -> list[dict]:
+    """The sweep's rows with the controller's figures under controlled_*: a `--k auto` bench's
+    speculative decoder is the controller itself (eval/bench.py then runs no separate one)."""
+    rows = bench["batch_sweep"]["rows"]
+    if str(bench.get("k_arg")) != "auto":
+        return rows
+    own = ("speculative_tokens_per_s", "speedup", "tau", "k", "spec_off_fraction", "speedup_turns", "same_tokens",
+           "match_rate")
+    return [{k: v for k, v in r.items() if k not in own}
+            | {("controlled_tokens_per_s" if k == "speculative_tokens_per_s" else f"controlled_{k}"): r.get(k)
+               for k in own} for r in rows]
 
 
 def _compare_row(r: dict, label: str | None = None) -> dict:

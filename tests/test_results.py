@@ -105,6 +105,15 @@ def test_bench_import_takes_every_row(tmp_path):
     for r in rec["figures"]["batch_sweep"]:
         r.pop("match_rate"), r.pop("controlled_match_rate")
     assert results.render_bench({**rec, "id": "x"}, {}).splitlines()[-1].endswith("| differs / 1.000 |")
+    # a `--k auto` bench: its speculative decoder is the controller, so its sweep fills the controller's columns
+    auto = {**bench, "k_arg": "auto", "speculative": {**bench["speculative"], "k": 3.3777},
+            "batch_sweep": {"rows": [{"batch_size": 16, "plain_tokens_per_s": 226.3, "speculative_tokens_per_s": 196.6,
+                                      "speedup": 0.8687, "tau": 1.04, "k": 1.1667, "spec_off_fraction": 0.949,
+                                      "speedup_turns": [0.96, 0.74, 0.94], "same_tokens": True, "match_rate": 1.0}]}}
+    lines = results.render_bench({**results.bench_record(auto, "box", commit="abc", serving_rev="r",
+                                                         date="2026-01-04"), "id": "x"}, {}).splitlines()
+    assert lines[-1] == "| 16 | 226.3 | – | – | – | 196.6 | 0.87× (0.74–0.96) | 1.2 | 0.95 | – / 1.000 |"
+    assert "| speculative | 80.0 | 1.60× | 2.10 | 0.400 | 3.4 | – |" in lines
 
 
 def test_parse_wall():
