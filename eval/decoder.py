@@ -55,7 +55,7 @@ from .tree import Tree
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
 SERVING_REV = "scratch-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
-CONTROLLER_REV = "stall-clip-1"
+CONTROLLER_REV = "band-probe-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
 # A batch's prefill in groups that pad at most this share of their tokens: 32 HumanEval prompts padded to
 # the longest were 1.70x their tokens, half of a 64-token call (docs/reference/k-auto.md)
@@ -711,7 +711,8 @@ class KController:
     RETIME_BELOW, the lower neighbour is a plain step where the resync it causes costs at most RETIME_SHARE of
     what the best K saves until the next one: a price timed many rounds ago may be another machine speed's, so
     a K's older rounds also weigh less with every round since it was last timed, AGE); while off, the best K
-    runs once as a probe, after a wait that doubles with each losing probe (up to PROBE_BACKOFF times). Turning
+    runs once as a probe, after a wait that doubles with each losing probe in that band of rows, across calls
+    (up to PROBE_BACKOFF times). Turning
     speculation back on re-prefills the proposer (a resync): it is switched on only when the time the
     best K saves until the next probe exceeds the resyncs' measured cost. One K for the whole batch: a
     round's verify pads every row to the longest draft, so a shorter K for some rows saves no work."""
@@ -739,8 +740,11 @@ class KController:
         # and of those that accepted it
         self.reached = [0.0] * k_max
         self.accepted = [0.0] * k_max
-        self.gap = probe_every  # rounds from one probe to the next while off (doubles while probes lose)
-        self.next_probe = warmup + probe_every  # the choice index of the next probe while off
+        # per band: rounds from one probe to the next while off (doubles while probes lose), and `rounds` at
+        # its next probe; a band's own, so that a call's few-row tail, where speculation pays, does not restart
+        # the full batch's wait in the next call (docs/reference/k-auto.md)
+        self.gaps: dict[int, int] = {}
+        self.due: dict[int, int] = {}
         self.resync_s = 0.0  # the measured cost of turning speculation back on (decayed mean of resyncs)
         self.retimed = False  # the last choice was a plain step re-timing plain's price while speculation paid
         self.last_k = 0
@@ -783,17 +787,17 @@ class KController:
             # after a plain re-timing probe, until the next one (2 * probe_every rounds), as when it was taken
             K = K if self._saved(K, alpha_hat, rate, self.probe_every * (2 if self.retimed else 1)) > self.resync_s else 0
         self.retimed = False
-        n = len(self.choices)
-        if K == 0:  # off: a probe of the best K when due, each losing probe doubling the wait for the next
+        n, b = len(self.choices), self.band
+        if K == 0:  # off: a probe of the best K when due, each losing probe doubling the band's wait for the next
             self.off_rounds += 1
-            if n >= self.next_probe:
-                self.next_probe = n + self.gap
-                self.gap = min(2 * self.gap, PROBE_BACKOFF * self.probe_every)
+            if self.rounds >= self.due[b]:
+                self.due[b] = self.rounds + self.gaps[b]
+                self.gaps[b] = min(2 * self.gaps[b], PROBE_BACKOFF * self.probe_every)
                 K = spec
         else:  # on: the probe wait starts over once speculation stayed on past one winning probe
             if self.last_k > 0:
-                self.gap = self.probe_every
-            self.next_probe = n + self.gap
+                self.gaps[b] = self.probe_every
+            self.due[b] = self.rounds + self.gaps[b]
             if (n - self.warmup) % self.probe_every == self.probe_every - 1:  # the best K's neighbour, once
                 if ((n - self.warmup) // self.probe_every) % 2:
                     K = min(K + 1, self.k_max)
@@ -836,8 +840,10 @@ class KController:
         if band not in self.tables:
             self.tables[band] = {k: [1.0, w[1] / w[0], w[2] / w[0]] for k, w in self.arms.items()}
             self.carried[band] = {k: w[1] for k, w in self.tables[band].items()}
-            if self.band is not None:  # the scores carried over are another band's prices: measure this one's
-                self.gap, self.next_probe = self.probe_every, len(self.choices)
+            # the first band probes after the warm-up and a wait; one met later at once, since the scores
+            # carried over are another band's prices: measure this one's
+            self.gaps[band] = self.probe_every
+            self.due[band] = self.warmup + self.probe_every if self.band is None else self.rounds
         self.band, self.arms = band, self.tables[band]
 
     def rate(self, k: int, alpha_hat: float, line: tuple[float, float, float]) -> float:
@@ -980,7 +986,7 @@ class KController:
         """A new stream() at the same batch size: the scores carry over, the call's own counters start afresh."""
         self.choices, self.call_rounds, self.off_rounds, self.warm_choices = [], 0, 0, 0
         self.row_accepted, self.remaining = {}, None  # a new call's rows
-        self.last_k, self.next_probe = -1, self.warmup + self.gap  # -1: no round yet (a fresh proposer, no resync)
+        self.last_k = -1  # no round yet (a fresh proposer, no resync); each band's probe wait carries over
 
 
 class _Stats:

@@ -456,6 +456,27 @@ def test_controller_scores_seconds_per_band_of_computed_rows():
         assert sum(k > 0 for k in few) >= 25, few
     assert ctl.settled() == 0  # the whole batch's band: what the report recommends for 32 rows
 
+def test_a_few_row_tail_does_not_restart_the_full_batchs_probe_wait():
+    """Each call ends with a few rows, where speculation pays, after many full-batch rounds, where it loses.
+    One probe wait for all bands let each tail restart it, so every call probed the full batch at 16, 32 and 64
+    rounds again (3 losing probes a call, ~1-3% of an AVX2 EPYC's batch-16 call: docs/reference/k-auto.md);
+    a band's own wait keeps doubling across calls, to one probe per PROBE_BACKOFF * PROBE_EVERY rounds."""
+    def round_s(k, rows):
+        return (0.004 + 0.0008 * rows) * (1 + k * (0.6 if rows > 8 else 0.05))
+
+    ctl, probes = KController(), []
+    for call in range(8):
+        if call:
+            ctl.next_call()
+        for r in range(120):
+            rows = 32 if r < 110 else 6
+            k = ctl.choose(0.5, 0.1, measured=ctl.spec_rounds > 0, rows=rows)
+            ctl.observe(k, round_s(k, rows), _geo_rows(0.5, k, rows))
+        probes.append(sum(k > 0 for k in ctl.choices[:110]))
+        assert sum(k > 0 for k in ctl.choices[110:]) >= 8  # the tail speculates
+    assert all(p <= 1 for p in probes[2:]), probes
+
+
 def test_a_band_met_later_prices_a_k_not_run_there_as_its_timed_k_moved():
     """Speculation loses at 16 rows and at 12 alike (a drafted token costs 60% of a step). Off at 16 rows,
     the controller meets 12 rows (finished rows leave) and probes K = 1 there: priced against the plain step's
