@@ -434,47 +434,43 @@ def test_a_stalled_round_does_not_turn_the_controller(draft_s, alpha, stall_p, s
     assert runs() < 0.93 * best
 
 
-def test_controller_scores_seconds_per_band_of_computed_rows():
-    """Finished rows leave the target's forward, so a call's later rounds cost less at every K. On a machine
-    where speculation loses with 32 rows computed and wins with 6, rounds priced at 6 rows must not be read as
-    the price at 32: each call's full-batch rounds settle off, its few-row rounds speculate."""
-    def round_s(k, rows):  # 32 rows: a drafted token costs 60% of a step; 6 rows: 5%
-        step = 0.004 + 0.0008 * rows
-        return step * (1 + k * (0.6 if rows > 8 else 0.05))
+def _full_then_few(calls: int, rounds: int, full: int) -> list[tuple[list[int], list[int]]]:
+    """A machine where speculation loses with 32 rows computed (a drafted token costs 60% of a step) and wins
+    with 6 (5%): each of `calls` calls runs `full` rounds of 32 rows, then the rest of its `rounds` with 6 (its
+    finished rows left). -> per call, the K chosen in its full-batch rounds and in its few-row tail."""
+    def round_s(k, rows):
+        return (0.004 + 0.0008 * rows) * (1 + k * (0.6 if rows > 8 else 0.05))
 
     ctl, phases = KController(), []
-    for call in range(4):
+    for call in range(calls):
         if call:
             ctl.next_call()
-        for r in range(60):
-            rows = 32 if r < 30 else 6
+        for r in range(rounds):
+            rows = 32 if r < full else 6
             k = ctl.choose(0.5, 0.1, measured=ctl.spec_rounds > 0, rows=rows)
             ctl.observe(k, round_s(k, rows), _geo_rows(0.5, k, rows))
-        phases.append((ctl.choices[:30], ctl.choices[30:]))
-    for full, few in phases[1:]:  # later calls: the full batch's rounds past their probes run plain
+        phases.append((ctl.choices[:full], ctl.choices[full:]))
+    assert ctl.settled() == 0  # the whole batch's band: what the report recommends for 32 rows
+    return phases
+
+
+def test_controller_scores_seconds_per_band_of_computed_rows():
+    """Finished rows leave the target's forward, so a call's later rounds cost less at every K. Rounds priced at
+    6 rows must not be read as the price at 32: each call's full-batch rounds settle off, its few-row rounds
+    speculate."""
+    for full, few in _full_then_few(4, 60, 30)[1:]:  # later calls: the full batch's rounds past their probes run plain
         assert sum(k > 0 for k in full[5:]) <= 3, full
         assert sum(k > 0 for k in few) >= 25, few
-    assert ctl.settled() == 0  # the whole batch's band: what the report recommends for 32 rows
+
 
 def test_a_few_row_tail_does_not_restart_the_full_batchs_probe_wait():
     """Each call ends with a few rows, where speculation pays, after many full-batch rounds, where it loses.
     One probe wait for all bands let each tail restart it, so every call probed the full batch at 16, 32 and 64
-    rounds again (3 losing probes a call, ~1-3% of an AVX2 EPYC's batch-16 call: docs/reference/k-auto.md);
+    rounds again (3 losing probes a call; 4-6 a batch-16 call on the AVX2 EPYC: docs/reference/k-auto.md);
     a band's own wait keeps doubling across calls, to one probe per PROBE_BACKOFF * PROBE_EVERY rounds."""
-    def round_s(k, rows):
-        return (0.004 + 0.0008 * rows) * (1 + k * (0.6 if rows > 8 else 0.05))
-
-    ctl, probes = KController(), []
-    for call in range(8):
-        if call:
-            ctl.next_call()
-        for r in range(120):
-            rows = 32 if r < 110 else 6
-            k = ctl.choose(0.5, 0.1, measured=ctl.spec_rounds > 0, rows=rows)
-            ctl.observe(k, round_s(k, rows), _geo_rows(0.5, k, rows))
-        probes.append(sum(k > 0 for k in ctl.choices[:110]))
-        assert sum(k > 0 for k in ctl.choices[110:]) >= 8  # the tail speculates
-    assert all(p <= 1 for p in probes[2:]), probes
+    phases = _full_then_few(8, 120, 110)
+    assert all(sum(k > 0 for k in few) >= 8 for _, few in phases)  # the tails speculate
+    assert all(sum(k > 0 for k in full) <= 1 for full, _ in phases[2:]), phases
 
 
 def test_a_band_met_later_prices_a_k_not_run_there_as_its_timed_k_moved():
