@@ -203,7 +203,7 @@ def render_bench(rec: dict, machines: dict) -> str:
     out += _table(["method", "tok/s", "speedup", "τ", "α", "K", "token match with plain"],
                   [[r["method"], _num(r.get("tokens_per_s"), ".1f"), _x(r.get("speedup")),
                     _num(r.get("tau"), ".2f"), _num(r.get("alpha"), ".3f"),
-                    "–" if r.get("k") is None else _num(r["k"], ".1f") if isinstance(r["k"], float) else str(r["k"]), _num(r.get("match_rate"), ".3f")]
+                    _num(r.get("k"), ".1f" if isinstance(r.get("k"), float) else ""), _num(r.get("match_rate"), ".3f")]
                    for r in f["rows"]])
     if f.get("batch_sweep"):
         out += ["", "Batch sweep: plain decoding, the fixed K and the K controller (k=auto) taking turns batch by batch:",
