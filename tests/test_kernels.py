@@ -429,6 +429,29 @@ def test_argmax_rows_gives_torchs_first_maximal_index(shape, ext):
     assert torch.equal(got, x.float().argmax(-1)) or rows.isnan().any()
 
 
+@pytest.mark.parametrize("R,V", [(1, 49152), (16, 49152), (5, 1000), (3, 7)])  # 1000, 7: a partial last block
+def test_cdf_sample_draws_the_ids_the_torch_search_draws(R, V, ext):
+    """The kernel against eval.proposers.base.cdf_search, the same uniforms: random weights at the serving
+    temperature's spread, zero runs (never drawn), all the mass on the last id, an all-zero row (id 0, as
+    the search gives), and uniforms at 0 and just under 1."""
+    from eval.proposers.base import cdf_search
+
+    g = torch.Generator().manual_seed(R * V)
+    w = (torch.randn(R, V, generator=g) * 3 / 0.7).softmax(-1)
+    w[0, : V // 2] = 0.0
+    if R > 1:
+        w[1] = 0.0
+        w[1, V - 1] = 2.5
+    if R > 2:
+        w[2] = 0.0
+    for u in (torch.rand(R, dtype=torch.float64, generator=g), torch.zeros(R, dtype=torch.float64),
+              torch.full((R,), 1 - 2.0 ** -53, dtype=torch.float64)):
+        got = ext.cdf_sample(w, u)
+        assert got.dtype == torch.long and torch.equal(got, cdf_search(w, u)), (u, got)
+        assert (w.gather(1, got[:, None])[:, 0] > 0).all() or R > 2  # row 2 has no mass at all
+    assert ext.cdf_sample(w, torch.rand(R, dtype=torch.float64, generator=g))[0] >= V // 2
+
+
 def test_greedy_argmax_on_the_decoders_logits_is_torchs_argmax():
     from eval.cpu import greedy_argmax
 
