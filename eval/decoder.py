@@ -102,10 +102,11 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, r / s.clamp_min(1e-30), p)
 
 
-def residual_one_hot(p: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-    """residual(p, one-hot(tok)), unnormalised: p [R, V] with each row's tok [R] taken out (max(0, p - 1) is
-    0 there and p elsewhere). O(1) work a row where residual() is O(V); inverse_cdf_sample takes weights."""
-    return p.scatter(1, tok[:, None], 0.0)
+def residual_one_hot(p: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """residual(p, one-hot(tok)) for each (row, tok) in `at` (two [n] index tensors), unnormalised: p [R, V]
+    with those tokens taken out (max(0, p - 1) is 0 there and p elsewhere). O(1) work a token where
+    residual() is O(V); inverse_cdf_sample takes weights."""
+    return p.index_put(at, p.new_zeros(()))
 
 
 def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor):
@@ -151,49 +152,57 @@ def verify_tree_sample(p_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     p(c) < q_c(c)); an accepted child becomes the node (p_res = p there); when every child was rejected,
     or there is none, the token after the node is sampled from p_res. p_res is kept unnormalised (its mass
     read when a child is tried). -> per row (deepest accepted node, its depth, the token after it), as
-    Tree.accept_greedy. The rows walk together: one host sync per child tried (at most N)."""
+    Tree.accept_greedy.
+    A one-hot rejection only takes its token's mass out, so a node's tries are host arithmetic on p at its
+    children's tokens, read in one gather: a few tensor ops a level for all rows, where a tensor op per
+    child tried cost ~1.5 ms a round at batch 1 (docs/reference/trees.md, "Sampling cost")."""
     B = len(tree.tokens)
     dev = tree.tokens.device
     kids = tree.children()  # per row: node -> its children, in order
-    node, depth, tried = [0] * B, [0] * B, [0] * B  # per row: where the walk is, and children tried there
-    all_rows = torch.arange(B, device=dev)
-    p_res = p_at(all_rows, torch.zeros_like(all_rows)).float()  # [B, V] unnormalised after rejections
-    while True:
-        rows, child = [], []
-        for b in range(B):
-            ch = kids[b].get(node[b], ())
-            if tried[b] < len(ch):
-                rows.append(b)
-                child.append(ch[tried[b]])
-        if not rows:
-            break
-        r = torch.tensor(rows, device=dev)  # [R]
-        j = torch.tensor(child, device=dev)  # [R] the child tried in each of these rows
-        tok = tree.tokens[r, j - 1]  # [R]
-        u = torch.rand(len(rows), device=dev, generator=sampling.generator)  # [R]
-        pr = p_res[r]  # [R, V]
-        mass = pr.sum(-1)  # [R]
-        sampled = [i for i, (b, c) in enumerate(zip(rows, child)) if tree.q_host and c in tree.q_host[b]]
-        q_tok = torch.ones(len(rows), device=dev)  # [R] q_c(token): 1 for a one-hot draft
-        for i in sampled:
-            q_tok[i] = tree.q_host[rows[i]][child[i]][tok[i]]
-        # accept with probability min(1, p_res(token) / q(token)), p_res normalised by its mass
-        ok = (u * q_tok * mass < pr.gather(1, tok[:, None])[:, 0]).tolist()  # host sync: the accept decisions
-        rejected = residual_one_hot(pr, tok)  # [R, V]
-        for i in sampled:
-            rejected[i] = residual(pr[i] / mass[i], tree.q_host[rows[i]][child[i]])
-        acc = [i for i, a in enumerate(ok) if a]
-        if acc:
-            at = torch.tensor(acc, device=dev)
-            rejected[at] = p_at(r[at], j[at]).float()  # an accepted child becomes the node: p there
-        p_res[r] = rejected
-        for b, c, a in zip(rows, child, ok):
-            if a:
-                node[b], depth[b], tried[b] = c, depth[b] + 1, 0
+    node, depth = [0] * B, [0] * B
+    stop_p: list[torch.Tensor] = [None] * B  # per row: p (or a sampled child's residual) where its walk stopped
+    out_rows, out_toks = [], []  # and the one-hot children rejected there, taken out of it at the end
+    rows = list(range(B))
+    while rows:
+        p = p_at(torch.tensor(rows, device=dev), torch.tensor([node[b] for b in rows], device=dev)).float()  # [R, V]
+        ch = [kids[b].get(node[b], []) for b in rows]
+        C = max(map(len, ch))
+        toks = [[tree.tokens_host[b][c - 1] for c in cs] + [0] * (C - len(cs)) for b, cs in zip(rows, ch)]  # [R, C]
+        pc = p.gather(1, torch.tensor(toks, device=dev)).tolist() if C else [[]] * len(rows)  # [R, C] p at the children
+        u = torch.rand(len(rows), C, device=dev, generator=sampling.generator).tolist()  # [R, C]
+        mass = p.sum(-1).tolist()  # [R] host sync: with pc and u, every try of this level
+        nxt = []
+        for i, b in enumerate(rows):
+            res, m, took, out = p[i], mass[i], None, []  # p_res: res less the tokens in `out`, of mass m
+            val = dict(zip(toks[i], pc[i]))  # p_res at the children's tokens
+            for j, c in enumerate(ch[i]):
+                t = toks[i][j]
+                q = tree.q_host[b].get(c) if tree.q_host else None
+                qt = 1.0 if q is None else float(q[t])
+                if u[i][j] * qt * m < val[t]:  # accept with min(1, p_res(t) / q(t)), p_res normalised by m
+                    took = c
+                    break
+                if q is None:  # one-hot: t's mass out of p_res
+                    m -= val[t]
+                    val[t] = 0.0
+                    out.append(t)
+                else:  # sampled, tried first (p_res is still p): p_res <- residual(p, q), t's share 0 now
+                    res = residual(res / m, q)
+                    m = float(res.sum())
+                    val = dict(zip(toks[i], res[torch.tensor(toks[i], device=dev)].tolist()))
+            if took is not None:
+                node[b], depth[b] = took, depth[b] + 1
+                nxt.append(b)
             else:
-                tried[b] += 1
-    nxt = sampling.sample(p_res).tolist()  # [B] host sync: the token after each row's node
-    return list(zip(node, depth, nxt))
+                stop_p[b] = res
+                out_rows += [b] * len(out)
+                out_toks += out
+        rows = nxt
+    p_res = torch.stack(stop_p)  # [B, V]
+    if out_rows:
+        p_res = residual_one_hot(p_res, (torch.tensor(out_rows, device=dev), torch.tensor(out_toks, device=dev)))
+    last = sampling.sample(p_res).tolist()  # [B] host sync: the token after each row's node
+    return list(zip(node, depth, last))
 
 
 class SpeculativeDecoder:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..heads.dflash import DFlashHead, block_mask
-from .base import Proposer, draw, target_device, to_target_vocab
+from .base import Proposer, draw, target_device
 
 
 class DFlashProposer(Proposer):
@@ -50,10 +50,7 @@ class DFlashProposer(Proposer):
         mask = block_mask(self.anchor, k, self.caches[0].k.shape[2], self.head.config.causal)  # [B, 1, k + 1, S]
         h = self.head(self.head.block_input(self.cur, k), pos, None, mask, self.caches)[:, 1:]  # [B, k, H]
         logits = self.head.logits(h)  # [B, k, Vd]
-        if self.sampling.greedy:  # argmax over the draft vocabulary, mapped: no [B, k, V] tensor
-            return self.draft_ids[logits.argmax(-1)], None
-        drafts, q = draw(to_target_vocab(logits, self.draft_ids, self.vocab_size).flatten(0, 1), self.sampling)
-        return drafts.view(logits.shape[:2]), q.view(*logits.shape[:2], -1)
+        return draw(logits, self.sampling, self.draft_ids, self.vocab_size)  # [B, k], [B, k, V] | None
 
     def accept(self, tokens, start, n_acc, bonus, features=None):
         # the verified tokens' features at start..start+T-1 become context (columns past a row's accepted ones

@@ -7,7 +7,7 @@ import torch
 
 from ..target import make_runner
 from ..drafts import SelfSpecDraft, int8_draft
-from .base import target_device, Proposer, draw, to_target_vocab, verified_input
+from .base import target_device, Proposer, draw, verified_input
 
 
 class DraftLMProposer(Proposer):
@@ -40,11 +40,7 @@ class DraftLMProposer(Proposer):
 
     def _draw_draft(self, logits):
         """[B, Vd or V] draft logits -> (tokens [B] target ids, q [B, V] or None)."""
-        if self.d2t is None:
-            return draw(logits, self.sampling)
-        if self.sampling.greedy:
-            return self.d2t[logits.argmax(-1)], None
-        return draw(to_target_vocab(logits, self.d2t, self.vocab_size), self.sampling)
+        return draw(logits, self.sampling, self.d2t, self.vocab_size)
 
     def drafted_elsewhere(self):
         self.fed_drafts = False  # the accepted path may be a lookup's: accept() feeds it all

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..heads import EagleHead
-from .base import target_device, Proposer, draw, prefill_input, to_target_vocab, verified_input
+from .base import target_device, Proposer, draw, prefill_input, verified_input
 
 
 class EagleProposer(Proposer):
@@ -39,10 +39,6 @@ class EagleProposer(Proposer):
     def dtype(self):
         return self.head.fc.weight.dtype
 
-    def _logits(self, h):
-        """[B, H] -> [B, V] target-vocab logits (rows outside the draft vocab at -inf)."""
-        return to_target_vocab(self.head.logits(h), self.d2t, self.vocab_size)
-
     def begin(self, prompts, first, max_len, sampling, features=None):
         self.sampling = sampling
         self.caches = self.head.new_caches(len(prompts), max_len)
@@ -54,10 +50,7 @@ class EagleProposer(Proposer):
         drafts, qs = [], []
         h = self.cur_h
         for i in range(k):
-            if self.sampling.greedy:  # argmax over the draft vocabulary, mapped: no [B, V] tensor
-                tok, q = self.d2t[self.head.logits(h).argmax(-1)], None  # [B]
-            else:
-                tok, q = draw(self._logits(h), self.sampling)  # [B], [B, V]
+            tok, q = draw(self.head.logits(h), self.sampling, self.d2t, self.vocab_size)  # [B], [B, V] | None
             drafts.append(tok)
             qs.append(q)
             if i + 1 < k:  # predicted feature ⊕ embed(draft) at the next position

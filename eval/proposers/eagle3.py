@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..heads import Eagle3Head
-from .base import target_device, Proposer, draw, prefill_input, to_target_vocab, verified_input
+from .base import target_device, Proposer, draw, prefill_input, verified_input
 
 
 class Eagle3Proposer(Proposer):
@@ -56,10 +56,7 @@ class Eagle3Proposer(Proposer):
         drafts, qs = [], []
         h = self.cur_h
         for i in range(k):
-            if self.sampling.greedy:  # argmax over the draft vocabulary, mapped: no [B, V] tensor
-                tok, q = self.draft_ids[self.head.logits(h).argmax(-1)], None  # [B]
-            else:
-                tok, q = draw(to_target_vocab(self.head.logits(h), self.draft_ids, self.vocab_size), self.sampling)
+            tok, q = draw(self.head.logits(h), self.sampling, self.draft_ids, self.vocab_size)  # [B], [B, V] | None
             drafts.append(tok)
             qs.append(q)
             if i + 1 < k:  # the head's own output ⊕ embed(draft) at the next position

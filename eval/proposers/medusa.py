@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..heads import MedusaHeads
 from ..int8 import Int8Linear
 from ..cpu import packed_linear
-from .base import target_device, Proposer, Sampling, to_target_vocab
+from .base import target_device, Proposer, Sampling, draw
 
 
 def _int8_copy(weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -61,10 +61,6 @@ class MedusaProposer(Proposer):
     def dtype(self):
         return self.heads.lm_heads[0].weight.dtype
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [B, n, H] -> [B, n, V] target-vocab logits (ids outside the draft vocab at -inf)."""
-        return to_target_vocab(self._draft_logits(h), self.d2t, self.vocab_size)
-
     def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, n, H] (heads 0..n-1) -> [B, n, Vd], as MedusaHeads.logits through the packed copies."""
         return torch.stack([self._lm[i](h[:, i]) for i in range(h.shape[1])], 1)
@@ -103,8 +99,7 @@ class MedusaProposer(Proposer):
             top = self.d2t[self._draft_logits(h).topk(self.alt_m, -1).indices]  # [B, n, m], best first
             self.last_top = top  # the runners-up: alternatives() turns them into tree branches
             return top[..., 0], None  # [B, n]
-        q = self.sampling.probs(self._logits(h))  # [B, n, V]
-        return self.sampling.sample(q), q  # each draft sampled from its own head's q
+        return draw(self._draft_logits(h), self.sampling, self.d2t, self.vocab_size)  # [B, n], [B, n, V]: each head's own q
 
     def _propose_recurrent(self, n: int):
         """Head i reads the state of head i - 1 and the token before its target: the current token for
@@ -118,8 +113,8 @@ class MedusaProposer(Proposer):
             for i in range(n):
                 if i:
                     s = self._step(i, s, self._emb(drafts[-1]))
-                q = self.sampling.probs(to_target_vocab(self._lm[i](s), self.d2t, self.vocab_size))  # [B, V]
-                drafts.append(self.sampling.sample(q))
+                tok, q = draw(self._lm[i](s), self.sampling, self.d2t, self.vocab_size)  # [B], [B, V]
+                drafts.append(tok)
                 qs.append(q)
             return torch.stack(drafts, 1), torch.stack(qs, 1)
         tops = [self._top(0, s)]  # [B, m] per head
