@@ -52,6 +52,29 @@ def test_inverse_cdf_sampler_draws_each_id_with_its_weight():
     assert torch.equal(a, inverse_cdf_sample(w.expand(64, V), torch.Generator().manual_seed(5)))
 
 
+@pytest.mark.parametrize("warp", [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=0.7, top_p=0.8),
+                                  dict(temperature=0.0)])
+def test_a_draw_over_the_draft_vocabulary_is_the_draw_over_its_target_logits(warp):
+    """draw(logits, s, ids, V) over a truncated draft vocabulary against draw() over to_target_vocab's [.., V]
+    logits (-inf outside ids): the same q at every target id (0 outside ids), the same greedy token, and
+    sampled tokens that are draft ids drawn by q (chi-square over the 8 ids)."""
+    from eval.proposers import draw, to_target_vocab
+
+    g = torch.Generator().manual_seed(3)
+    V, ids = 40, torch.tensor([2, 5, 7, 11, 19, 23, 31, 38])
+    logits = torch.randn(3, 2, len(ids), generator=g) * 2  # [B, k, Vd]
+    s = Sampling(**warp, generator=torch.Generator().manual_seed(0))
+    tok, q = draw(logits, s, ids, V)
+    want_tok, want_q = draw(to_target_vocab(logits, ids, V), Sampling(**warp))
+    assert tok.shape == (3, 2) and set(tok.flatten().tolist()) <= set(ids.tolist())
+    if s.greedy:
+        assert q is None and torch.equal(tok, want_tok)
+        return
+    assert q.shape == (3, 2, V) and torch.allclose(q, want_q, atol=1e-6)
+    draws, _ = draw(logits[0, 0].expand(20000, -1), s, ids, V)
+    assert chi2_pvalue(draws, q[0, 0]) > 1e-4
+
+
 # ---------------------------------------------------------------- the accept rule alone
 
 def _rule_draws(n=20000, k=3, one_hot=False, seed=0):
