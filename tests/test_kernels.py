@@ -431,10 +431,10 @@ def test_argmax_rows_gives_torchs_first_maximal_index(shape, ext):
 
 @pytest.mark.parametrize("R,V", [(1, 49152), (16, 49152), (5, 1000), (3, 7)])  # 1000, 7: a partial last block
 def test_cdf_sample_draws_the_ids_the_torch_search_draws(R, V, ext):
-    """The kernel against eval.proposers.base.cdf_search, the same uniforms: random weights at the serving
+    """The kernel against eval.cpu.cdf_search, the same uniforms: random weights at the serving
     temperature's spread, zero runs (never drawn), all the mass on the last id, an all-zero row (id 0, as
     the search gives), and uniforms at 0 and just under 1."""
-    from eval.proposers.base import cdf_search
+    from eval.cpu import cdf_search
 
     g = torch.Generator().manual_seed(R * V)
     w = (torch.randn(R, V, generator=g) * 3 / 0.7).softmax(-1)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---------------------------------------------------------------- the sampler itself
 
-@pytest.mark.cpu_paths  # the kernels' cdf_sample, and eval.proposers.base.cdf_search on the generic path
+@pytest.mark.cpu_paths  # the kernels' cdf_sample, and eval.cpu.cdf_search on the generic path
 def test_inverse_cdf_sampler_draws_each_id_with_its_weight():
     """Sampling.sample (eval.proposers.base.inverse_cdf_sample) against the weights it is given: a ragged vocabulary
     (not a multiple of its 256-id blocks) with mass in the first, a middle and the padded last block, zeros

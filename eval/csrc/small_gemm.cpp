@@ -1343,7 +1343,7 @@ at::Tensor argmax_rows(at::Tensor x) {
   return out;
 }
 
-// Inverse-CDF sampling (eval/proposers/base.py `inverse_cdf_sample`, the same blocks and searches): ATen's
+// Inverse-CDF sampling (eval/cpu.py `cdf_search`, the same blocks and searches): ATen's
 // version is ~12 small ops, 0.27 ms a row on the AVX2 EPYC where its arithmetic is a read of 192 KB
 // (docs/reference/trees.md, "Sampling cost"). w [R, V] non-negative fp32 weights, u [R] uniforms in [0, 1)
 // -> [R] ids: each 256-id block's mass summed in float64 (four lanes, then across them), the block whose

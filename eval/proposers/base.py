@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ..cpu import small_gemm
+from ..cpu import cdf_draw
 
 
 def check_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -83,47 +83,16 @@ class Sampling:
         return inverse_cdf_sample(probs, self.generator)
 
 
-SAMPLE_BLOCK = 256  # ids per block of inverse_cdf_sample's first search
-
-
-def _last_positive(x: torch.Tensor) -> torch.Tensor:
-    """[R, n] -> [R, 1] the index of each row's last positive entry (0 where none is)."""
-    n, pos = x.shape[-1], x.flip(-1) > 0
-    return torch.where(pos.any(-1, keepdim=True), n - 1 - pos.int().argmax(-1, keepdim=True), 0)
-
-
 def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """[..., V] non-negative weights -> [...] ids, id i drawn with probability w_i / sum(w), by inverse
-    transform (`cdf_search`) with one float64 uniform per row. Written out because the exponential race
+    transform (eval.cpu.cdf_draw) with one float64 uniform per row. Written out because the exponential race
     (argmax w / Exp(1)) and torch.multinomial cost ~1 ms a row on these CPUs, about a tenth of a step
-    (docs/reference/trees.md, "Sampling cost"). On a CPU path with kernels the search is one call
-    (`cdf_sample`, 0.02 ms a row against ATen's 0.27 on the AVX2 EPYC), the same ids but where a float64
-    block sum's last bit, summed in another order, moves a boundary."""
+    (docs/reference/trees.md, "Sampling cost")."""
     shape, V = probs.shape[:-1], probs.shape[-1]
     w = probs.reshape(-1, V).float()
     R = w.shape[0]
     u = torch.rand(R, dtype=torch.float64, device=w.device, generator=generator)  # [R]
-    ext = small_gemm() if w.device.type == "cpu" and R and V else None
-    ids = ext.cdf_sample(w.contiguous(), u) if ext is not None else cdf_search(w, u)
-    return ids.view(shape)
-
-
-def cdf_search(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """w [R, V] non-negative weights, u [R] uniforms in [0, 1) -> [R] ids: u * sum(w) located first among
-    blocks of SAMPLE_BLOCK ids, then inside its block, both in float64 (an fp32 cumsum over a 49k vocabulary
-    rounds the tail's mass away). A zero-weight id is never drawn."""
-    R, V = w.shape
-    if V % SAMPLE_BLOCK:
-        w = torch.nn.functional.pad(w, (0, SAMPLE_BLOCK - V % SAMPLE_BLOCK))
-    blocks = w.view(R, -1, SAMPLE_BLOCK)  # [R, nb, BLOCK]
-    bsum = blocks.sum(-1, dtype=torch.float64)  # [R, nb]
-    bcdf = bsum.cumsum(-1)  # [R, nb]
-    u = u.view(R, 1) * bcdf[:, -1:]  # [R, 1]
-    b = torch.searchsorted(bcdf, u, right=True).minimum(_last_positive(bsum))  # [R, 1] the block u falls in
-    before = torch.where(b > 0, bcdf.gather(1, (b - 1).clamp_min(0)), torch.zeros_like(u))  # [R, 1]
-    inner = blocks.gather(1, b[..., None].expand(-1, -1, SAMPLE_BLOCK))[:, 0].double()  # [R, BLOCK]
-    i = torch.searchsorted(inner.cumsum(-1), u - before, right=True).minimum(_last_positive(inner))  # [R, 1]
-    return (b * SAMPLE_BLOCK + i)[:, 0]
+    return cdf_draw(w, u).view(shape)
 
 
 class Proposer:
