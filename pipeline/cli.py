@@ -483,7 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
-        args.overrides = list(getattr(args, "overrides", [])) + extra
+        if "overrides" not in args:  # a command without recipe overrides: a stray key=value is a mistake, not a no-op
+            parser.error(f"unrecognized arguments: {' '.join(extra)} (draftsmith {args.cmd} takes no recipe "
+                         f"overrides; its options: draftsmith {args.cmd} --help)")
+        args.overrides = list(args.overrides) + extra
     from .methods import PLUGIN_ERRORS
 
     if PLUGIN_ERRORS:  # a method the user installed is missing: nothing runs without it

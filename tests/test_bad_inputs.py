@@ -235,6 +235,10 @@ CASES = [
     Case("export-format-the-draft-lacks", lambda c: ["export", "--draft", str(c.run / "best"), "--format",
                                                      "eagle3", "--out", str(c.tmp / "out")],
          ("recurrent Medusa", "train.medusa.recurrent=false"), run=True),
+    # a command without recipe overrides: a mistyped option (to=ID for --to ID) is refused, not ignored
+    Case("rollback-stray-key-value", lambda c: ["drafts", "rollback", "--domain", "code", "--runs-dir", str(c.runs),
+                                                "to=20261203-000000-abcd"],
+         ("to=20261203-000000-abcd", "takes no recipe overrides", "draftsmith drafts --help")),
 ]
 
 
