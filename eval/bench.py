@@ -204,7 +204,7 @@ class Runner:
     # -- ours
     def dec_call(self, dec, batch: list[list[int]], max_new: int):
         res = dec.generate(batch, max_new_tokens=max_new, temperature=self.args.temperature,
-                           eos_token_id=self.eos_id)
+                           eos_token_id=self.eos)  # every EOS id, as HF's generate and _trim stop at
         return [_trim(list(s), self.eos, None, max_new) for s in res.sequences], dict(res.stats)
 
     def measure(self, methods: dict, prompts: list[list[int]], turns: int = 1) -> dict:

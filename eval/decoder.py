@@ -179,7 +179,9 @@ def verify_tree_sample(p_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
                 t = toks[i][j]
                 q = tree.q_host[b].get(c) if tree.q_host else None
                 qt = 1.0 if q is None else float(q[t])
-                if u[i][j] * qt * m < val[t]:  # accept with min(1, p_res(t) / q(t)), p_res normalised by m
+                # accept with min(1, p_res(t) / q(t)), p_res normalised by m; a one-hot child holding all the
+                # mass left (to fp32 rounding of m's subtractions) is accepted: p_res would be all zeros after it
+                if u[i][j] * qt * m < val[t] or (q is None and val[t] >= m * (1 - 1e-6)):
                     took = c
                     break
                 if q is None:  # one-hot: t's mass out of p_res

@@ -119,7 +119,8 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
     est = 0.0
     for p, seq, feats in zip(ref.prompts, ref.seqs, ref.feats):
         full = p + seq
-        first = torch.tensor([seq[0]])
+        dev = feats.device  # the target's: the proposer's tensors live there
+        first = torch.tensor([seq[0]], device=dev)
         proposer.begin([p], first, len(full) + 2, Sampling(0.0), feats[None, :len(p)] if proposer.uses_features else None)
         j = len(p)  # position of the current (emitted, not yet verified) token
         out = [seq[0]]
@@ -145,7 +146,8 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
             bonus = full[j + a + 1]
             f = feats[j:j + len(inp)]  # [len(inp), H]: the reference's (only accepted positions are read)
             t1 = time.perf_counter()
-            proposer.accept(torch.tensor([inp]), torch.tensor([j]), torch.tensor([a]), torch.tensor([bonus]),
+            proposer.accept(torch.tensor([inp], device=dev), torch.tensor([j], device=dev),
+                            torch.tensor([a], device=dev), torch.tensor([bonus], device=dev),
                             f[None] if proposer.uses_features else None)
             if cuda:
                 torch.cuda.synchronize()  # host sync: the proposer's queued work belongs to this round's time

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu import cpu_gemv, module_linear, packed_linear, projection, small_gemm
-from .family import layer_windows, lean_family, lean_supported
+from .family import LEAN_FAMILIES, layer_windows, lean_family, lean_supported
 from .hf_forward import HFFallback
 from .kernels import MAX_ROWS
 from .layers import KVCache

@@ -223,3 +223,12 @@ def test_llama_shaped_models_outside_the_table_take_the_hf_path(family):
     with torch.no_grad():
         logits, _ = r(ids, torch.arange(9).expand(2, 9), 9)
         torch.testing.assert_close(logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_the_lean_forward_does_not_cover_is_refused_by_name():
+    """LeanLlama on a GPT-2: a TypeError naming the families it covers and make_runner, not a crash of its own."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).eval()
+    with pytest.raises(TypeError, match="is not a family the lean forward covers .*llama.*make_runner"):
+        LeanLlama(gpt2)

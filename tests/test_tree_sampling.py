@@ -76,6 +76,24 @@ def _rule_pvalues(warp, n=20000):
     return pv
 
 
+def test_the_last_one_hot_child_holding_the_mass_left_is_accepted(monkeypatch):
+    """p's whole mass on two one-hot children, 0.9 and 0.1 in fp32: their fp32 sum rounds to 1.0, so after the
+    first child's rejection the mass left reads 2e-8 more than the second child's p. With a uniform just below 1
+    the second child would be rejected too, leaving an all-zero residual that draws id 0 (no mass there); it is
+    accepted instead, and the token after it comes from its own p."""
+    V = 8
+    p = torch.zeros(3, V)
+    p[0, 2], p[0, 5] = 0.9, 0.1  # the root: all its mass on the children's tokens
+    p[1:, 6] = 1.0  # after either child
+    assert float(p[0].sum()) == 1.0 and 1.0 - float(p[0, 2]) > float(p[0, 5])  # the rounding the case needs
+    tree = Tree.from_lists([([2, 5], [0, 0])], "cpu")
+    rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.full(a, 1 - 2 ** -24, dtype=kw.get("dtype")))
+    (node, depth, nxt), = verify_tree_sample(lambda r, j: p[j], tree, Sampling(1.0, generator=torch.Generator()))
+    monkeypatch.setattr(torch, "rand", rand)
+    assert (node, depth, nxt) == (2, 1, 6)
+
+
 @pytest.mark.parametrize("warp", list(WARPS))
 def test_tree_accept_rule_matches_target(warp):
     assert min(_rule_pvalues(WARPS[warp])) > 1e-4
