@@ -66,13 +66,13 @@ def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     n = samples.numel()
     counts = torch.bincount(samples.flatten(), minlength=probs.numel()).double()
     exp = probs.double() * n
+    if (counts[exp == 0] > 0).any():
+        return 0.0  # a sample where the target puts no mass (checked before pooling hides it in a pooled cell)
     small = exp < 5
     if small.any():
         counts = torch.cat([counts[~small], counts[small].sum()[None]])
         exp = torch.cat([exp[~small], exp[small].sum()[None]])
     keep = exp > 0
-    if (counts[~keep] > 0).any():
-        return 0.0  # a sample where the target puts no mass
     counts, exp = counts[keep], exp[keep]
     stat = ((counts - exp) ** 2 / exp).sum()
     df = max(counts.numel() - 1, 1)

@@ -26,10 +26,9 @@ def stdlib():
     return rows, time.time() - t
 
 
-def test_stdlib_many_unique_fast(stdlib):
-    rows, secs = stdlib
+def test_stdlib_prompts_are_many_and_unique(stdlib):
+    rows, _ = stdlib  # its time is a benchmark's to judge, not a test's
     assert len(rows) > 1000
-    assert secs < 30  # a few seconds on an idle core
     assert len({r["id"] for r in rows}) == len(rows)
     assert len({normalise(r["prompt"]) for r in rows}) == len(rows)
     assert not any(".test." in r["id"] or r["id"].startswith(("test.", "idlelib", "lib2to3")) for r in rows)

@@ -1,7 +1,6 @@
 """Generate stage on a tiny random Llama with a tiny byte-level BPE tokenizer (offline, seconds)."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -188,8 +187,6 @@ def test_interrupted_run_resumes(tmp_path, tok, model):
     assert rows_by_id(stage) == before  # sampled rows reproduce: per-batch seeds
 
 
-@pytest.mark.skipif(os.environ.get("DRAFTSMITH_SKIP_MULTIPROC") == "1",
-                    reason="2-process accelerate test (~30 s); DRAFTSMITH_SKIP_MULTIPROC=1 skips it")
 def test_accelerate_two_processes_match_one(tmp_path, tok, model):
     recipe, run = setup_run(tmp_path, tok, temperature=0.7)
     target = tmp_path / "target"

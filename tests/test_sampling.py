@@ -100,8 +100,11 @@ def _rule_draws(n=20000, k=3, one_hot=False, seed=0):
 
 def _rule_pvalues(one_hot):
     p, n_acc, emitted = _rule_draws(one_hot=one_hot)
-    # position i is reached when the first i tokens were accepted drafts; given that, token i ~ p_i
-    return [chi2_pvalue(emitted[n_acc >= i, i], p[i]) for i in range(3)]
+    # position i is reached when the first i tokens were accepted drafts; given that, token i ~ p_i, the
+    # bonus token (i = k, after every draft was accepted) included
+    k = emitted.shape[1] - 1
+    assert (n_acc == k).sum() > 300  # enough rounds reach the bonus to test it
+    return [chi2_pvalue(emitted[n_acc >= i, i], p[i]) for i in range(k + 1)]
 
 
 @pytest.mark.parametrize("one_hot", [False, True])

@@ -2,7 +2,6 @@
 process: the same loss curve and weights, checkpoints and logs written once by the main process, and a
 checkpoint of one process resumed by two."""
 
-import os
 import shutil
 import subprocess
 import sys
@@ -26,8 +25,6 @@ STEPS = 8
 RTOL = 1e-5
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-multiproc = pytest.mark.skipif(os.environ.get("DRAFTSMITH_SKIP_MULTIPROC") == "1",
-                               reason="2-process accelerate test (~30 s); DRAFTSMITH_SKIP_MULTIPROC=1 skips it")
 
 
 def launch(recipe: Path, run_dir: Path) -> subprocess.CompletedProcess:
@@ -62,7 +59,6 @@ def weights(run: Path, step: int) -> dict:
     return load_file(str(run / f"train/checkpoint-{step:06d}/head.safetensors"))
 
 
-@multiproc
 def test_two_processes_resume_one_and_match_its_curve(setup):
     """A one-process run is cut back to its first checkpoint (step 2, as if it had stopped there) and two
     processes resume it: they restore its optimizer and data position and train steps 3..8. The rows of
@@ -93,7 +89,6 @@ def test_two_processes_resume_one_and_match_its_curve(setup):
         torch.testing.assert_close(weights(two, STEPS)[k], v, rtol=RTOL, atol=1e-6)
 
 
-@multiproc
 def test_two_processes_agree_on_a_time_budgets_plan(setup):
     """train.max_minutes under DDP: both processes time their probe steps and gather, so they stop at the same
     planned step (here the budget is spent before the first step: one step past the probe) and neither waits on
