@@ -299,6 +299,7 @@ def retrain(recipe, traffic: list[str]) -> int:
             check_target(Path(champion["draft_dir"]), recipe, champion)  # another target: refused before any work
         ledger = Ledger(ddir)
         batch = ledger.pending()
+        _check_run_id(recipe, ddir, batch)
         if batch is not None:
             print(f"draftsmith: resuming traffic batch {batch['id']} (interrupted before its decision)",
                   file=sys.stderr)
@@ -309,6 +310,18 @@ def retrain(recipe, traffic: list[str]) -> int:
                       f"used before; the champion stays and nothing changed")
                 return 0
         return _run_batch(recipe, ddir, ledger, batch)
+
+
+def _check_run_id(recipe, ddir: Path, pending: dict | None) -> None:
+    """A retrain given --run-id writes its run there: refused where that directory already holds another run
+    (a distill's, or another batch's retrain), whose status, prompts and generate stage it would overwrite."""
+    if not recipe.run_id or not (ddir / recipe.run_id).exists():
+        return
+    run_dir = ddir / recipe.run_id
+    if pending is not None and Path(pending.get("run_dir") or "") == run_dir:
+        return  # the interrupted batch's own run, resumed
+    raise RetrainError(f"--run-id {recipe.run_id}: {run_dir} already holds a run; a retrain writes a new one "
+                       f"(leave --run-id out, or name a directory that does not exist)")
 
 
 def _open_retrain_run(recipe, ddir: Path, ledger: Ledger, batch: dict) -> Path:

@@ -162,6 +162,18 @@ def test_a_draft_for_another_target_is_refused(loop, tmp_path, capsys):
     assert _tree(runs) == before
 
 
+def test_a_run_id_naming_an_existing_run_is_refused(loop, tmp_path, tiny_target, capsys):
+    """retrain --run-id <the distill's run>: refused in one line before any traffic is read into the ledger, the
+    distill's run (its status, prompts, generate stage) and everything else unchanged."""
+    runs = loop["runs"]
+    before = _tree(runs)
+    code = _jsonl(tmp_path / "fresh.jsonl", [{"prompt": "def brand_new(x):\n    pass\n"}])
+    assert main(_args("retrain", tiny_target, runs, "--traffic", code, "--run-id", loop["distill"].name)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a run" in err[0] and loop["distill"].name in err[0], err
+    assert _tree(runs) == before
+
+
 def test_chat_traffic_monitor_fires_then_retrain_then_rollback(loop, tiny_target, monkeypatch, capsys):
     """Steps 3 and 4: chat-like traffic; `monitor` measures the champion on it and exits 1 (drift); the retrain
     that follows is judged (a slower challenger: kept); then a rollback restores the distill's champion.
