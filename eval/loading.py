@@ -83,6 +83,12 @@ def file_sha256(path: Path) -> str:
     return known[key]
 
 
+def gguf_dir(path) -> Path:
+    """Where convert_gguf puts a GGUF file's conversion by default (the file's content names it)."""
+    path = Path(path).expanduser()
+    return cache_dir() / "gguf" / f"{file_sha256(path)[:16]}-{path.stem}"
+
+
 def convert_gguf(path, force: bool = False, out: Path | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Convert a GGUF file of any family transformers' GGUF loader reads into an HF checkpoint (weights
     dequantized to `dtype`, its tokenizer beside them) once; return its directory, by default
@@ -93,7 +99,7 @@ def convert_gguf(path, force: bool = False, out: Path | None = None, dtype: torc
     path = Path(path).expanduser()
     if not path.is_file():
         raise LoadError(f"GGUF file {path} does not exist; give the path of a .gguf file")
-    out = out or cache_dir() / "gguf" / f"{file_sha256(path)[:16]}-{path.stem}"
+    out = out or gguf_dir(path)
     converted = lambda: (out / "config.json").exists() and (out / "model.safetensors").exists()  # noqa: E731
     if converted() and not force:
         return out

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from eval.cpu import bf16_matmul_fast
-from eval.loading import convert_embedded, convert_gguf, is_gguf, tokenizers_match
+from eval.loading import (EMBEDDED_DIRNAME, cache_dir, convert_embedded, convert_gguf, gguf_dir, is_gguf,
+                          tokenizers_match)
 
 from .config import EMBEDDED_TARGET
 
@@ -30,6 +31,17 @@ def pick_device(device: str = "auto") -> torch.device:
 
 def pick_dtype(dtype: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+
+
+def served_path(spec: str) -> str:
+    """The checkpoint directory a recipe's `target` names on this machine, for a serve command: the embedded
+    target's and a GGUF's conversion directories (where any run that loaded them put them), else the spec
+    itself. Converts nothing: a report only names it."""
+    if spec == EMBEDDED_TARGET:
+        return str(cache_dir() / EMBEDDED_DIRNAME)
+    if is_gguf(spec) and Path(spec).expanduser().is_file():
+        return str(gguf_dir(spec))
+    return spec
 
 
 def resolve_target(spec: str) -> str:

@@ -632,9 +632,13 @@ def engine_ranking_table(t: dict) -> str:
 
 def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, verify: list) -> str:
     from eval import draft_dir
+    from eval.proposers import NgramProposer
 
     from .export import engine_format, kind_problem, serve_formats
     from .formats import FORMATS, vllm_serve, vllm_speculative_config
+    from .models import served_path
+
+    model = served_path(m.get("target"))  # a directory an engine loads, not the recipe's embedded:/GGUF name
 
     k = k_best or v.figures.get("k") or m.get("k")
     how = "the fastest K on the measured K curve" if k_best else "the recipe's K (no K curve measured)"
@@ -668,11 +672,13 @@ def recommendation_section(run_dir: Path, m: dict, k_best: int | None, v: View, 
             lines.append(exports[fmt]["serve"][engine])
             continue
         files = None if fmt in exports else best  # an export still to make: what it needs, read from the draft
-        lines.append(make + FORMATS[fmt].serve(out, m.get("target"), k, files=files)[engine])
+        lines.append(make + FORMATS[fmt].serve(out, model, k, files=files)[engine])
     ng = v.ngram
     if ng and ng.get("speedup") and ng["speedup"] > (v.figures.get("speedup") or 0):
-        spec = vllm_speculative_config("ngram", m.get("ngram_k", k), prompt_lookup_max=4, prompt_lookup_min=2)
-        lines.append(f"# the n-gram baseline measured faster than this draft:\n{vllm_serve(m.get('target'), spec)}")
+        ngram = NgramProposer()  # the baseline evaluate measured (eval.proposers.load_proposer("ngram"))
+        spec = vllm_speculative_config("ngram", m.get("ngram_k", k), prompt_lookup_max=ngram.max_ngram,
+                                       prompt_lookup_min=ngram.min_ngram)
+        lines.append(f"# the n-gram baseline measured faster than this draft:\n{vllm_serve(model, spec)}")
     parts.append("<pre>" + esc("\n\n".join(lines)) + "</pre>")
     if ranked:
         parts.append(engine_ranking_table(ranked))

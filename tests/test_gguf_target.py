@@ -85,6 +85,13 @@ def test_a_gguf_target_converts_once_by_hash_and_loads(tmp_path, monkeypatch):
     assert torch.allclose(got, want, atol=0.05, rtol=0.05) and torch.equal(got.argmax(-1), want.argmax(-1))
     stamp = (conv[0] / "model.safetensors").stat().st_mtime_ns
     assert convert_gguf(src) == conv[0] and (conv[0] / "model.safetensors").stat().st_mtime_ns == stamp  # reused
+    from pipeline.config import EMBEDDED_TARGET
+    from pipeline.models import served_path
+
+    # a report's serve commands name the directories engines load, not the recipe's GGUF or embedded: spec
+    assert served_path(str(src)) == str(conv[0])
+    assert served_path(EMBEDDED_TARGET) == str(tmp_path / "cache" / "smollm2-135m-instruct-bf16")
+    assert served_path(str(tmp_path / "hf-dir")) == str(tmp_path / "hf-dir")
     write_llama_gguf(src, seed=1)  # another file at the same path: its hash names another conversion
     assert convert_gguf(src) != conv[0]
 
