@@ -26,10 +26,13 @@ def checkpoints(train_dir: Path) -> list[Path]:
                   if p.is_dir() and (p / STATE_FILE).exists() and draft_dir.is_draft_dir(p))
 
 
+BUDGET_FILE = "budget.json"  # train/budget.json: the steps train.max_minutes planned, which a resume keeps
+
+
 def set_aside_foreign(train_dir: Path, key: str) -> None:
     """Checkpoints written under another training recipe (a changed train.* override, or compare
     --steps on a run dir that holds a shorter run) are not resumed: they move, with their manifest, to
-    train/stale-<their key>/ (nothing is deleted), and training starts from step 0. Checkpoints from
+    train/stale-<their key>/ (nothing is deleted), and training starts from step 0 under its own plan. Checkpoints from
     before train_key was stored carry none and are resumed as before."""
     ckpts = checkpoints(train_dir)
     keys = {draft_dir.read_meta(ck).get("train_key") for ck in ckpts}
@@ -40,7 +43,7 @@ def set_aside_foreign(train_dir: Path, key: str) -> None:
     while dest.exists():  # set aside before (recipes switched back and forth): never merge into it
         dest, n = train_dir / f"stale-{foreign[-1]}-{n}", n + 1
     dest.mkdir()
-    for p in ckpts + [train_dir / "manifest.json"]:
+    for p in ckpts + [train_dir / "manifest.json", train_dir / BUDGET_FILE]:  # their time budget's plan too
         if p.exists():
             shutil.move(str(p), str(dest / p.name))
     print(f"draftsmith: {train_dir} held checkpoints of another training recipe (train key "

@@ -55,7 +55,7 @@ import torch
 from eval.cpu import bf16_matmul_fast
 from eval.datastore import FILE as DATASTORE_FILE, Datastore
 
-from .checkpoints import STATE_FILE, checkpoints, restore, set_aside_foreign, trainer_state, write_checkpoint
+from .checkpoints import BUDGET_FILE, STATE_FILE, checkpoints, restore, set_aside_foreign, trainer_state, write_checkpoint
 from .features import (FEATURES_FILE, RAW_TEACHER_FILE, aux_features_file, cache_features, generated_features,
                        score_raw_windows)
 from .config import stable_hash
@@ -72,7 +72,6 @@ from .train_data import (EpochSampler, RawText, Sequences, TrainError, check_voc
 __all__ = ["run_train", "TrainError", "LOG_FILE", "read_log"]
 
 LOG_FILE = "log.jsonl"  # train/log.jsonl: one {"step", "loss", "lr", metrics...} per step, up to the last checkpoint
-BUDGET_FILE = "budget.json"  # train/budget.json: the steps train.max_minutes planned, which a resume keeps
 BUDGET_PROBE_STEPS = 10  # train.max_minutes: the steps timed before the plan (inside the default 20-step warm-up)
 
 

@@ -91,6 +91,31 @@ def test_changed_training_recipe_does_not_resume_foreign_checkpoints(tmp_path, g
     assert len(list((d / "train").glob("stale-*"))) == 1
 
 
+def test_a_foreign_runs_time_budget_plan_is_set_aside_with_its_checkpoints(tmp_path, gen_dir, target):
+    """A run that planned 11 of 14 steps under train.max_minutes, then another training recipe (6 steps, another
+    lr) in the same run dir: the old plan moves to train/stale-<key>/ with its checkpoints, and the new recipe
+    trains its own 6 steps, equal to a fresh run (the old plan would have stretched it to 11)."""
+    from pipeline.train import BUDGET_PROBE_STEPS
+
+    kw = dict(save_every=2, method="medusa", medusa={"heads": 2}, datastore=False)
+    fresh, d = _copy_gen(gen_dir, tmp_path / "fresh"), _copy_gen(gen_dir, tmp_path / "d")
+    recipe = _recipe(steps=6, **kw)
+    run_train(recipe, fresh, target=target)
+    old = _recipe(steps=14, lr=1e-2, max_minutes=1e-6, **kw)  # spent at once: plans one step past the probe
+    run_train(old, d, target=target)
+    assert json.loads((d / "train/budget.json").read_text())["steps"] == BUDGET_PROBE_STEPS + 1
+    run_train(recipe, d, target=target)
+    stale = d / "train" / f"stale-{old.train_key()}"
+    assert (stale / "budget.json").exists() and not (d / "train/budget.json").exists()
+    assert json.loads((d / "train/manifest.json").read_text())["steps"] == 6
+    assert not (d / "train/checkpoint-000008").exists()
+    for step in (2, 4, 6):
+        wa = load_file(str(fresh / f"train/checkpoint-{step:06d}/head.safetensors"))
+        wb = load_file(str(d / f"train/checkpoint-{step:06d}/head.safetensors"))
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0)
+
+
 def test_eagle_resume_equals_uninterrupted(tmp_path, gen_dir, target):
     a, b = _copy_gen(gen_dir, tmp_path / "a"), _copy_gen(gen_dir, tmp_path / "b")
     recipe = _recipe(steps=6, save_every=2, draft_vocab_size=40, eagle={"unroll": 2})
