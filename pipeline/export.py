@@ -67,7 +67,10 @@ def check_kind(meta: dict, fmt: str, src: Path) -> None:
         raise ExportError(f"{src}: {problem}")
 
 
-def check_out(out: Path, force: bool) -> None:
+def check_out(out: Path, force: bool, src: Path | None = None) -> None:
+    if src is not None and (out.resolve() == src.resolve() or src.resolve().is_relative_to(out.resolve())):
+        raise ExportError(f"--out {out} holds the draft {src} itself, which --force would delete; give another "
+                          f"directory")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory path")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -213,7 +216,7 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
     meta = draft_dir.read_meta(src)
     check_kind(meta, fmt, src)
     check_files(src, meta, fmt)
-    check_out(out, force)
+    check_out(out, force, src)
     if k is not None and k < 1:
         raise ExportError(f"--k {k}: the speculative tokens per round must be >= 1")
     k = check_k_by_batch(k_by_batch, k)

@@ -49,7 +49,7 @@ def load_results(results_dir: Path) -> list[dict]:
     for path in sorted(Path(results_dir).glob("*.json")):
         if path.name == MACHINES:
             continue
-        rec = json.loads(path.read_text())
+        rec = _read_json(path, required=True)
         missing = [k for k in REQUIRED if k not in rec]
         if missing:
             raise ResultsError(f"{path}: missing {', '.join(missing)}")

@@ -692,3 +692,18 @@ def test_evaluate_engine_rank_is_refused_before_decoding_without_the_engine_or_a
     check_exports(on, [ck])
     with pytest.raises(EvaluateError, match="recurrent Medusa heads"):  # without engine ranking it is not a candidate
         check_exports(load_recipe(domain="code", overrides=["evaluate.serve=vllm"]), [ck])
+
+
+def test_an_out_that_holds_the_draft_is_refused_even_with_force(tmp_path):
+    """--out the draft itself, or a directory above it: --force would rename it away and delete it with the
+    draft inside, so it is refused in one line first; a sibling directory is fine."""
+    from pipeline.export import ExportError, check_out
+
+    src = tmp_path / "runs" / "best"
+    src.mkdir(parents=True)
+    (src / "head.safetensors").write_bytes(b"x")
+    for out in (src, tmp_path / "runs", tmp_path / "runs" / "best" / ".."):
+        with pytest.raises(ExportError, match="holds the draft"):
+            check_out(out, True, src)
+    check_out(tmp_path / "runs" / "export", True, src)
+    assert (src / "head.safetensors").read_bytes() == b"x"

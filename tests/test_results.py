@@ -182,3 +182,12 @@ def test_a_run_evaluated_at_its_serving_temperature_carries_the_sampled_speedup(
     assert "| 1.20× | 1.58× | – | 1.40× (T=0.7 p=0.9) | 2.20 | 1.05× |" in page
     assert "| 1.60× | 1.25× | 4 | – | – | – |" in page
     assert "speedup sampled" not in results.render_distills([dict(DISTILL, id="x")], {})
+
+
+def test_a_result_file_that_is_not_json_is_one_line(tmp_path):
+    """A hand-edited result file cut short: a ResultsError naming the file, not a JSONDecodeError traceback."""
+    from pipeline.results import ResultsError, load_results
+
+    (tmp_path / "2026-12-03-cut.json").write_text('{"kind": "bench", ')
+    with pytest.raises(ResultsError, match="2026-12-03-cut.json: not JSON"):
+        load_results(tmp_path)
