@@ -18,6 +18,7 @@ ours (an engine that accepts what it should not: SGLang #27718 reported acceptan
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -115,7 +116,6 @@ def chain_form(draft: str, workdir) -> str:
     """The draft served alone, as the engines serve it: a draft promoted as a hybrid (n-gram lookups and a
     token tree, which no engine runs) is copied without its "proposer"/"serve" keys and datastore."""
     import shutil
-    import tempfile
 
     from eval import draft_dir
 
@@ -260,7 +260,8 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
     target_dir = resolve_target(plan.target)
     model, tok = load_target(plan.target, dtype, "cpu")
     if prompts_path is None:
-        prompts_path = Path(workdir or ".") / "humaneval.jsonl"
+        # the held-out prompts written where this run keeps its files, never over a humaneval.jsonl in the cwd
+        prompts_path = Path(workdir or tempfile.mkdtemp(prefix="draftsmith-verify-")) / "humaneval.jsonl"
         export_heldout_jsonl(str(prompts_path))
     prompts = encode_prompts(load_prompts(str(prompts_path), n), tok)
     eos = target_eos_ids(model, tok)
