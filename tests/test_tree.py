@@ -184,6 +184,11 @@ def test_hybrid_strong_lookup_rounds_skip_the_model():
     hyb3.begin([other + loop[:-1], [7, 8, 9, 1, 7]], torch.tensor([loop[-1], 8]), 128, Sampling())
     hyb3.propose_tree(2)
     assert hyb3.model.calls == 1 and hyb3.lookup_rounds == 0
+    # ... once the weak row has finished (accept's n_acc -1), its frozen history no longer decides for the other
+    hyb3.accept(torch.tensor([[loop[-1], 0, 0], [8, 0, 0]]), torch.tensor([len(other) + 23, 5]),
+                torch.tensor([0, -1]), torch.tensor([loop[0], 0]))
+    hyb3.propose_tree(2)
+    assert hyb3.model.calls == 1 and hyb3.lookup_rounds == 1
 
 
 def _brute_candidates(h, k, m, max_n, min_n):

@@ -74,7 +74,8 @@ class HybridProposer(Proposer):
                  for h in self.ngram.hist] if self.branches else [[]] * B
         stored = [self.datastore.candidates(h, kn, self.store_branches) if self.datastore else []
                   for h in self.ngram.hist]
-        if self.strong_match and all(f and f[0][1] >= self.strong_match for f in found):
+        # a finished row's frozen history decides nothing for the rows still decoding
+        if self.strong_match and all(f and f[0][1] >= self.strong_match for f, on in zip(found, self.ngram.live) if on):
             # Every row's suffix recurs (>= strong_match tokens): the output is repeating itself, where
             # a lookup is right far more often than the draft. The round is lookups alone, the budget
             # spent on the strong matches' continuations (up to `budget` tokens, longest match first),
@@ -125,8 +126,8 @@ class HybridProposer(Proposer):
 
     def propose(self, k):
         drafts, q = self.ngram.propose(self.k_ngram or k)
-        # Batch rows share one verify forward: use the lookup only when it found a run for every row.
-        if drafts.shape[1] > 0 and all(self.ngram.found):
+        # Batch rows share one verify forward: use the lookup only when it found a run for every row still decoding.
+        if drafts.shape[1] > 0 and all(f for f, on in zip(self.ngram.found, self.ngram.live) if on):
             self.model.drafted_elsewhere()
             self.from_ngram += 1
             return drafts, q

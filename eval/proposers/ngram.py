@@ -18,6 +18,7 @@ class NgramProposer(Proposer):
 
     def begin(self, prompts, first, max_len, sampling, features=None):
         self.hist = [list(p) + [int(t)] for p, t in zip(prompts, first.tolist())]
+        self.live = [True] * len(prompts)  # per row: still decoding (accept() freezes a finished row's history)
         self.device = first.device
 
     def _lookup(self, h: list[int], k: int) -> list[int]:
@@ -66,5 +67,6 @@ class NgramProposer(Proposer):
 
     def accept(self, tokens, start, n_acc, bonus, features=None):
         for b, (a, t) in enumerate(zip(n_acc.tolist(), bonus.tolist())):
+            self.live[b] = a >= 0
             if a >= 0:
                 self.hist[b] += tokens[b, 1:a + 1].tolist() + [t]
