@@ -316,11 +316,15 @@ class Registry:
             e = self._usable(id)
             p = self._pointer()
             cur = p["id"] if p else None
-            if cur != id:
+            # this run's promotion already moved the pointer once (a rerun after a crash before the run was marked
+            # decided): where the champion has moved on since (a rollback), the rerun must not move it back
+            before = [h["decision"] for h in (p or {}).get("history") or [] if (h.get("decision") or {}).get("entry") == id
+                      and decision.get("run_dir") is not None and h["decision"].get("run_dir") == decision["run_dir"]]
+            if cur != id and not before:
                 why = d.get("reason")
                 self._move(e, f"promoted: {why}" if why else "promoted", cur, cur, d)
             else:  # promoted already: finish that promotion's log line if a crash cut it off, else log nothing
-                last = (p.get("history") or [{}])[-1].get("decision")
+                last = before[-1] if before else (p.get("history") or [{}])[-1].get("decision")
                 if last and last.get("decision_id") in {x.get("decision_id") for x in self._read_decisions()}:
                     return self.champion()
                 d = last or d

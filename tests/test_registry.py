@@ -95,6 +95,22 @@ def test_add_promote_keep_rollback(reg, tmp_path):
     assert leftovers(reg) == []
 
 
+def test_a_rerun_promotion_does_not_undo_a_rollback(reg, tmp_path):
+    """A retrain promoted C and died before marking its batch decided; the operator rolled back to A; the rerun
+    repeats promote(C) with the same run's record: the champion stays A, and the decision is logged once."""
+    a = admit(reg, tmp_path, "run-a", 0)
+    reg.promote(a["id"], {"reason": "first draft", "run_dir": str(tmp_path / "run-a")})
+    c = admit(reg, tmp_path, "run-c", 1)
+    record = {"reason": "faster", "run_dir": str(tmp_path / "run-c"), "challenger": c["id"]}
+    reg.promote(c["id"], record)
+    assert reg.rollback()["id"] == "run-a"
+    assert reg.promote(c["id"], record)["id"] == "run-a" and served(reg) == "run-a"
+    assert [d.get("entry") for d in reg.decisions()] == ["run-a", "run-c"]
+    assert [x["id"] for x in reg.history()] == ["run-a", "run-c", "run-a"]
+    # another run promoting the same entry is a new decision: it moves the pointer
+    assert reg.promote(c["id"], {**record, "run_dir": str(tmp_path / "run-d")})["id"] == "run-c"
+
+
 def test_entries_are_immutable_and_admitting_twice_adds_none(reg, tmp_path):
     a = admit(reg, tmp_path, "run-a", 0)
     entry_json = (reg.entries_dir / "run-a" / "entry.json").read_bytes()
