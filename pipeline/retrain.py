@@ -262,7 +262,8 @@ def admit_distill(recipe, run_dir: Path, target, tokenizer) -> dict:
         metrics |= {"gate_" + k: v for k, v in _metrics_of(judged["challenger"], recipe).items()}
     splits = {s: _read_jsonl(run_dir / "prompts" / f"{s}.jsonl") for s in ("train", "val", "heldout")}
     record_prompts(ddir, f"distill-{run_dir.name}", splits, run_dir)
-    set_data_state(ddir, run_dir, reuse_key(recipe))
+    if decision.promote or data_state(ddir) is None:  # a distill the gate rejects keeps the traffic rows' base
+        set_data_state(ddir, run_dir, reuse_key(recipe))
     traffic = {"rows": sum(len(v) for v in splits.values()), "new_rows": sum(len(v) for v in splits.values())}
     record = register(recipe, run_dir, best, decision, metrics, "distill", champion, traffic)
     _say(record)

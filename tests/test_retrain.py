@@ -296,8 +296,12 @@ def test_a_later_distill_is_judged_against_the_champion(loop, tiny_target, monke
     recipe = load_recipe("recipes/code.yaml", [f"target={tiny_target}", "dtype=float32", f"runs_dir={runs}", *FAST])
     target, tok = load_target(recipe.target, recipe.dtype, "cpu")
     synthetic_gate(monkeypatch, 0.9)
+    from pipeline.retrain import data_state
+
+    base = data_state(runs / "code")
     record = admit_distill(recipe, run, target, tok)
     assert not record["promote"] and record["champion"] == champ["id"] and record["kind"] == "distill"
+    assert data_state(runs / "code") == base  # the champion's rows (its traffic included) stay the next retrain's base
     assert record["figures"]["bootstrap"]["ratio"] == pytest.approx(0.9)
     assert json.loads((run / "gate.json").read_text())["challenger"] == record["challenger"] == "later-distill"
     assert reg.champion()["id"] == champ["id"] and reg.entry("later-distill")["parent"] == champ["id"]
