@@ -990,7 +990,7 @@ class KController:
         speculation back on costs)."""
         if resync:
             self.resync_s = seconds if not self.resync_s else self.DECAY * self.resync_s + (1 - self.DECAY) * seconds
-        elif self.last_k in self.arms and self.last_k > 0:
+        elif self.last_k in self.arms and self.last_k > 0 and self.call_rounds > 1:  # the call's first round is untimed
             self.arms[self.last_k][1] += seconds
 
     def next_call(self):

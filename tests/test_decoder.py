@@ -595,6 +595,22 @@ def test_controller_charges_speculation_for_the_proposers_accept():
     assert 0 not in win[D.WARMUP_PLAIN:] and lose[D.WARMUP_PLAIN + 2:] == [0] * (10 - D.WARMUP_PLAIN - 2)
 
 
+def test_the_untimed_first_round_of_a_call_is_not_charged_its_accept():
+    """A call's first round is left out of the timings (it runs slow after the prefill): the proposer's accept()
+    after it is left out too, else that K's price rises by time its rounds were never measured with."""
+    ctl = KController()
+    for _ in range(2):  # the first call: its second round is timed
+        ctl.observe(2, 0.02, [1])
+    before = list(ctl.arms[2])
+    ctl.next_call()
+    ctl.observe(2, 0.5, [1])  # the next call's first round: untimed
+    ctl.charge(1.0)
+    assert ctl.arms[2] == before
+    ctl.observe(2, 0.02, [1])
+    ctl.charge(1.0)  # a timed round's accept() is its cost
+    assert ctl.arms[2][1] > before[1] + 1.0
+
+
 def test_controller_turns_back_on_only_when_it_repays_the_resync():
     """Turning speculation back on re-prefills the proposer: K goes back on only when what it saves over the
     next probe_every rounds exceeds the resync's measured cost."""
