@@ -11,7 +11,8 @@ the tree's, `KController` the k="auto" choice, `_Stats` the
 counters.
 
 Host syncs: one per round (`.tolist()` of the accept decision, the drafts and the bonus token; a
-sampled tree round: one per child tried, at most its node count, and the bonus token),
+sampled tree round: three per level of the walk (p at the children, the uniforms, the mass), one more
+per sampled child tried, and the bonus token),
 plus whatever a proposer needs (the n-gram proposer lives on the host; the draft LM reads one int).
 
 Statistics (GenerationResult.stats), counted over active rows only:

@@ -15,8 +15,9 @@ class HybridProposer(Proposer):
     Tree rounds (eval/tree.py), greedy or sampled: one tree per round over, in priority order, lookups
     matching >= `min_match` tokens (of up to `k_ngram` tokens), the model's chain of k, its runner-up
     paths (`alt_branches`, for a model with alternatives: Medusa's sparse tree), the datastore's most
-    frequent continuations (`store_branches`), then shorter matches; at most `max_nodes` nodes over
-    the batch (max_nodes / B per row, at least k), so the order decides what a full budget drops.
+    frequent continuations (`store_branches`), then shorter matches; max_nodes / B nodes per row (the
+    budget is the batch's verify), at least k (so more than max_nodes in all where B * k exceeds it), and
+    the order decides what a full budget drops.
     When every row's suffix recurs >= `strong_match` tokens (matches ranked up to `long_ngram`), the
     round is lookups alone: up to `strong_branches` continuations as long as the budget, no model
     call (SuffixDecoding's rule, Oliaro et al., 2024; 0 turns it off).
