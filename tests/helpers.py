@@ -83,30 +83,38 @@ def wrong_residual(p, q):
     return p  # the classic bug: resample from p after a rejection
 
 
-def exact_marginals(target, s: Sampling):
-    """p(x1) and p(x2) = sum_x1 p(x1) p(x2 | x1) under the warped target, after SAMPLING_PROMPT (computed on
-    the target's device, returned on the CPU)."""
-    P, V, dev = SAMPLING_PROMPT, SAMPLING_V, target.device
+def exact_marginals(target, s: Sampling, n: int = 2, prompt=SAMPLING_PROMPT) -> list[torch.Tensor]:
+    """p(x_1), ..., p(x_n) under the warped target after `prompt`, each summed over every path before it (the
+    last over V^(n-1) contexts), computed on the target's device and returned on the CPU, [V] each."""
+    V, dev = SAMPLING_V, target.device
+    ctx = torch.tensor([prompt], device=dev)  # [V^i, L + i]: every path of i tokens after the prompt
+    joint = torch.ones(1, device=dev)  # [V^i] each path's probability
+    out = []
     with torch.no_grad():
-        p1 = s.probs(target(torch.tensor([P], device=dev)).logits[0, -1])  # [V]
-        ctx = torch.cat([torch.tensor(P, device=dev).expand(V, -1), torch.arange(V, device=dev)[:, None]], 1)  # [V, L+1]
-        p2 = (p1[:, None] * s.probs(target(ctx).logits[:, -1])).sum(0)  # [V]
-    return p1.cpu(), p2.cpu()
+        for i in range(n):
+            step = joint[:, None] * s.probs(target(ctx).logits[:, -1])  # [V^i, V]: a path, then its next token
+            out.append(step.sum(0).cpu())
+            if i + 1 < n:
+                joint = step.reshape(-1)  # path p then x -> path p * V + x
+                ctx = torch.cat([ctx.repeat_interleave(V, 0), torch.arange(V, device=dev).repeat(len(ctx))[:, None]], 1)
+    return out
 
 
-def e2e_pvalues(target, proposer, warp, draws=10000, calls=2, **decoder_kw):
-    """Chi-square p-values of the first two tokens the decoder samples against the exact marginals
-    (`decoder_kw`: more SpeculativeDecoder arguments, e.g. compile=True)."""
+def e2e_pvalues(target, proposer, warp, draws=10000, calls=2, k=2, **decoder_kw):
+    """Chi-square p-values of the first k + 2 tokens the decoder samples against the exact marginals: the
+    prefill's token, then a first round's k draft positions and its bonus token (`decoder_kw`: more
+    SpeculativeDecoder arguments, e.g. compile=True)."""
     from eval.decoder import SpeculativeDecoder
 
-    dec = SpeculativeDecoder(target, proposer, k=2, **decoder_kw)
+    n = k + 2
+    dec = SpeculativeDecoder(target, proposer, k=k, **decoder_kw)
     outs = []
     for seed in range(calls):
-        res = dec.generate([SAMPLING_PROMPT] * (draws // calls), max_new_tokens=2, seed=seed, **warp)
+        res = dec.generate([SAMPLING_PROMPT] * (draws // calls), max_new_tokens=n, seed=seed, **warp)
         outs.append(torch.tensor(res.sequences))
-    out = torch.cat(outs)  # [draws, 2]
-    p1, p2 = exact_marginals(target, Sampling(**warp))
-    return [chi2_pvalue(out[:, 0], p1), chi2_pvalue(out[:, 1], p2)], res.stats
+    out = torch.cat(outs)  # [draws, n]
+    ps = exact_marginals(target, Sampling(**warp), n)
+    return [chi2_pvalue(out[:, i], ps[i]) for i in range(n)], res.stats
 
 
 # ------------------------------------------------------------------------- training data

@@ -20,7 +20,7 @@ import eval.decoder as D
 from eval.decoder import SpeculativeDecoder, verify_tree_sample
 from eval.proposers import DraftLMProposer, HybridProposer, Proposer, Sampling
 from eval.tree import Tree, build_trie, trie_path
-from helpers import SAMPLING_PROMPT as PROMPT, SAMPLING_V as V, chi2_pvalue, wrong_residual
+from helpers import SAMPLING_PROMPT as PROMPT, SAMPLING_V as V, chi2_pvalue, exact_marginals, wrong_residual
 from helpers import sampling_llama as tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -218,30 +218,18 @@ def target():
     return tiny(0)
 
 
-def exact_marginals3(target, s: Sampling):
-    """p(x1), p(x2), p(x3) of the warped target after PROMPT, summed over the paths before them [V] each."""
-    P = torch.tensor(PROMPT)
-    with torch.no_grad():
-        p1 = s.probs(target(P[None]).logits[0, -1])  # [V]
-        ctx1 = torch.cat([P.expand(V, -1), torch.arange(V)[:, None]], 1)  # [V, L+1]
-        p2c = s.probs(target(ctx1).logits[:, -1])  # [V(x1), V(x2)]
-        ctx2 = torch.cat([ctx1.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], 1)  # [V*V, L+2]
-        p3c = s.probs(target(ctx2).logits[:, -1]).view(V, V, V)  # [x1, x2, x3]
-    joint12 = p1[:, None] * p2c  # [V, V]
-    return p1, joint12.sum(0), (joint12[..., None] * p3c).sum((0, 1))
-
-
-def e2e3_pvalues(target, proposer, warp, draws=10000, calls=2):
-    """Chi-square p-values of the first three sampled tokens against the exact marginals."""
+def tree_e2e_pvalues(target, proposer, warp, draws=10000, calls=2):
+    """Chi-square p-values of the first four sampled tokens against the exact marginals: the prefill's, then
+    a K = 2 tree's depth-1 and depth-2 nodes and the token after a depth-2 node."""
     dec = SpeculativeDecoder(target, proposer, k=2)
     outs = []
     for seed in range(calls):
-        res = dec.generate([PROMPT] * (draws // calls), max_new_tokens=3, seed=seed, **warp)
+        res = dec.generate([PROMPT] * (draws // calls), max_new_tokens=4, seed=seed, **warp)
         outs.append(torch.tensor(res.sequences))
         assert res.stats["tree_rounds"] == res.stats["rounds"] > 0, res.stats  # sampled, through trees
-    out = torch.cat(outs)  # [draws, 3]
-    ps = exact_marginals3(target, Sampling(**warp))
-    return [chi2_pvalue(out[:, i], ps[i]) for i in range(3)], res.stats
+    out = torch.cat(outs)  # [draws, 4]
+    ps = exact_marginals(target, Sampling(**warp), 4)
+    return [chi2_pvalue(out[:, i], ps[i]) for i in range(4)], res.stats
 
 
 def tree_proposer(kind, target):
@@ -256,7 +244,7 @@ def tree_proposer(kind, target):
 @pytest.mark.parametrize("kind", ["oracle", "hybrid", "hybrid-sampled"])
 @pytest.mark.parametrize("warp", list(WARPS))
 def test_tree_sampling_matches_target(target, kind, warp):
-    pv, stats = e2e3_pvalues(target, tree_proposer(kind, target), WARPS[warp])
+    pv, stats = tree_e2e_pvalues(target, tree_proposer(kind, target), WARPS[warp])
     assert 0 < stats["alpha"] < 1, stats  # drafts were both accepted and rejected
     if kind == "oracle":
         assert stats["accept_len_hist"][2] > 0, stats  # ... down to depth 2
@@ -265,7 +253,7 @@ def test_tree_sampling_matches_target(target, kind, warp):
 
 def test_tree_sampling_without_the_residual_fails(target, monkeypatch):
     monkeypatch.setattr(D, "residual_one_hot", wrong_residual)  # the oracle's branches are one-hot drafts
-    pv, _ = e2e3_pvalues(target, tree_proposer("oracle", target), WARPS["t0.7"])
+    pv, _ = tree_e2e_pvalues(target, tree_proposer("oracle", target), WARPS["t0.7"])
     assert min(pv) < 1e-6, pv
 
 
