@@ -473,6 +473,17 @@ def test_a_few_row_tail_does_not_restart_the_full_batchs_probe_wait():
     assert all(sum(k > 0 for k in full) <= 1 for full, _ in phases[2:]), phases
 
 
+def test_losing_probes_back_off_to_a_bounded_wait():
+    """Speculation always loses (a drafted token costs 0.6 of a step for 0.3 accepted): each losing probe doubles
+    the wait before the next, up to PROBE_BACKOFF * PROBE_EVERY rounds, so speculation is still tried that
+    often however long the call runs (text may turn easy later); an unbounded doubling would probe ~never."""
+    ks = _machine(KController(), 3000, plain_s=0.010, draft_s=0.006, alpha=0.3)
+    starts = [r for r in range(1000, 3000) if ks[r] > 0 and ks[r - 1] == 0]  # probes begun, long after warm-up
+    cap = D.PROBE_BACKOFF * D.PROBE_EVERY
+    assert 2000 // cap - 2 <= len(starts) <= 2000 // cap + 2, (len(starts), cap)
+    assert sum(k > 0 for k in ks[1000:]) <= 3 * len(starts)  # each probe is short: the rounds stay plain
+
+
 def test_a_band_met_later_prices_a_k_not_run_there_as_its_timed_k_moved():
     """Speculation loses at 16 rows and at 12 alike (a drafted token costs 60% of a step). Off at 16 rows,
     the controller meets 12 rows (finished rows leave) and probes K = 1 there: priced against the plain step's
