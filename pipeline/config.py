@@ -522,6 +522,10 @@ class Recipe:
             raise RecipeError(f"run_id={self.run_id!r} must be a plain directory name, not starting with '.', and "
                               f"none of {', '.join(RESERVED_RUN_IDS)} (runs/<domain>/ keeps those); pick another "
                               f"--run-id")
+        for f in self.export.formats:  # caught here, not after generate and train have run
+            if FORMATS[f].datastore and not self.train.datastore:
+                raise RecipeError(f"export.formats names {f}, which exports the draft's datastore, but "
+                                  f"train.datastore=false builds none: set train.datastore=true or drop {f}")
 
     def to_dict(self) -> dict:
         """The recipe as nested plain data (run_dir/recipe.yaml, the W&B config), which load_recipe reads

@@ -238,3 +238,11 @@ def test_time_budgets_enter_no_key():
     b = load_recipe(domain="code", overrides=["generate.max_minutes=0", "train.max_minutes=90"])
     assert (a.hash(), a.train_key(), generate_hash(a)) == (b.hash(), b.train_key(), generate_hash(b))
     assert a.generate.max_minutes == 16 and a.train.max_minutes == 13  # recipes/code.yaml's
+
+
+def test_a_datastore_export_without_a_datastore_is_refused_at_load():
+    """export.formats=[vllm-proposer] exports the draft's datastore: with train.datastore=false there is none, so
+    the recipe is refused before any stage runs, naming both keys."""
+    with pytest.raises(RecipeError, match="vllm-proposer.*train.datastore=false.*train.datastore=true"):
+        load_recipe(domain="code", overrides=["export.formats=[vllm-proposer]", "train.datastore=false"])
+    assert load_recipe(domain="code", overrides=["export.formats=[vllm-proposer]", "train.datastore=true"])
