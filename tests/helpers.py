@@ -6,7 +6,9 @@ Test modules import from here, never from each other; fixtures live in conftest.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import torch
 
@@ -375,3 +377,22 @@ def launch_env(root) -> dict:
 
     return dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                 PYTHONPATH=str(root), PYTHONFAULTHANDLER="1")
+
+
+# ------------------------------------------------------------------------- W&B offline runs
+
+def wandb_logged(path) -> dict:
+    """{key: value} of the scalars a W&B run file records (history and summary items: a protobuf
+    key field, 1 or 2, followed by its `value_json`), read from the bytes: wandb ships no Python reader."""
+    blob = Path(path).read_bytes()
+    out = {}
+    for m in re.finditer(rb"[\x0a\x12]([\x01-\x7f])", blob):
+        n, start = m.group(1)[0], m.end()
+        key, rest = blob[start:start + n], blob[start + n:start + n + 3]
+        if rest[:2] == b"\x82\x01" and rest[2] < 0x80 and re.fullmatch(rb"[\x20-\x7e]+", key):
+            value = blob[start + n + 3:start + n + 3 + rest[2]]
+            try:
+                out[key.decode()] = json.loads(value)
+            except ValueError:
+                pass
+    return out

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.cli import main
 
-from helpers import TINY_BUDGET
+from helpers import TINY_BUDGET, wandb_logged
 
 METRIC_KEYS = {"domain", "target", "draft_method", "checkpoint", "k", "alpha", "tau", "tokens_per_s_plain",
                "tokens_per_s_spec", "speedup", "greedy_exact", "n_prompts", "max_new_tokens"}
@@ -24,23 +24,6 @@ def _args(tiny_target, runs_dir, wandb="offline") -> list[str]:
 
 def _wandb_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-
-
-def _logged(path: Path) -> dict:
-    """{key: value} of the scalars a W&B run file records (history and summary items: a protobuf
-    key field, 1 or 2, followed by its `value_json`), read from the bytes: wandb ships no Python reader."""
-    blob = path.read_bytes()
-    out = {}
-    for m in re.finditer(rb"[\x0a\x12]([\x01-\x7f])", blob):
-        n, start = m.group(1)[0], m.end()
-        key, rest = blob[start:start + n], blob[start + n:start + n + 3]
-        if rest[:2] == b"\x82\x01" and rest[2] < 0x80 and re.fullmatch(rb"[\x20-\x7e]+", key):
-            value = blob[start + n + 3:start + n + 3 + rest[2]]
-            try:
-                out[key.decode()] = json.loads(value)
-            except ValueError:
-                pass
-    return out
 
 
 def _metrics(run: Path) -> dict:
@@ -188,7 +171,7 @@ def test_wandb_offline_runs_hold_the_logged_metrics(distilled):
     assert len(files) == 3
     logged = {}
     for f in files:
-        logged |= _logged(f)
+        logged |= wandb_logged(f)
     assert logged["generate/rows"] > 0 and "train/loss" in logged and "train/tokens_per_s" in logged
     m = _metrics(run)
     for c in m["checkpoints"] + [dict(m["ngram_baseline"], name="ngram")]:

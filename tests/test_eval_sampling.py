@@ -14,7 +14,7 @@ from pipeline.cli import main
 from pipeline.config import load_recipe
 from pipeline.options import RecipeError
 
-from helpers import TINY_BUDGET
+from helpers import TINY_BUDGET, wandb_logged
 
 # top_k=2 peaks the tiny random target's near-uniform distribution, so drafts get accepted at T=0.7.
 SAMPLING = ["evaluate.temperature=0.7", "evaluate.top_p=0.9", "evaluate.top_k=2"]
@@ -147,12 +147,19 @@ def test_evaluate_again_reads_the_sampled_measurements_back(sampled_run, tiny_ta
     args = _args("evaluate", tiny_target, sampled_run.parent.parent, "wandb.mode=offline", "--run-id", sampled_run.name)
     assert main(args) == 0
     assert _metrics(sampled_run) == before
-    blob = b"".join(p.read_bytes() for p in sampled_run.glob("wandb/offline-run-*/run-*.wandb"))
-    for name in [c["name"] for c in before["sampled"]["candidates"]] + ["ngram"]:
-        for key in ("alpha", "tau", "speedup", "mean_acceptance_length", "draft_acceptance_rate"):
-            assert f"eval/sampled/{name}/{key}".encode() in blob, (name, key)
-    for key in ("sampled/speedup", "sampled/mean_acceptance_length", "sampled/ngram_speedup", "sampled/temperature"):
-        assert key.encode() in blob, key
+    logged = {}  # the values the offline run files hold, compared with metrics.json's
+    for f in sorted(sampled_run.glob("wandb/offline-run-*/run-*.wandb")):
+        logged |= wandb_logged(f)
+    s = before["sampled"]
+    keys = ("alpha", "tau", "speedup", "mean_acceptance_length", "draft_acceptance_rate")
+    for c in s["candidates"] + [s["ngram_baseline"]]:
+        for key in keys:
+            assert logged[f"eval/sampled/{c['name']}/{key}"] == pytest.approx(c[key]), (c["name"], key)
+    assert logged["sampled/temperature"] == s["temperature"] == 0.7
+    assert logged["sampled/ngram_speedup"] == pytest.approx(s["ngram_baseline"]["speedup"])
+    if s["draft"]:
+        assert logged["sampled/speedup"] == pytest.approx(s["draft"]["speedup"])
+        assert logged["sampled/mean_acceptance_length"] == pytest.approx(s["draft"]["mean_acceptance_length"])
 
 
 def test_data_section_from_data_json(sampled_run, tmp_path):
