@@ -70,6 +70,25 @@ def generate_hash(recipe) -> str:
     return stable_hash({**{k: d[k] for k in ("target", "dtype", "seed", "data")}, "generate": g})
 
 
+PROMPTS_KEY = "prompts.json"  # prompts/prompts.json: the settings the prompt sets were built under
+
+
+def prompts_key(recipe) -> str:
+    """Hash of what changes the prompt sets (target, seed, data): a run's prompts/ must match it."""
+    d = drop_later_defaults(drop_budgets(recipe.to_dict()))
+    return stable_hash({k: d[k] for k in ("target", "seed", "data")})
+
+
+def check_prompts(run_dir: Path, recipe) -> None:
+    """prompts/ built under other data settings (an override after the run began) is refused in one line: its
+    sets would be generated and judged on as if they were this recipe's. Sets from before the key was stored
+    are kept as they are."""
+    path = run_dir / "prompts" / PROMPTS_KEY
+    if path.exists() and json.loads(path.read_text())["key"] != prompts_key(recipe):
+        raise shards.ShardError(f"{run_dir / 'prompts'} was built with different target/seed/data settings; use a "
+                                f"new run id, or delete {run_dir / 'prompts'} and {run_dir / 'generate'}")
+
+
 def batch_seed(seed: int, batch_index: int) -> int:
     return (seed * 1_000_003 + batch_index * 7919 + 12345) % (2**63 - 1)
 
@@ -221,12 +240,15 @@ def run_generate(recipe, run_dir, model=None, tokenizer=None, accelerator=None) 
     eos_ids = target_eos_ids(model, tokenizer)
 
     train_path = run_dir / "prompts" / "train.jsonl"
+    check_prompts(run_dir, recipe)
     if not train_path.exists():
         if is_main and recipe.data.source == "self":  # the target writes its own prompts (pipeline/synth.py)
             from .synth import build_self_prompt_sets
             build_self_prompt_sets(recipe, run_dir, model, tokenizer)
         elif is_main:
             build_prompt_sets(recipe.data, run_dir, tokenizer, recipe.seed)
+        if is_main:
+            shards.write_json_atomic(run_dir / "prompts" / PROMPTS_KEY, {"key": prompts_key(recipe)})
         kill_point("generate.prompts_written")
         accelerator.wait_for_everyone()
     rows = read_jsonl(train_path)
@@ -256,7 +278,8 @@ def _keep_finished_shards(stage: Path, header: dict, n_shards: int, accelerator)
     if old.get("generate_hash") not in (None, header["generate_hash"]):
         raise shards.ShardError(f"{stage} was generated with different data/generate settings "
                                 f"(hash {old.get('generate_hash')} != {header['generate_hash']}); "
-                                f"use a new run id or delete {stage}")
+                                f"use a new run id, or delete {stage} (and {stage.parent / 'prompts'} where "
+                                f"the data settings changed)")
     done = shards.complete_shards(stage)
     accelerator.wait_for_everyone()  # everyone has read the old state before the main process rewrites it
     if accelerator.is_main_process:

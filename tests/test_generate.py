@@ -12,7 +12,7 @@ import torch
 from pipeline import shards
 from pipeline.config import DataConfig, GenerateConfig, Recipe
 from pipeline.data import build_prompt_sets, encode_prompt
-from pipeline.generate import generate_hash, run_generate
+from pipeline.generate import generate_hash, prompts_key, run_generate
 
 from helpers import free_port, launch_env
 
@@ -167,6 +167,21 @@ def test_resume_regenerates_only_damaged_shard(tmp_path, tok, model):
     assert after["shard-00001"] != mtimes["shard-00001"]
     assert "shard-00002" in after
     assert rows_by_id(stage) == before
+
+
+def test_prompts_built_under_other_data_settings_are_refused(tmp_path, tok, model):
+    """The prompt sets a run built are keyed by its target/seed/data settings: a later generate in that run dir
+    under other data settings is refused in one line naming prompts/ (deleting generate/ alone, as the shards'
+    refusal used to say, regenerated the old prompt sets under the new settings' hash)."""
+    recipe, _ = setup_run(tmp_path, tok)
+    run = tmp_path / "fresh-run"
+    run_generate(recipe, run, model=model, tokenizer=tok)  # builds prompts/ itself, and keys it
+    assert json.loads((run / "prompts" / "prompts.json").read_text())["key"] == prompts_key(recipe)
+    other = make_recipe(Path(recipe.data.source))
+    other.data.max_prompt_tokens = 64
+    with pytest.raises(shards.ShardError, match="prompts was built with different target/seed/data settings"):
+        run_generate(other, run, model=model, tokenizer=tok)
+    run_generate(recipe, run, model=model, tokenizer=tok)  # the run's own settings: resumed as before
 
 
 def test_interrupted_run_resumes(tmp_path, tok, model):
