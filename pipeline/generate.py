@@ -74,18 +74,19 @@ PROMPTS_KEY = "prompts.json"  # prompts/prompts.json: the settings the prompt se
 
 
 def prompts_key(recipe) -> str:
-    """Hash of what changes the prompt sets (target, seed, data): a run's prompts/ must match it."""
+    """Hash of what changes the prompt sets (seed, data; a new target is refused by generate_hash): a run's
+    prompts/ must match it."""
     d = drop_later_defaults(drop_budgets(recipe.to_dict()))
-    return stable_hash({k: d[k] for k in ("target", "seed", "data")})
+    return stable_hash({k: d[k] for k in ("seed", "data")})
 
 
 def check_prompts(run_dir: Path, recipe) -> None:
-    """prompts/ built under other data settings (an override after the run began) is refused in one line: its
+    """prompts/ built under other seed/data settings (an override after the run began) is refused in one line: its
     sets would be generated and judged on as if they were this recipe's. Sets from before the key was stored
     are kept as they are."""
     path = run_dir / "prompts" / PROMPTS_KEY
     if path.exists() and json.loads(path.read_text())["key"] != prompts_key(recipe):
-        raise shards.ShardError(f"{run_dir / 'prompts'} was built with different target/seed/data settings; use a "
+        raise shards.ShardError(f"{run_dir / 'prompts'} was built with different seed/data settings; use a "
                                 f"new run id, or delete {run_dir / 'prompts'} and {run_dir / 'generate'}")
 
 

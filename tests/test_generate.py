@@ -170,7 +170,7 @@ def test_resume_regenerates_only_damaged_shard(tmp_path, tok, model):
 
 
 def test_prompts_built_under_other_data_settings_are_refused(tmp_path, tok, model):
-    """The prompt sets a run built are keyed by its target/seed/data settings: a later generate in that run dir
+    """The prompt sets a run built are keyed by its seed/data settings: a later generate in that run dir
     under other data settings is refused in one line naming prompts/ (deleting generate/ alone, as the shards'
     refusal used to say, regenerated the old prompt sets under the new settings' hash)."""
     recipe, _ = setup_run(tmp_path, tok)
@@ -179,7 +179,7 @@ def test_prompts_built_under_other_data_settings_are_refused(tmp_path, tok, mode
     assert json.loads((run / "prompts" / "prompts.json").read_text())["key"] == prompts_key(recipe)
     other = make_recipe(Path(recipe.data.source))
     other.data.max_prompt_tokens = 64
-    with pytest.raises(shards.ShardError, match="prompts was built with different target/seed/data settings"):
+    with pytest.raises(shards.ShardError, match="prompts was built with different seed/data settings"):
         run_generate(other, run, model=model, tokenizer=tok)
     run_generate(recipe, run, model=model, tokenizer=tok)  # the run's own settings: resumed as before
 

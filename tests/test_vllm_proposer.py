@@ -336,15 +336,19 @@ def test_recipe_export_formats_accepts_it_and_help_says_what_it_holds():
 
 
 def test_evaluate_refuses_the_format_before_decoding_when_train_wrote_no_datastore(tmp_path, target_dir):
-    from pipeline.config import load_recipe
+    """The combination is refused when the recipe loads; evaluate refuses it again for a recipe object that skipped
+    that check (a run's recipe.yaml from before it, read back field by field)."""
+    from pipeline.config import RecipeError, load_recipe
     from pipeline.evaluate import EvaluateError, check_exports
 
     ck = datastore_draft(tmp_path / "checkpoint-000001", target_dir)
     ok = load_recipe(domain="code", overrides=["export.formats=[vllm-proposer]"])
     check_exports(ok, [ck])  # recurrent Medusa heads: no engine holds them, their datastore yes
-    off = load_recipe(domain="code", overrides=["export.formats=[vllm-proposer]", "train.datastore=false"])
+    with pytest.raises(RecipeError, match="train.datastore=false builds none"):
+        load_recipe(domain="code", overrides=["export.formats=[vllm-proposer]", "train.datastore=false"])
+    ok.train.datastore = False
     with pytest.raises(EvaluateError, match="train.datastore=false wrote none"):
-        check_exports(off, [ck])
+        check_exports(ok, [ck])
 
 
 # ------------------------------------------------------------------------------------------ the size replay
