@@ -248,10 +248,8 @@ def registry_state(domain_dir: Path, run_dir: Path) -> dict:
     """{"champion", "previous", "previous_role", "history", "note"} from the domain's draft registry
     (pipeline.registry): "previous" is the champion this run's draft replaced when it is the champion, else
     the champion in service; a note says why there is none."""
-    try:
-        from .registry import Registry
-    except ImportError:
-        return {"note": "no registry yet (pipeline.registry is not in this checkout)"}
+    from .registry import Registry
+
     try:
         reg = Registry(domain_dir)
         champ, hist = reg.champion(), reg.history()

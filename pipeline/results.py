@@ -279,6 +279,13 @@ def _serving_rev() -> str:
     return SERVING_REV
 
 
+def _measured_rev(run_dir: Path, m: dict) -> str | None:
+    """The serving revision the promoted figures were measured under: the key of its evaluate result
+    (eval/<checkpoint>.json), not the importing checkout's."""
+    res = _read_json(run_dir / "eval" / f"{m.get('checkpoint')}.json", required=False) if m.get("checkpoint") else {}
+    return (res.get("key") or {}).get("serving")
+
+
 def parse_wall(text: str | None) -> float | None:
     """'55m16s', '32m', '1925' (seconds) or None."""
     if text is None:
@@ -345,7 +352,8 @@ def run_record(run_dir: Path, machine: str, *, command=None, wall_s=None, commit
     return {"kind": "distill", "title": title or f"distill of domain {domain}, run {run_dir.name}",
             "command": command or f"draftsmith distill --domain {domain} --run-id {run_dir.name}",
             "machine": machine, "date": _date_of(run_dir.name), "commit": commit or _git_commit(),
-            "serving_rev": serving_rev or m.get("serving_rev") or _serving_rev(), "headline": headline,
+            "serving_rev": serving_rev or m.get("serving_rev") or _measured_rev(run_dir, m) or _serving_rev(),
+            "headline": headline,
             "target": m.get("target"), "figures": figures}
 
 

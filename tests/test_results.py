@@ -160,6 +160,12 @@ def test_run_import_reads_the_wall_time_distill_recorded(tmp_path):
     rec = results.run_record(run, "box", commit="abc", serving_rev="r")
     assert rec["figures"]["wall_s"] == 1234.5
     assert results.run_record(run, "box", wall_s=60.0, commit="abc", serving_rev="r")["figures"]["wall_s"] == 60.0
+    # no --serving-rev: the revision its promoted figures were measured under (its eval result's key), not this
+    # checkout's
+    _write(run, "metrics.json", {"draft_method": "ngram", "speedup": 1.5, "tau": 2.0, "alpha": 0.4,
+                                 "checkpoint": "checkpoint-000004+ngram"})
+    _write(run / "eval", "checkpoint-000004+ngram.json", {"key": {"serving": "older-rev-1"}})
+    assert results.run_record(run, "box", commit="abc")["serving_rev"] == "older-rev-1"
 
 
 def test_a_run_evaluated_at_its_serving_temperature_carries_the_sampled_speedup(tmp_path):
