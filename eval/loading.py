@@ -46,9 +46,14 @@ def _embedded_gguf_dir() -> Path:
     return d
 
 
+def embedded_dir() -> Path:
+    """Where convert_embedded puts the embedded target's bf16 HF checkpoint."""
+    return cache_dir() / EMBEDDED_DIRNAME
+
+
 def convert_embedded(force: bool = False) -> Path:
     """The embedded GGUF as a bf16 HF checkpoint (convert_gguf, into its own fixed directory)."""
-    return convert_gguf(_embedded_gguf_dir() / EMBEDDED_GGUF, force, out=cache_dir() / EMBEDDED_DIRNAME)
+    return convert_gguf(_embedded_gguf_dir() / EMBEDDED_GGUF, force, out=embedded_dir())
 
 
 def is_gguf(spec: str) -> bool:

@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from eval.cpu import bf16_matmul_fast
-from eval.loading import (EMBEDDED_DIRNAME, cache_dir, convert_embedded, convert_gguf, gguf_dir, is_gguf,
-                          tokenizers_match)
+from eval.loading import convert_embedded, convert_gguf, embedded_dir, gguf_dir, is_gguf, tokenizers_match
 
 from .config import EMBEDDED_TARGET
 
@@ -38,7 +37,7 @@ def served_path(spec: str) -> str:
     target's and a GGUF's conversion directories (where any run that loaded them put them), else the spec
     itself. Converts nothing: a report only names it."""
     if spec == EMBEDDED_TARGET:
-        return str(cache_dir() / EMBEDDED_DIRNAME)
+        return str(embedded_dir())
     if is_gguf(spec) and Path(spec).expanduser().is_file():
         return str(gguf_dir(spec))
     return spec

@@ -318,8 +318,10 @@ class Registry:
             cur = p["id"] if p else None
             # this run's promotion already moved the pointer once (a rerun after a crash before the run was marked
             # decided): where the champion has moved on since (a rollback), the rerun must not move it back
-            before = [h["decision"] for h in (p or {}).get("history") or [] if (h.get("decision") or {}).get("entry") == id
-                      and decision.get("run_dir") is not None and h["decision"].get("run_dir") == decision["run_dir"]]
+            run = decision.get("run_dir")
+            before = [h["decision"] for h in (p or {}).get("history") or []
+                      if (h.get("decision") or {}).get("entry") == id and h["decision"].get("run_dir") == run] \
+                if run is not None else []
             if cur != id and not before:
                 why = d.get("reason")
                 self._move(e, f"promoted: {why}" if why else "promoted", cur, cur, d)
