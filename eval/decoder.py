@@ -454,7 +454,9 @@ class SpeculativeDecoder:
         pos = s.n[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
         L = s.live  # the rows the target computes: [g] or None (all)
         x, xd, xq = (inp, drafts, q) if L is None else (inp[L], drafts[L], q[L] if q is not None else None)
+        t_fwd = time.perf_counter()
         logits, feats = self._fwd(x, pos if L is None else pos[L], s.s_full or max(s.n_host) + k + 1)  # [g, k+1, V], [g, k+1, H]
+        st.forward_s += self._elapsed(t_fwd)
         st.max_verify = max(st.max_verify, k + 1)
         st.max_rows = max(st.max_rows, x.shape[0] * (k + 1))
         if k == 0:
@@ -493,8 +495,10 @@ class SpeculativeDecoder:
         inp = torch.cat([cur[:, None], tree.tokens], 1)  # [g, N+1]: g = B, or the rows still computed
         s_len = max(s.n_host) + N1
         slots = n[:, None] + torch.arange(N1, device=dev)  # [g, N+1]: one cache slot per node
-        logits, feats = self.runner(inp, n[:, None] + tree.depth, s_len, slots=slots,
-                                    mask=tree.mask(n, s_len))  # [g, N+1, V], [g, N+1, H]
+        mask = tree.mask(n, s_len)  # [g, 1, N+1, s_len]
+        t_fwd = time.perf_counter()
+        logits, feats = self.runner(inp, n[:, None] + tree.depth, s_len, slots=slots, mask=mask)  # [g, N+1, V], [g, N+1, H]
+        st.forward_s += self._elapsed(t_fwd)
         st.max_verify = max(st.max_verify, N1)
         st.max_rows = max(st.max_rows, inp.shape[0] * N1)
         if s.sampling.greedy:
@@ -519,6 +523,12 @@ class SpeculativeDecoder:
         host = torch.cat([n_acc[:, None], bonus[:, None], inp[:, 1:]], 1).tolist()  # [a, bonus, path...] per row
         pos = n[:, None] + torch.arange(D + 1, device=dev)  # [B, D+1]
         return _Round(tree.max_depth, inp, pos, feats, n_acc, bonus, host)
+
+    def _elapsed(self, t: float) -> float:
+        """Seconds since t of the work queued on the device (a CUDA forward returns before it runs)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t
 
     @staticmethod
     def _keep_logprobs(s: "_Batch", logits: torch.Tensor):
@@ -1014,6 +1024,7 @@ class _Stats:
         self.hist = [0] * (k_cap + 1)
         self.draft_s = self.verify_s = self.prefill_s = 0.0  # draft_s: rounds only (for c)
         self.draft_prefill_s = 0.0  # proposer begin()s: prompt prefill and resyncs
+        self.forward_s = 0.0  # the target's forwards in rounds (verifies and plain steps), nothing around them
         self.draft_steps = 0
         self.tree_rounds = 0  # rounds verified as token trees (predicted_speedup is then an upper bound)
         self.max_verify = 1  # the most tokens one verify forward held (a tree's nodes + 1, or k + 1)
@@ -1079,6 +1090,10 @@ class _Stats:
             "draft_time_s": self.draft_s + self.draft_prefill_s,
             "draft_prefill_s": self.draft_prefill_s,
             "verify_time_s": self.verify_s,
+            "forward_time_s": self.forward_s,
+            # the decoder's own work: the acceptance walk, the tree mask, the sampling, the loop
+            "host_ms_per_round": 1e3 * max(wall - self.prefill_s - self.draft_s - self.draft_prefill_s
+                                           - self.forward_s, 0.0) / self.rounds if self.rounds else 0.0,
             "c": c,
             "predicted_speedup": pred,
             "tree_rounds": self.tree_rounds,

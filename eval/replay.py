@@ -207,9 +207,19 @@ def verify_ms(target, rows=range(1, 17), context: int = 230, reps: int = 7) -> d
     return {T: statistics.median(v[1:] if len(v) > 1 else v) for T, v in times.items()}
 
 
-# The decoder's own work in a round besides the target's forward and the proposer (the acceptance
-# walk, the tree mask, the loop), as measured (docs/reference/replay.md).
-HOST_MS = 1.0
+def host_ms(target, proposer: Proposer, prompts: list[list[int]], k: int, max_new_tokens: int, eos=(),
+            sampling: dict | None = None) -> float:
+    """The decoder's own work in a round (the acceptance walk, the tree mask, the sampling, the loop: neither
+    the target's forwards nor the proposer's), measured here by decoding the first two prompts with
+    `proposer` after a short warm-up -> ms a round. replay()'s estimate adds it to every round: it grows
+    with the tree and with sampling, and differs by machine."""
+    sampling = sampling or {}
+    warp = {key: sampling[key] for key in ("temperature", "top_p", "top_k") if key in sampling}
+    dec = SpeculativeDecoder(target, proposer, k=k)
+    eos = [eos] if isinstance(eos, int) else list(eos or ())
+    dec.generate(prompts[:1], min(16, max_new_tokens), eos_token_id=eos, seed=sampling.get("seed", 0), **warp)
+    return dec.generate(prompts[:2], max_new_tokens, eos_token_id=eos, seed=sampling.get("seed", 0),
+                        **warp).stats["host_ms_per_round"]
 
 
 def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_new_tokens: int, eos=(),
@@ -227,7 +237,8 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
 
     proposers: {name: a zero-argument function building a fresh proposer with `max_nodes`}; costs:
     rows -> verify ms (measured here when None) ->
-    {"verify_ms": {rows: ms}, "fits": {name: {"max_nodes": best, "budgets": {n: {"tau", "rows",
+    {"verify_ms": {rows: ms}, "host_ms": the decoder's own ms a round (host_ms(), measured with the first
+    proposer at the middle budget), "fits": {name: {"max_nodes": best, "budgets": {n: {"tau", "rows",
     "est_speedup", "proposer_ms"}}}}}."""
     budgets = sorted(set(int(b) for b in budgets))
     if not budgets or budgets[0] < 1:
@@ -235,6 +246,9 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
     refs = {}  # per proposer's feature_layers: the reference with its features
     if costs is None:
         costs = verify_ms(target, rows=range(1, budgets[-1] + 2))  # a round verifies its nodes and the current token
+    name, make = next(iter(proposers.items()))
+    host = host_ms(target, serve_with(make(), {"max_nodes": budgets[len(budgets) // 2]}, name), prompts, k,
+                   max_new_tokens, eos, sampling)
     fits = {}
     for name, make in proposers.items():
         by = {}
@@ -245,10 +259,10 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
                 refs[layers] = reference(target, prompts, max_new_tokens, extra=max(17, budgets[-1] + 2),
                                          feature_layers=layers, sampling=sampling)
             r = replay(proposer, refs[layers], k, max_new_tokens, eos, verify_ms=costs, draft_ms=None,
-                       host_ms=HOST_MS)
+                       host_ms=host)
             by[n] = {key: r[key] for key in ("tau", "rows", "est_speedup", "proposer_ms")}
         fits[name] = {"max_nodes": max(budgets, key=lambda n: by[n]["est_speedup"]), "budgets": by}
-    return {"verify_ms": costs, "fits": fits}
+    return {"verify_ms": costs, "host_ms": host, "fits": fits}
 
 
 def settings(proposer: Proposer) -> dict[str, int]:
@@ -332,13 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference(target, prompts, args.max_new_tokens, feature_layers=made[0][0].feature_layers, sampling=sampling)
     print(f"reference: {len(prompts)} prompts decoded in {time.time() - t:.0f}s", file=sys.stderr)
     costs = verify_ms(target) if args.costs else None
+    host = 0.0
     if costs:
-        print("verify ms by rows: " + ", ".join(f"{T}:{v:.2f}" for T, v in costs.items()))
-    # the estimate's other costs: the proposer's time in each round (measured in the replay) and the
-    # decoder's own work (HOST_MS)
+        # the estimate's other costs: the proposer's time in each round (measured in the replay) and the
+        # decoder's own work, measured with the first configuration's proposer (a fresh one: replay's is used once)
+        proposer, k = make(configs[0])
+        host = host_ms(target, proposer, prompts, k, args.max_new_tokens, _eos_set(tok, target), sampling)
+        print("verify ms by rows: " + ", ".join(f"{T}:{v:.2f}" for T, v in costs.items())
+              + f"; the decoder's own work {host:.2f} ms a round")
     for cfg, (proposer, k) in zip(configs, made):
         res = replay(proposer, ref, k, args.max_new_tokens, eos=_eos_set(tok, target), verify_ms=costs,
-                     draft_ms=None, host_ms=HOST_MS if costs else 0.0)
+                     draft_ms=None, host_ms=host)
         label = ",".join(f"{key}={v}" for key, v in cfg.items() if key != "k") or "as loaded"
         line = (f"K={k} {label}: tau {res['tau']:.3f}, first position accepted {res['first']:.3f}, "
                 f"{res['rows']:.1f} rows a verify")

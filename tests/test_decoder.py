@@ -729,6 +729,10 @@ def test_stats_keys(target, draft):
         assert key in s, key
     assert s["n_tokens"] == sum(len(x) for x in res.sequences) == 8 * len(PROMPTS)
     assert sum(s["accept_len_hist"]) * 3 == s["proposed"] and s["c"] > 0 and s["peak_mem_bytes"] > 0
+    # the wall time splits into the prefill, the proposer's, the target's forwards and the decoder's own work
+    assert 0 < s["forward_time_s"] <= s["verify_time_s"] and s["host_ms_per_round"] > 0
+    parts = s["prefill_s"] + s["draft_time_s"] + s["forward_time_s"] + s["host_ms_per_round"] * s["rounds"] / 1e3
+    assert parts == pytest.approx(s["wall_s"], rel=1e-6)
 
 
 def test_hybrid_uses_both_sources_and_keeps_the_model_in_sync(target, hf_ref):

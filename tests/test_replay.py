@@ -165,6 +165,10 @@ def test_fit_budget_trades_tree_size_against_what_a_node_costs(target):
     by = flat["fits"]["h"]["budgets"]
     assert sorted(by) == budgets and by[8]["tau"] > by[2]["tau"]  # more nodes, more accepted
     assert flat["fits"]["h"]["max_nodes"] == max(budgets, key=lambda n: by[n]["est_speedup"])
+    for n in budgets:  # each round costs its verify, the proposer's time and the decoder's own work, measured here
+        assert by[n]["est_speedup"] == pytest.approx(by[n]["tau"] / (1.0 + flat["host_ms"] + by[n]["proposer_ms"]),
+                                                     rel=1e-6)
+    assert flat["host_ms"] > 0
     steep = fit_budget(target, {"h": make}, prompts, 2, N_NEW, budgets=budgets,
                        costs={T: 100.0 * T for T in range(1, 10)})
     assert steep["fits"]["h"]["max_nodes"] == 2
