@@ -292,6 +292,7 @@ def retrain(recipe, traffic: list[str]) -> int:
     from .lock import DomainLock
 
     ddir = domain_dir(recipe)
+    check_evidence_reachable(recipe)
     if traffic:
         read_traffic(traffic)  # bad traffic stops here, before the lock or any file
     with DomainLock(ddir, "retrain"):
@@ -311,6 +312,18 @@ def retrain(recipe, traffic: list[str]) -> int:
                       f"used before; the champion stays and nothing changed")
                 return 0
         return _run_batch(recipe, ddir, ledger, batch)
+
+
+def check_evidence_reachable(recipe) -> None:
+    """A retrain judges at most retrain.fresh_prompts prompts of a batch, and of those evaluate.n_prompts
+    (0: all): a gate that needs more (retrain.min_prompts) could never promote, so the recipe is refused."""
+    rc, n = recipe.retrain, recipe.evaluate.n_prompts
+    judged = min(rc.fresh_prompts, n) if n else rc.fresh_prompts
+    if judged < rc.min_prompts:
+        which = "evaluate.n_prompts" if n and n < rc.fresh_prompts else "retrain.fresh_prompts"
+        raise RetrainError(f"retrain.min_prompts={rc.min_prompts} but the gate judges at most {judged} prompts "
+                           f"({which}={judged}), so no challenger could ever be promoted; raise {which} or "
+                           f"lower retrain.min_prompts")
 
 
 def _check_run_id(recipe, ddir: Path, pending: dict | None) -> None:

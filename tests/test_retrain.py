@@ -174,6 +174,20 @@ def test_a_run_id_naming_an_existing_run_is_refused(loop, tmp_path, tiny_target,
     assert _tree(runs) == before
 
 
+@pytest.mark.parametrize("extra, which", [(["evaluate.n_prompts=4", "retrain.min_prompts=8"], "evaluate.n_prompts"),
+                                          (["retrain.fresh_prompts=3", "evaluate.n_prompts=0", "retrain.min_prompts=4"], "retrain.fresh_prompts")])
+def test_a_gate_that_could_never_promote_is_refused(loop, tmp_path, tiny_target, capsys, extra, which):
+    """The gate judges at most retrain.fresh_prompts prompts of a batch, and evaluate.n_prompts of those: a
+    retrain.min_prompts above either is refused in one line naming it, before any traffic is read."""
+    runs = loop["runs"]
+    before = _tree(runs)
+    code = _jsonl(tmp_path / "fresh.jsonl", [{"prompt": "def brand_new(x):\n    pass\n"}])
+    assert main(_args("retrain", tiny_target, runs, "--traffic", code, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could ever be promoted" in err[0] and which in err[0], err
+    assert _tree(runs) == before
+
+
 def test_chat_traffic_monitor_fires_then_retrain_then_rollback(loop, tiny_target, monkeypatch, capsys):
     """Steps 3 and 4: chat-like traffic; `monitor` measures the champion on it and exits 1 (drift); the retrain
     that follows is judged (a slower challenger: kept); then a rollback restores the distill's champion.
