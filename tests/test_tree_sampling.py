@@ -20,7 +20,7 @@ import eval.decoder as D
 from eval.decoder import SpeculativeDecoder, verify_tree_sample
 from eval.proposers import DraftLMProposer, HybridProposer, Proposer, Sampling
 from eval.tree import Tree, build_trie, trie_path
-from helpers import SAMPLING_PROMPT as PROMPT, SAMPLING_V as V, chi2_pvalue, exact_marginals, wrong_residual
+from helpers import SAMPLING_PROMPT as PROMPT, SAMPLING_V as V, chi2_pvalue, e2e_pvalues, exact_marginals, wrong_residual
 from helpers import sampling_llama as tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -218,20 +218,6 @@ def target():
     return tiny(0)
 
 
-def tree_e2e_pvalues(target, proposer, warp, draws=10000, calls=2):
-    """Chi-square p-values of the first four sampled tokens against the exact marginals: the prefill's, then
-    a K = 2 tree's depth-1 and depth-2 nodes and the token after a depth-2 node."""
-    dec = SpeculativeDecoder(target, proposer, k=2)
-    outs = []
-    for seed in range(calls):
-        res = dec.generate([PROMPT] * (draws // calls), max_new_tokens=4, seed=seed, **warp)
-        outs.append(torch.tensor(res.sequences))
-        assert res.stats["tree_rounds"] == res.stats["rounds"] > 0, res.stats  # sampled, through trees
-    out = torch.cat(outs)  # [draws, 4]
-    ps = exact_marginals(target, Sampling(**warp), 4)
-    return [chi2_pvalue(out[:, i], ps[i]) for i in range(4)], res.stats
-
-
 def tree_proposer(kind, target):
     if kind == "oracle":
         return OracleBranches(target)
@@ -244,7 +230,9 @@ def tree_proposer(kind, target):
 @pytest.mark.parametrize("kind", ["oracle", "hybrid", "hybrid-sampled"])
 @pytest.mark.parametrize("warp", list(WARPS))
 def test_tree_sampling_matches_target(target, kind, warp):
-    pv, stats = tree_e2e_pvalues(target, tree_proposer(kind, target), WARPS[warp])
+    # the prefill's token, a K = 2 tree's depth-1 and depth-2 nodes and the token after a depth-2 node
+    pv, stats = e2e_pvalues(target, tree_proposer(kind, target), WARPS[warp], k=2)
+    assert stats["tree_rounds"] == stats["rounds"] > 0, stats  # sampled, through trees
     assert 0 < stats["alpha"] < 1, stats  # drafts were both accepted and rejected
     if kind == "oracle":
         assert stats["accept_len_hist"][2] > 0, stats  # ... down to depth 2
@@ -253,7 +241,7 @@ def test_tree_sampling_matches_target(target, kind, warp):
 
 def test_tree_sampling_without_the_residual_fails(target, monkeypatch):
     monkeypatch.setattr(D, "residual_one_hot", wrong_residual)  # the oracle's branches are one-hot drafts
-    pv, _ = tree_e2e_pvalues(target, tree_proposer("oracle", target), WARPS["t0.7"])
+    pv, _ = e2e_pvalues(target, tree_proposer("oracle", target), WARPS["t0.7"], k=2)
     assert min(pv) < 1e-6, pv
 
 
