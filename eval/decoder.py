@@ -54,7 +54,7 @@ from .target import make_runner
 from .tree import Tree
 
 # Keys cached measurements (evaluate, compare): bump it when speed or acceptance would change (CHANGELOG.md).
-SERVING_REV = "live-rows-1"
+SERVING_REV = "host-measured-1"
 # Keys cached k="auto" measurements (the report's batch curve): bump it when KController decides otherwise.
 CONTROLLER_REV = "untimed-charge-1"
 K_MAX_AUTO = 8  # k="auto" chooses K in 1..K_MAX_AUTO
