@@ -112,7 +112,7 @@ def vllm_side(plan: ExportPlan, target_dir: str, prompts, max_new_tokens: int, d
     return {"plain": plain, "spec": spec, "spec_job": {k: v for k, v in job.items() if k != "prompts"}}
 
 
-def chain_form(draft: str, workdir) -> str:
+def chain_form(draft: str, workdir: Path) -> str:
     """The draft served alone, as the engines serve it: a draft promoted as a hybrid (n-gram lookups and a
     token tree, which no engine runs) is copied without its "proposer"/"serve" keys and datastore."""
     import shutil
@@ -122,7 +122,7 @@ def chain_form(draft: str, workdir) -> str:
     meta = draft_dir.read_meta(draft)
     if meta.get("proposer") != "hybrid":
         return draft
-    out = Path(workdir or tempfile.mkdtemp(prefix="draftsmith-verify-")) / "source-chain"
+    out = Path(workdir) / "source-chain"
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(draft, out, ignore=shutil.ignore_patterns("datastore.npy"))
@@ -130,7 +130,7 @@ def chain_form(draft: str, workdir) -> str:
     return str(out)
 
 
-def ours_side(plan: ExportPlan, target, prompts, max_new_tokens: int, eos, workdir=None) -> dict:
+def ours_side(plan: ExportPlan, target, prompts, max_new_tokens: int, eos, workdir: Path) -> dict:
     """(c) our decoder: plain and the source draft at K (or, for a format that declares one, the export's own
     proposer in our decoder: vllm-proposer's lookup), taking turns per prompt (pipeline.measure)."""
     from .measure import decode_pairs, proposer_for
@@ -255,13 +255,16 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
 
     plan = plan_export(export_dir, target, k, draft)
     engine_python()  # a missing engine stops here, before minutes of loading
+    # one directory for the run's files: vLLM's jobs and logs, the prompts, the draft's chain form
+    workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="draftsmith-verify-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     if plan.source_draft is None and FORMATS[plan.format].decoder_proposer is None:
         raise VerifyError(f"{export_dir} names no source draft (no {MANIFEST}); give --draft <draft dir>")
     target_dir = resolve_target(plan.target)
     model, tok = load_target(plan.target, dtype, "cpu")
     if prompts_path is None:
         # the held-out prompts written where this run keeps its files, never over a humaneval.jsonl in the cwd
-        prompts_path = Path(workdir or tempfile.mkdtemp(prefix="draftsmith-verify-")) / "humaneval.jsonl"
+        prompts_path = workdir / "humaneval.jsonl"
         export_heldout_jsonl(str(prompts_path))
     prompts = encode_prompts(load_prompts(str(prompts_path), n), tok)
     eos = target_eos_ids(model, tok)
