@@ -14,10 +14,11 @@ Why not the decoder itself: it cannot skip the target's verify forwards, which a
 replay saves, and it has no place for a hypothetical proposer's what-ifs (a different node budget,
 a synthetic draft of given accuracy).
 
-Greedy only (sampling's acceptance is random) and batch 1. Where the kernels make every verify
-forward round like a one-token step (bf16 on CPUs with avx512_bf16), the replayed rounds are the
-decoder's exactly; elsewhere features differ in the last bits and a near-tie in a draft's choice
-may go the other way.
+Batch 1. With `sampling` (`--temperature`) the reference is the target's sampled text, along which
+fixed drafts (lookups, argmax chains, runner-ups) accept as the decoder's sampled rounds do (replay()).
+Where the kernels make every verify forward round like a one-token step (bf16 on every CPU path with
+kernels: eval/cpu.py), the replayed rounds are the decoder's exactly; elsewhere features differ in the
+last bits and a near-tie in a draft's choice may go the other way.
 
     python -m eval.replay --draft hybrid-nostore:runs/code/latest/best --prompts humaneval.jsonl \
         --n-prompts 40 --k 2 --costs --try max_nodes=8 --try k=3,max_nodes=12

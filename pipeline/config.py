@@ -125,8 +125,8 @@ class GenerateConfig:
     batches_per_shard: int = _f(2, "Generation batches per shard; a shard is the unit of resume.")
     temperature: float = _f(0.0, "0 = greedy; > 0 samples the target's outputs with a fixed seed.")
     top_k_logprobs: int = _f(20, "Target log-probs stored per generated position (top-k).")
-    engine: str = _f("draftsmith", "Who decodes the completions: 'draftsmith' (this project's decoder where the "
-                                   "target is Llama-shaped, else HF generate), 'hf' (HF generate), or 'vllm' "
+    engine: str = _f("draftsmith", "Who decodes the completions: 'draftsmith' (this project's decoder, on any "
+                                   "target: its lean forward or HF's), 'hf' (HF generate), or 'vllm' "
                                    "(vLLM from .venv-engines, `make engines`; its own top-k log-probs; the engine "
                                    "users scale out with). Same shard columns and manifest for all three.")
     max_minutes: float = _f(16.0, "Wall-clock budget of the stage on this machine (0 = none): once the next shard "
@@ -300,7 +300,7 @@ class EvaluateConfig:
     serve: str = _f("draftsmith", "Where the promoted draft will be served: 'draftsmith' (our decoder: the fastest "
                                   "candidate, with the best exportable one reported beside it), or 'vllm', "
                                   "'sglang', 'hf': only a checkpoint that exports to that engine is promoted "
-                                  "(vllm: eagle3, or independent full-vocabulary medusa; sglang: eagle3; hf: "
+                                  "(vllm: eagle3, dflash, or independent medusa; sglang: eagle3; hf: "
                                   "draft_lm), its export is written to best/export-<format>/ and the report gives "
                                   "the serve command.")
     engine_rank: bool = _f(False, "With evaluate.serve=vllm: export each candidate vLLM loads (the "
@@ -375,7 +375,8 @@ class ExportConfig:
                                 "(pipeline/formats.py): " + ", ".join(f"{f.name} ({' or '.join(f.kinds)} drafts)" if not f.datastore else
                                                                      f"{f.name} (any draft's datastore)"
                                                                      for f in FORMATS.values())
-                                + " (medusa: independent full-vocabulary heads only). [] = none.")
+                                + " (medusa: independent heads, over a truncated vocabulary only with "
+                                  "train.medusa.shared_lm_head=true). [] = none.")
     k: typing.Optional[int] = _f(None, "Speculative tokens per round written into the exports' serve commands "
                                        "(None = evaluate.k).")
     verifier: typing.Optional[str] = _f(None, "The target the exports name as verifier (None = the recipe's target, "
