@@ -406,7 +406,7 @@ class ReportConfig:
                                                     "sampling, prompt i seeded seed + i; 0 = greedy).")
     n_prompts: int = _f(8, "Held-out prompts each curve point is measured on (the first of evaluate's).")
     max_new_tokens: int = _f(64, "New tokens per prompt on the curves (0 = evaluate.max_new_tokens); fewer than "
-                                 "evaluate's by default, so the curves' ~150 sequences stay a few minutes.")
+                                 "evaluate's by default, so the curves' ~300 sequences stay a few minutes.")
     bootstrap: int = _f(2000, "Bootstrap resamples over prompts for the speedup's confidence interval.")
     confidence: float = _f(0.95, "Confidence level of the speedup's interval.")
 
