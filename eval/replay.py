@@ -179,6 +179,12 @@ def replay(proposer: Proposer, ref: Reference, k: int, max_new_tokens: int, eos=
     return res
 
 
+def mid_context(prompts: list[list[int]], max_new_tokens: int) -> int:
+    """The cached tokens of a round halfway through decoding these prompts (their mean length + half the new
+    tokens): what a typical verify attends to, so its measured cost is the decode's."""
+    return round(statistics.mean(len(p) for p in prompts) + max_new_tokens / 2)
+
+
 @torch.inference_mode()
 def verify_ms(target, rows=range(1, 17), context: int = 230, reps: int = 7) -> dict[int, float]:
     """Median ms of one verify forward of T rows (a chain trie: the decoder's tree path, mask
@@ -237,16 +243,17 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
     add their token's probability, so a wider tree than greedy's can pay.
 
     proposers: {name: a zero-argument function building a fresh proposer with `max_nodes`}; costs:
-    rows -> verify ms (measured here when None) ->
-    {"verify_ms": {rows: ms}, "host_ms": the decoder's own ms a round (host_ms(), measured with the first
+    rows -> verify ms (measured here when None, after `context` cached tokens: mid_context()) ->
+    {"verify_ms": {rows: ms}, "context", "host_ms": the decoder's own ms a round (host_ms(), measured with the first
     proposer at the middle budget), "fits": {name: {"max_nodes": best, "budgets": {n: {"tau", "rows",
     "est_speedup", "proposer_ms"}}}}}."""
     budgets = sorted(set(int(b) for b in budgets))
     if not budgets or budgets[0] < 1:
         raise ValueError(f"tree budgets must be positive node counts, got {budgets}")
     refs = {}  # per proposer's feature_layers: the reference with its features
-    if costs is None:
-        costs = verify_ms(target, rows=range(1, budgets[-1] + 2))  # a round verifies its nodes and the current token
+    context = mid_context(prompts, max_new_tokens)
+    if costs is None:  # a round verifies its nodes and the current token, after the cache a mid-decode round has
+        costs = verify_ms(target, rows=range(1, budgets[-1] + 2), context=context)
     name, make = next(iter(proposers.items()))
     host = host_ms(target, serve_with(make(), {"max_nodes": budgets[len(budgets) // 2]}, name), prompts, k,
                    max_new_tokens, eos, sampling)
@@ -263,7 +270,7 @@ def fit_budget(target, proposers: dict, prompts: list[list[int]], k: int, max_ne
                        host_ms=host)
             by[n] = {key: r[key] for key in ("tau", "rows", "est_speedup", "proposer_ms")}
         fits[name] = {"max_nodes": max(budgets, key=lambda n: by[n]["est_speedup"]), "budgets": by}
-    return {"verify_ms": costs, "host_ms": host, "fits": fits}
+    return {"verify_ms": costs, "context": context, "host_ms": host, "fits": fits}
 
 
 def settings(proposer: Proposer) -> dict[str, int]:
@@ -346,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     # an aux-layer draft (EAGLE-3, DFlash) reads the residual streams entering its layers (as fit_budget's references)
     ref = reference(target, prompts, args.max_new_tokens, feature_layers=made[0][0].feature_layers, sampling=sampling)
     print(f"reference: {len(prompts)} prompts decoded in {time.time() - t:.0f}s", file=sys.stderr)
-    costs = verify_ms(target) if args.costs else None
+    costs = verify_ms(target, context=mid_context(prompts, args.max_new_tokens)) if args.costs else None
     host = 0.0
     if costs:
         # the estimate's other costs: the proposer's time in each round (measured in the replay) and the

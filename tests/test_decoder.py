@@ -4,6 +4,8 @@ batch 1 and in ragged batches, with EOS and max_new_tokens stopping exactly."""
 
 import random
 
+import time
+
 import pytest
 import torch
 
@@ -721,7 +723,10 @@ def test_compare_greedy(target, hf_ref):
 
 
 def test_stats_keys(target, draft):
-    res = SpeculativeDecoder(target, DraftLMProposer(draft, V), k=3).generate(PROMPTS, max_new_tokens=8)
+    dec = SpeculativeDecoder(target, DraftLMProposer(draft, V), k=3)
+    t0 = time.perf_counter()
+    res = dec.generate(PROMPTS, max_new_tokens=8)
+    outside = time.perf_counter() - t0
     s = res.stats
     for key in ("alpha", "tau", "accept_per_pos", "accept_len_hist", "proposed", "accepted", "target_forwards",
                 "n_tokens", "wall_s", "tokens_per_s", "draft_time_s", "verify_time_s", "c", "predicted_speedup",
@@ -729,10 +734,13 @@ def test_stats_keys(target, draft):
         assert key in s, key
     assert s["n_tokens"] == sum(len(x) for x in res.sequences) == 8 * len(PROMPTS)
     assert sum(s["accept_len_hist"]) * 3 == s["proposed"] and s["c"] > 0 and s["peak_mem_bytes"] > 0
-    # the wall time splits into the prefill, the proposer's, the target's forwards and the decoder's own work
-    assert 0 < s["forward_time_s"] <= s["verify_time_s"] and s["host_ms_per_round"] > 0
+    assert s["tokens_per_s"] == pytest.approx(s["n_tokens"] / s["wall_s"]) and s["k"] == 3
+    assert s["alpha"] == pytest.approx(s["accepted"] / s["proposed"])
+    # the call's time, timed from outside, splits into the prefill, the proposer's, the target's forwards (inside
+    # the verify's time) and the decoder's own work
+    assert 0 < s["forward_time_s"] < s["verify_time_s"] and s["host_ms_per_round"] > 0
     parts = s["prefill_s"] + s["draft_time_s"] + s["forward_time_s"] + s["host_ms_per_round"] * s["rounds"] / 1e3
-    assert parts == pytest.approx(s["wall_s"], rel=1e-6)
+    assert s["wall_s"] <= outside and parts == pytest.approx(s["wall_s"], rel=1e-6)
 
 
 def test_hybrid_uses_both_sources_and_keeps_the_model_in_sync(target, hf_ref):

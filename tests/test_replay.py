@@ -169,6 +169,7 @@ def test_fit_budget_trades_tree_size_against_what_a_node_costs(target):
         assert by[n]["est_speedup"] == pytest.approx(by[n]["tau"] / (1.0 + flat["host_ms"] + by[n]["proposer_ms"]),
                                                      rel=1e-6)
     assert flat["host_ms"] > 0
+    assert flat["context"] == round(sum(map(len, prompts)) / len(prompts) + N_NEW / 2)  # a mid-decode round's cache
     steep = fit_budget(target, {"h": make}, prompts, 2, N_NEW, budgets=budgets,
                        costs={T: 100.0 * T for T in range(1, 10)})
     assert steep["fits"]["h"]["max_nodes"] == 2
