@@ -69,12 +69,19 @@ class Registry:
 
     # ------------------------------------------------------------------ reading
     def _read_entry(self, d: Path) -> dict | None:
+        """Entry d's record, None where it has none; a record that cannot be read is refused, never skipped:
+        the entry would vanish from the list, the history and rollback's choices."""
+        path = d / ENTRY_FILE
         try:
-            e = json.loads((d / ENTRY_FILE).read_text())
-        except (OSError, json.JSONDecodeError):
+            e = json.loads(path.read_text())
+        except FileNotFoundError:
             return None
-        if not isinstance(e, dict):
-            return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            e = err
+        if not isinstance(e, dict) or not isinstance(e.get("id"), str):
+            why = f"cannot be read ({e})" if isinstance(e, Exception) else "is not an entry record"
+            raise RegistryError(f"{path} {why}; restore it from a backup, or move {d} out of {self.entries_dir} "
+                                f"to drop that entry")
         # paths are where the registry is now (it may have been moved as a whole)
         e["draft_dir"] = str((d / "draft").resolve())
         e["exports"] = {name: str((d / "exports" / name).resolve()) for name in e.get("exports") or {}}

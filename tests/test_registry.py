@@ -306,6 +306,22 @@ def test_cli_errors_are_one_line(reg, tmp_path, capsys):
     assert _drafts(tmp_path, "rollback", "--to", "run-a") == 2  # an unreadable pointer is not guessed at
 
 
+@pytest.mark.parametrize("damage", [b"{not json", b"\xff\xfe", b"[1, 2]", b'{"created": 1}'])
+def test_a_damaged_entry_record_is_one_line_not_a_missing_entry(reg, tmp_path, capsys, damage):
+    """An entry.json that cannot be read is named with the fix, by list, show and rollback alike: skipping it
+    would drop the entry from the list, the history and rollback's choices."""
+    for i, run in enumerate(("run-a", "run-b")):
+        admit(reg, tmp_path, run, i)
+        reg.promote(run, {"reason": "gate"})
+    (reg.entries_dir / "run-a" / "entry.json").write_bytes(damage)
+    capsys.readouterr()
+    for args in (["list"], ["show", "run-a"], ["rollback"]):
+        assert _drafts(tmp_path, *args) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(reg.entries_dir / "run-a" / "entry.json") in err, (args, err)
+    assert reg.pointer_path.exists() and json.loads(reg.pointer_path.read_text())["id"] == "run-b"  # nothing moved
+
+
 # ------------------------------------------------------------------ pipeline.atomic
 def test_failed_atomic_writes_keep_the_old_file(tmp_path, monkeypatch):
     p = tmp_path / "m.json"
