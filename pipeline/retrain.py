@@ -457,6 +457,11 @@ def monitor(recipe, traffic: list[str]) -> int:
     if champion is None:
         raise RetrainError(f"{ddir} has no champion to monitor; run `draftsmith distill --domain {recipe.domain}` "
                            f"first")
+    ref = champion["metrics"]
+    if not ref.get("tau"):  # drift is measured against it: without it every run would read "no drift"
+        raise RetrainError(f"the champion {champion['id']} has no recorded tau to measure drift against "
+                           f"({champion['draft_dir']}); promote a draft evaluate measured "
+                           f"({Registry(ddir).command('rollback --to ID')})")
     rows = read_traffic(traffic)
     rc, cfg = recipe.retrain, recipe.evaluate
     target, tok = load_target(recipe.target, recipe.dtype, recipe.device)
@@ -466,8 +471,7 @@ def monitor(recipe, traffic: list[str]) -> int:
     _, plain, outs = decode_together(target, {"champion": (proposer_for(champion["draft_dir"], target), cfg.k)},
                                      prompts, cfg.max_new_tokens, tok.eos_token_id, "monitor")
     s = outs["champion"][1]
-    ref = champion["metrics"]
-    drop = 1 - s["tau"] / ref["tau"] if ref.get("tau") else 0.0
+    drop = 1 - s["tau"] / ref["tau"]
     fired = drop > rc.drift_threshold
     out = {"time": time.time(), "champion": champion["id"], "traffic": [str(Path(p).resolve()) for p in traffic],
            "n_prompts": len(prompts), "alpha": s["alpha"], "tau": s["tau"], "speedup": s["tokens_per_s"] /

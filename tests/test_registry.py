@@ -354,3 +354,20 @@ def test_copytree_atomic_copies_and_refuses_to_replace(tmp_path):
     with pytest.raises(FileExistsError, match="refusing to replace"):
         copytree_atomic(src, dst)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
+
+
+def test_monitor_refuses_a_champion_without_a_recorded_tau(reg, tmp_path, capsys):
+    """Drift is τ against the champion's recorded τ: without one, monitor says so in one line before any work,
+    rather than writing a 'no drift' verdict it never measured."""
+    from pipeline.cli import main
+
+    e = reg.add(make_draft(tmp_path, "run-a", 0), run_dir=tmp_path / "run-a", kind="distill", metrics={"speedup": 1.5},
+                hashes={}, traffic={"rows": 1})
+    reg.promote(e["id"], {"reason": "first"})
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    capsys.readouterr()
+    assert main(["monitor", "--domain", "code", f"runs_dir={tmp_path / 'runs'}", "--traffic", str(traffic)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no recorded tau" in err and "rollback --to ID" in err, err
+    assert not (reg.domain_dir / "monitor").exists()
