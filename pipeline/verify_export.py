@@ -26,6 +26,9 @@ from .engines.vllm import EngineError, acceptance, counters_from_hist, engine_py
 from .export import MANIFEST
 from .formats import FORMATS
 
+# How far vLLM's mean acceptance length may stray from ours before the export fails (module docstring).
+TOLERANCE = 0.10
+
 BATCH_SIZES = (1, 4)  # vLLM decodes each prompt alone and four at a time (its batched draft and verify paths)
 
 
@@ -170,13 +173,13 @@ def _stream_label(name: str) -> str:
 
 
 def summarize(plan: ExportPlan, vllm: dict, ours: dict, outputs: dict, rule: str = "exact",
-              tolerance: float = 0.10) -> dict:
+              tolerance: float = TOLERANCE) -> dict:
     """The comparison table's numbers and the verdict. `outputs` is compare_outputs'; `rule` (exactness_rule's:
     "exact" in fp32, or "near-ties" in bf16, where vLLM-CPU's kernels round unlike ours) decides whether a
     differing output fails."""
     o_acc = acceptance(counters_from_hist(ours["spec"]["accept_len_hist"], plan.k))
     o_tau = o_acc["mean_acceptance_length"]
-    out = {"plan": asdict(plan), "n_prompts": len(ours["plain_seqs"]), "exactness_rule": rule,
+    out = {"plan": asdict(plan), "n_prompts": len(ours["plain_seqs"]), "exactness_rule": rule, "tolerance": tolerance,
            "ours": {"plain_tokens_per_s": ours["plain"]["tokens_per_s"],
                     "spec_tokens_per_s": ours["spec"]["tokens_per_s"],
                     "speedup": (ours["spec"]["tokens_per_s"] / ours["plain"]["tokens_per_s"]
@@ -241,7 +244,7 @@ def table(summary: dict) -> str:
 
 
 def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=None, n=16, max_new_tokens=128,
-                  dtype="bfloat16", json_out=None, workdir=None, tolerance=0.10, eager=False) -> dict:
+                  dtype="bfloat16", json_out=None, workdir=None, tolerance=TOLERANCE, eager=False) -> dict:
     """The whole command: plan, vLLM's two engines, ours, the table (printed) and the verdict
     (VerifyError when it fails, after the table and the JSON are written)."""
     import sys

@@ -336,3 +336,23 @@ def test_bootstrap_interval_is_seeded_and_holds_the_estimate():
     assert a == b and a[0] <= pooled_speedup(per_prompt(result)) <= a[1] and a[0] < a[1]
     one = {k: {"per_prompt": v["per_prompt"][:1]} for k, v in result.items()}
     assert bootstrap_ci(one, 500, 0.95) is None
+
+
+def test_the_engine_acceptance_warnings_read_every_batch_at_the_runs_tolerance():
+    """A verify-export run whose engine accepted 20% less than ours at batch 16 only is flagged (not only batch 1
+    is read), at the tolerance the run judged with; a file from before the tolerance was recorded takes
+    verify-export's default."""
+    from pipeline.owner_report import acceptance_warnings
+    from pipeline.verify_export import TOLERANCE
+
+    def run(ratios: dict, **kw) -> dict:
+        batches = {str(b): {"vs_ours_tau": r} for b, r in ratios.items()}
+        return {"vllm": batches[str(min(ratios))], "vllm_batches": batches, **kw}
+
+    assert acceptance_warnings([("v.json", run({1: 1.0, 16: 1.02}))]) == []
+    low = acceptance_warnings([("v.json", run({1: 1.0, 16: 0.8}))])
+    assert len(low) == 1 and "accepts less" in low[0] and f"v.json (tolerance {TOLERANCE:.0%})" in low[0]
+    assert acceptance_warnings([("v.json", run({1: 1.0, 16: 0.8}, tolerance=0.25))]) == []
+    high = acceptance_warnings([("a.json", run({1: 1.15})), ("b.json", run({1: 0.85, 16: 1.3}, tolerance=0.2))])
+    assert len(high) == 1 and "accepts more" in high[0]
+    assert f"a.json (tolerance {TOLERANCE:.0%})" in high[0] and "b.json (tolerance 20%)" in high[0]
