@@ -73,15 +73,21 @@ def step_profile(run: dict) -> dict | None:
         return None
     n = prof["engine_step"]["calls"]
     ms = {p: 1000 * v["s"] / n for p, v in prof.items()}
-    get = lambda p: ms.get(p, 0.0)  # noqa: E731 (a part this vLLM lacks counts as none)
-    return {"steps": n, "tokens_per_step": run["new_tokens"] / n, "step_ms": get("engine_step"),
-            "target_forward_ms": get("target_forward"),
-            "prepare_ms": get("execute_model") - get("target_forward"),
-            "sample_ms": get("sample"), "draft_ms": get("draft"), "draft_forward_ms": get("draft_forward"),
-            "bookkeeping_ms": get("sample_tokens") - get("sample") - get("draft"),
-            "scheduler_ms": get("engine_step") - get("execute_model") - get("sample_tokens"),
-            "outside_ms": 1000 * run["wall_s"] / n - get("engine_step"),
-            "draft_forward_calls_per_step": prof.get("draft_forward", {}).get("calls", 0) / n}
+
+    def part(whole: str, *inner: str) -> float | None:
+        """ms of `whole` less its `inner` parts; None where this vLLM lacks one of them (install_timers left it
+        out), so a renamed method shows as unknown, never as a part of zero time."""
+        if whole not in ms or any(p not in ms for p in inner):
+            return None
+        return ms[whole] - sum(ms[p] for p in inner)
+
+    return {"steps": n, "tokens_per_step": run["new_tokens"] / n, "step_ms": part("engine_step"),
+            "target_forward_ms": part("target_forward"), "prepare_ms": part("execute_model", "target_forward"),
+            "sample_ms": part("sample"), "draft_ms": part("draft"), "draft_forward_ms": part("draft_forward"),
+            "bookkeeping_ms": part("sample_tokens", "sample", "draft"),
+            "scheduler_ms": part("engine_step", "execute_model", "sample_tokens"),
+            "outside_ms": 1000 * run["wall_s"] / n - ms["engine_step"],
+            "draft_forward_calls_per_step": prof["draft_forward"]["calls"] / n if "draft_forward" in prof else None}
 
 
 def bench(target_dir: str, prompts, methods: list[str], batch_sizes: list[int], max_new_tokens: int, dtype: str,
@@ -145,10 +151,11 @@ def profile_markdown(rows: list[dict]) -> str:
         p = r.get("profile")
         if not p:
             continue
+        f = {k: "–" if v is None else f"{v:.1f}" for k, v in p.items()}  # – : a part this vLLM lacks
         lines.append(f"| {r['method']} | {r['batch_size']} | {p['steps']} | {p['tokens_per_step']:.2f} | "
-                     f"{p['step_ms']:.1f} | {p['target_forward_ms']:.1f} | {p['draft_ms']:.1f} "
-                     f"({p['draft_forward_ms']:.1f}) | {p['sample_ms']:.1f} | {p['prepare_ms']:.1f} | "
-                     f"{p['bookkeeping_ms']:.1f} | {p['scheduler_ms']:.1f} | {p['outside_ms']:.1f} |")
+                     f"{f['step_ms']} | {f['target_forward_ms']} | {f['draft_ms']} ({f['draft_forward_ms']}) | "
+                     f"{f['sample_ms']} | {f['prepare_ms']} | {f['bookkeeping_ms']} | {f['scheduler_ms']} | "
+                     f"{f['outside_ms']} |")
     return "\n".join(lines) + "\n"
 
 
