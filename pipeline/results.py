@@ -104,8 +104,40 @@ def _machine(mid: str, machines: dict, field: str) -> str:
 def _provenance(rec: dict, machines: dict) -> str:
     m = rec["machine"]
     where = f"`{m}`" if m in machines else m
-    return (f"`{rec['command']}` · machine {where} · {rec['date']} · commit `{rec['commit']}` · "
+    return (f"{conditions(rec)} · `{rec['command']}` · machine {where} · {rec['date']} · commit `{rec['commit']}` · "
             f"serving revision `{rec['serving_rev']}`")
+
+
+def _flag(command: str, *names: str) -> str | None:
+    """The value the command gives `--name V`, `--name=V` or a recipe override `name=V`; None where it gives none."""
+    for name in names:
+        m = re.search(rf"(?:^|\s){re.escape(name)}[ =](\S+)", command)
+        if m:
+            return m.group(1)
+    return None
+
+
+def conditions(rec: dict) -> str:
+    """What a result was measured under, from its figures (older result files: its command, then the command's
+    defaults): batch size(s), new tokens, greedy or the temperature, dtype, prompts."""
+    f, cmd = rec["figures"], rec["command"]
+    if rec["kind"] == "bench":
+        sweep = f.get("batch_sweep")
+        batch = ("batch " + "/".join(str(r["batch_size"]) for r in sweep) if sweep
+                 else f"batch {f.get('batch_size') or _flag(cmd, '--batch-size') or 1}")
+        temp = float(f.get("temperature") if f.get("temperature") is not None else _flag(cmd, "--temperature") or 0)
+        dtype = f.get("dtype") or _flag(cmd, "--dtype") or "bfloat16"
+        new = f.get("max_new_tokens")
+        how = "greedy" if temp == 0 else f"T = {temp:g}"
+    elif rec["kind"] == "distill":
+        batch, dtype = "batch 1", _flag(cmd, "dtype") or "bfloat16"
+        new = _flag(cmd, "evaluate.max_new_tokens") or 128
+        how = "greedy" + (f"; the sampled columns at T = {f['temperature']:g}" if f.get("temperature") else "")
+    else:
+        return f"{f.get('n_prompts')} prompts"
+    target = rec.get("target") or "embedded"
+    other = "" if target.startswith("embedded") else f", target {target}"
+    return f"{batch}, {new} new tokens, {dtype}, {f.get('n_prompts')} prompts{other}, {how}"
 
 
 # ---------------------------------------------------------------------------------------- rendering
@@ -134,7 +166,7 @@ def render_readme_line(results: list[dict], machines: dict) -> str:
     ngram = f" (prompt lookup alone {_x(f['ngram_speedup'])})" if f.get("ngram_speedup") else ""
     return (f"**{_x(f.get('speedup'))}** plain decoding's speed{ngram}, τ {_num(f.get('tau'), '.2f')}: "
             f"`{r.get('headline_command', r['command'])}` on a {_machine(r['machine'], machines, 'short')}, "
-            f"{r['date']}; greedy, batch 1. Every result: [docs/results.md](docs/results.md).")
+            f"{r['date']}; {conditions(r)}. Every result: [docs/results.md](docs/results.md).")
 
 
 def _sampled(f: dict) -> str:
@@ -229,11 +261,11 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
            "[docs/results/](results/); do not edit this page. Every figure carries the command that made "
            "it, the machine, the date, the commit and the decoder's serving revision "
            "(`eval.decoder.SERVING_REV`; what each revision changed: [CHANGELOG.md](../CHANGELOG.md)). "
-           "All are batch 1, bf16, 128 new tokens, with the embedded target (SmolLM2-135M-Instruct), "
-           "judged on each domain's own held-out prompts: HumanEval for code, and for chat and json "
-           "requests the target wrote from a seed never used for training (data/README.md). Figures are "
-           "greedy; the sampled columns are at the recipe's serving temperature (evaluate.temperature). "
-           "Speedups are over plain decoding in this project's decoder, the two taking turns prompt by "
+           "Each names its conditions first (batch size, new tokens, dtype, prompts, the target where it is "
+           "not the embedded SmolLM2-135M-Instruct, greedy or the temperature), judged on each domain's own "
+           "held-out prompts: HumanEval for code, and for chat and json requests the target wrote from a seed "
+           "never used for training (data/README.md); a distill's sampled columns are at the recipe's serving "
+           "temperature (evaluate.temperature). Speedups are over plain decoding in this project's decoder, the two taking turns prompt by "
            "prompt. Speed on these machines drifts from minute to minute, so only ratios within one run "
            "compare.", "",
            "## Headline", "", render_headline(results, machines), "",
@@ -384,6 +416,8 @@ def bench_record(bench: dict, machine: str, *, command=None, commit=None, servin
             "serving_rev": serving_rev or bench.get("serving_rev") or _serving_rev(), "headline": headline,
             "target": bench.get("target"),
             "figures": {"n_prompts": bench.get("n_prompts"), "max_new_tokens": bench.get("max_new_tokens"),
+                        "temperature": bench.get("temperature"), "dtype": bench.get("dtype"),
+                        "batch_size": bench.get("batch_size"),
                         "speedup": bench["speculative"].get("speedup"), "tau": bench["speculative"].get("tau"),
                         "ngram_speedup": ngram, "greedy_exact": bench.get("greedy_exact"),
                         "versions": {"torch": bench.get("torch"), "transformers": bench.get("transformers")},

@@ -197,3 +197,24 @@ def test_a_result_file_that_is_not_json_is_one_line(tmp_path):
     (tmp_path / "2026-12-03-cut.json").write_text('{"kind": "bench", ')
     with pytest.raises(ResultsError, match="2026-12-03-cut.json: not JSON"):
         load_results(tmp_path)
+
+
+def test_each_result_names_the_conditions_it_was_measured_under(tmp_path):
+    """A result's conditions come from its figures (a bench JSON's batch sizes, new tokens, temperature, dtype), or
+    for a file from before they were kept, from its command: never one sentence claiming the same for all."""
+    bench = {"draft": "ngram", "n_prompts": 8, "k_arg": "2", "max_new_tokens": 64, "temperature": 0.7,
+             "dtype": "float32", "batch_size": 1, "target": "embedded",
+             "plain": {"tokens_per_s": 50.0, "speedup": 1.0}, "speculative": {"tokens_per_s": 80.0, "speedup": 1.6}}
+    rec = results.bench_record(bench, "box", commit="abc", serving_rev="r", date="2026-01-04")
+    assert results.conditions(rec) == "batch 1, 64 new tokens, float32, 8 prompts, T = 0.7"
+    bench |= {"temperature": 0.0, "dtype": "bfloat16", "target": "/models/mine",
+              "batch_sweep": {"rows": [{"batch_size": b} for b in (1, 4, 16)]}}
+    rec = results.bench_record(bench, "box", commit="abc", serving_rev="r", date="2026-01-04")
+    assert results.conditions(rec) == "batch 1/4/16, 64 new tokens, bfloat16, 8 prompts, target /models/mine, greedy"
+    assert results.conditions(rec) in results.render_bench({**rec, "id": "x"}, {})
+    old = {"kind": "bench", "command": "draftsmith bench --draft d --max-new-tokens 32 --temperature 1.0",
+           "figures": {"n_prompts": 4, "max_new_tokens": 32}, "target": "embedded"}  # before the figures were kept
+    assert results.conditions(old) == "batch 1, 32 new tokens, bfloat16, 4 prompts, T = 1"
+    run = {"kind": "distill", "command": "make distill DOMAIN=chat", "target": "embedded",
+           "figures": {"n_prompts": 16, "temperature": 0.7}}
+    assert results.conditions(run) == "batch 1, 128 new tokens, bfloat16, 16 prompts, greedy; the sampled columns at T = 0.7"
