@@ -131,15 +131,28 @@ def test_an_unwritable_runs_dir_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "cannot write the lock file" in err and "runs_dir" in err
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod 0o500 (the test above covers it)")
-def test_a_read_only_runs_dir_is_one_line(tmp_path, capsys):
+def test_a_read_only_runs_dir_is_one_line(tmp_path, capsys, monkeypatch):
+    """A runs dir this user may not write (chmod 0o500; root writes through it, so there the refusal the OS would
+    give is given by the open itself)."""
+    import errno
+
     runs = tmp_path / "runs"
     runs.mkdir()
     runs.chmod(0o500)
+    if os.geteuid() == 0:
+        real = os.open
+
+        def denied(path, *a, **kw):
+            if str(path).startswith(str(runs)):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real(path, *a, **kw)
+
+        monkeypatch.setattr(os, "open", denied)
     try:
         assert main(["distill", "--domain", "code", f"runs_dir={runs}"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "cannot write the lock file" in err and "Permission denied" in err
+        assert not [p for p in runs.rglob("*") if p.is_file()]  # no lock, nothing else
     finally:
         runs.chmod(0o700)
 
