@@ -618,6 +618,7 @@ def _budget_fit(fit: dict | None, p: Promotion) -> dict | None:
     if fit is None or p.served is None:
         return None
     return {"prompts": fit["prompts"], "n_prompts": fit["n_prompts"], "verify_ms": fit["verify_ms"],
+            "host_ms": fit.get("host_ms"), "context": fit.get("context"),
             "budgets": fit["fits"][p.result["source"]]["budgets"], "sampling": fit.get("sampling")}
 
 

@@ -245,7 +245,9 @@ def write_report(run_dir: Path) -> Path:
         how = "fixed by the recipe" if not fit else (
             f"fitted on this machine: replayed on {fit['n_prompts']} {fit['prompts']} prompts"
             + (f" sampled at T={fit['sampling']['temperature']}" if fit.get("sampling") else "")
-            + " with its measured verify times, estimated speedup (prefill left out) per budget "
+            + " with its measured verify times"
+            + (f" and the decoder's own {f(fit['host_ms'])} ms a round" if fit.get("host_ms") is not None else "")
+            + ", estimated speedup (prefill left out) per budget "
             + ", ".join(f"{n}: {f(b['est_speedup'])}×" for n, b in sorted(fit["budgets"].items(), key=lambda x: int(x[0]))))
         lines += ["", f"Token trees of at most **{m['max_nodes']} nodes** a round ({how})."]
     if m.get("ngram_baseline"):

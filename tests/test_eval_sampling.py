@@ -124,10 +124,12 @@ def test_tree_budget_fitted_at_the_serving_temperature(sampled_run):
     assert fit["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 2, "seed": 0}
     assert fit["key"]["sampling"] == fit["sampling"]
     m = _metrics(sampled_run)
-    if m["tree_budget_fit"] is not None:
+    said = f"replayed on {fit['n_prompts']} {fit['prompts']} prompts sampled at T=0.7 with its measured"
+    if m["tree_budget_fit"] is not None:  # a hybrid was promoted: its fit is reported
         assert m["tree_budget_fit"]["sampling"] == fit["sampling"]
-        assert f"replayed on {fit['n_prompts']} {fit['prompts']} prompts sampled at T=0.7 with its measured" \
-            in (sampled_run / "report.md").read_text()
+        assert said in (sampled_run / "report.md").read_text()
+    else:  # the bare checkpoint won: no tree served, no fit claimed
+        assert "+ngram" not in m["draft_method"] and said not in (sampled_run / "report.md").read_text()
 
 
 def test_evaluate_again_reads_the_sampled_measurements_back(sampled_run, tiny_target, monkeypatch):

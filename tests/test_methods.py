@@ -79,12 +79,18 @@ def test_method_builds_trains_and_saves_a_draft_dir(tmp_path, target, rows, name
     assert all(p.grad is None for p in target.parameters())  # the target is never trained
     assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
     assert method.vocab_size(module, target) == (V if name == "draft_lm" else 40)
+    with torch.no_grad():  # a trained step's change: a fresh build must not pass for the resumed one
+        for p in params:
+            p.add_(torch.randn_like(p) * 0.01)
     method.save(module, tmp_path, {"target": "tiny", "train_key": "k"}, 3)
     meta = draft_dir.read_meta(tmp_path)
     assert meta["kind"] == name and meta["step"] == 3 and meta["train_key"] == "k"
     resumed = method.build(tc, target, None, rows, tmp_path)  # a checkpoint resumes to the same weights
+    fresh = method.build(tc, target, None, rows, None)
     for a, b in zip(method.trainable_parameters(resumed), params):
         assert torch.equal(a.detach(), b.detach())
+    assert any(not torch.equal(a.detach(), b.detach())
+               for a, b in zip(method.trainable_parameters(fresh), params))
 
 
 def test_int8_has_nothing_to_train(tmp_path):

@@ -56,9 +56,18 @@ def test_lora_draft_saves_adapter_and_merged_weights(tmp_path, gen_dir, target):
         torch.testing.assert_close(merged(x).logits, peft(x).logits, rtol=1e-4, atol=1e-4)
         base = build_draft_lm(target, 2)(x).logits
     assert (merged(x).logits - base).abs().max() > 1e-4  # the adapter was trained, not left at zero
-    # only the LoRA matrices trained: the base layers in the adapter's model are the target's
-    sd = peft.state_dict()
-    assert any("lora_A" in k for k in sd)
+    # only the LoRA matrices trained: the adapter holds them alone, B (zero at the start) moved, and every weight of
+    # the merged model outside the adapted modules is the base draft's
+    from safetensors.torch import load_file
+
+    saved = load_file(ck / "adapter" / "adapter_model.safetensors")
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved), sorted(saved)
+    assert any(v.abs().max() > 0 for k, v in saved.items() if ".lora_B." in k)
+    adapted = {k.removeprefix("base_model.model.").split(".lora_")[0] for k in saved}
+    base_sd = build_draft_lm(target, 2).state_dict()
+    kept = [k for k in merged.state_dict() if k.rsplit(".", 1)[0] not in adapted]
+    assert kept and all(torch.equal(merged.state_dict()[k], base_sd[k]) for k in kept)
+    assert any(not torch.equal(merged.state_dict()[m + ".weight"], base_sd[m + ".weight"]) for m in adapted)
 
 
 @pytest.mark.parametrize("method,extra,weights", [
