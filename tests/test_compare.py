@@ -98,14 +98,17 @@ def test_variants_are_the_methods_own():
         compare.check_choices(["eagle"], ["kl"])
 
 
-def test_compare_cache_files_written_before_still_read(tmp_path):
-    """compare/<name>-k<K>.json as compare wrote it before it shared evaluate's cache: {"key": {src, k,
-    evaluate, serving, files}, "row": ...}."""
-    from eval.decoder import SERVING_REV
-    from pipeline.measure import MeasurementCache, cpu_key
+def test_compare_cache_files_written_before_still_read(tmp_path, monkeypatch):
+    """compare/<name>-k<K>.json as compare wrote it before it shared evaluate's cache (on avx512-bf16, before the
+    CPU path was keyed): {"key": {src, k, evaluate, serving, files}, "row": ...}."""
+    import types
 
-    # cpu_key(): nothing on avx512-bf16 (where those files were written), the path elsewhere
-    key = {"src": "ngram", "k": 4, "evaluate": {"k": 2}, "serving": SERVING_REV, "files": []} | cpu_key()
+    import pipeline.measure as measure
+    from eval.decoder import SERVING_REV
+    from pipeline.measure import MeasurementCache
+
+    monkeypatch.setattr(measure, "cpu_path", lambda: types.SimpleNamespace(name="avx512-bf16"))
+    key = {"src": "ngram", "k": 4, "evaluate": {"k": 2}, "serving": SERVING_REV, "files": []}
     (tmp_path / "ngram-k4.json").write_text(json.dumps({"key": key, "row": {"name": "ngram", "k": 4}}))
     cache = MeasurementCache(tmp_path, {"evaluate": {"k": 2}})
     assert cache.read("ngram-k4", "ngram", {"src": "ngram", "k": 4})["row"] == {"name": "ngram", "k": 4}

@@ -150,19 +150,24 @@ def test_measurement_cache_reads_back_only_under_the_same_key(tmp_path):
     assert cache.read("missing") is None
 
 
-def test_evaluate_cache_files_written_before_still_read(tmp_path):
-    """eval/<name>.json as evaluate wrote it before the cache was a class: the result with its key,
-    {evaluate, dtype, n, serving, files[, max_nodes]} for a checkpoint or a served form and no
-    files for the n-gram baseline."""
+def test_evaluate_cache_files_written_before_still_read(tmp_path, monkeypatch):
+    """eval/<name>.json as evaluate wrote it before the cache was a class (on avx512-bf16, before the CPU path
+    was keyed): the result with its key, {evaluate, dtype, n, serving, files[, max_nodes]} for a checkpoint or a
+    served form and no files for the n-gram baseline."""
+    import types
+
+    import pipeline.measure as measure
     from eval.decoder import SERVING_REV
     from pipeline.evaluate import BASELINE, SERVED, Candidate
-    from pipeline.measure import MeasurementCache, cpu_key, source_fingerprint
+    from pipeline.measure import MeasurementCache, source_fingerprint
+
+    monkeypatch.setattr(measure, "cpu_path", lambda: types.SimpleNamespace(name="avx512-bf16"))
 
     ck = tmp_path / "train" / "checkpoint-000002"
     ck.mkdir(parents=True)
     (ck / "head.safetensors").write_bytes(b"x" * 10)
     settings = {"evaluate": {"k": 2}, "dtype": "float32", "n": 2}
-    old = settings | {"serving": SERVING_REV} | cpu_key()  # cpu_key(): nothing on avx512-bf16
+    old = settings | {"serving": SERVING_REV}  # as written then: no CPU path in the key
     served = Candidate("checkpoint-000002+ngram", f"hybrid:{ck}", 2, SERVED, 6)
     baseline = Candidate("ngram", "ngram", 8, BASELINE)
     (tmp_path / "eval").mkdir()
