@@ -152,12 +152,18 @@ def test_onpolicy_batch_scores_the_drafts_own_samples(target, gen_dir):
         assert n == int(batch["valid"][b].sum())  # as long as the original row
         assert out["has_t"][b, P:n].all() and not out["has_t"][b, :P].any()
         # the teacher is the target's distribution on the *sampled* sequence
-        (ti, _), = teacher_topk(target, [out["ids"][b, :n].tolist()], [P], k=out["tk_ids"].shape[-1])
+        (ti, tl), = teacher_topk(target, [out["ids"][b, :n].tolist()], [P], k=out["tk_ids"].shape[-1])
         assert out["tk_ids"][b, P:n].tolist() == ti
-    # the continuation is the draft's, not the stored target completion (an untrained 1-layer draft
-    # sampled at temperature 1 agrees with the target's greedy text on few tokens)
-    same = sum(int((out["ids"][b] == batch["ids"][b]).all()) for b in range(3))
-    assert same < 3
+        torch.testing.assert_close(out["tk_lp"][b, P:n], torch.tensor(tl))
+    # the continuation is the draft's own samples (method.sample with the step's seed), not the stored target
+    # completion: after the kept first token, each row's tokens are the draft's draws
+    Ps = [int(p) for p in batch["P"][:3]]
+    n_new = [int(batch["valid"][b].sum()) - Ps[b] - 1 for b in range(3)]
+    drawn = method.sample(draft, target, [batch["ids"][b, :Ps[b]].tolist() for b in range(3)],
+                          [int(batch["ids"][b, Ps[b]]) for b in range(3)], max(n_new), 0)
+    for b in range(3):
+        assert out["ids"][b, Ps[b] + 1:Ps[b] + 1 + n_new[b]].tolist() == list(drawn[b][:n_new[b]])
+    assert any(not torch.equal(out["ids"][b], batch["ids"][b]) for b in range(3))
     # seeded: the same step gives the same batch (resume reproduces it)
     again = onpolicy_batch(batch, method, draft, target, eos=set(), seed=0)
     assert torch.equal(again["ids"], out["ids"])
