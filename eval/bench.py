@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from .cli_args import OneLineParser
-from .cpu import cpu_path
+from .cli_args import OneLineParser, out_file_problem
+from .cpu import CpuPathError, cpu_path
 from .decoder import SpeculativeDecoder
 from .exactness import compare_greedy, exactness_rule
 from .loading import LoadError, convert_embedded, convert_gguf, is_gguf, tokenizers_match
@@ -57,8 +57,12 @@ class BenchError(RuntimeError):
 def load_prompts(path: str, n: int | None = None) -> list[dict]:
     """The prompts file's rows (eval.prompt_file: UTF-8 JSONL, chat turns checked), the first `n` of them."""
     p = Path(path)
+    if p.is_dir():
+        raise BenchError(f"prompts file {path} is a directory; give a JSONL file with 'prompt' or 'messages' per line")
     if not p.is_file():
         raise BenchError(f"prompts file {path} does not exist")
+    if n is not None and n < 1:
+        raise BenchError(f"{n} prompts asked for: give at least 1, or leave the count out for every prompt")
     try:
         rows = read_prompt_rows(p)
     except PromptFileError as e:
@@ -442,6 +446,15 @@ def plan(args) -> Plan:
     sweep = batch_sizes("--batch-sweep", args.batch_sweep) if args.batch_sweep else None
     if args.sweep_turns < 1:
         raise BenchError("--sweep-turns must be >= 1")
+    if args.n_prompts is not None and args.n_prompts < 1:
+        raise BenchError(f"--n-prompts {args.n_prompts}: give at least 1, or leave it out for every prompt")
+    why = args.json and out_file_problem(args.json, "--json")
+    if why:  # before the models load and the benchmark runs, not after
+        raise BenchError(why)
+    try:
+        cpu_path()  # a bad DRAFTSMITH_CPU_PATH
+    except CpuPathError as e:
+        raise BenchError(str(e)) from None
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device here (torch.cuda.is_available() is False); "
                          "run on a GPU machine with a CUDA build of torch, or use --device cpu")

@@ -15,7 +15,6 @@ where the attention kernel runs).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -27,6 +26,7 @@ import torch
 
 from . import cpu, kernels
 from .bench import turn_order
+from .cli_args import OneLineParser, out_file_problem
 
 
 def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, turns: int, reps: int = 3,
@@ -84,11 +84,40 @@ def measure(model, paths: list[str], shapes: list[tuple[int, int]], pos: int, tu
     return out
 
 
+def _check(args) -> tuple[list[str], list[tuple[int, int]]]:
+    """Every argument checked before the model loads -> (paths, shapes); ValueError naming the bad one."""
+    if args.against is not None and not args.against.is_file():
+        raise ValueError(f"--against {args.against} does not exist; write one with "
+                         "`git show REV:eval/csrc/small_gemm.cpp > old.cpp`")
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = [p for p in paths if p not in cpu.PATHS]
+    if bad or not paths:
+        raise ValueError(f"--paths {args.paths!r}: {', '.join(bad) or 'none given'} not a CPU path; use some of "
+                         f"{', '.join(cpu.PATHS)}")
+    lacks = [p for p in paths if not cpu.runs(p)]
+    if lacks:
+        raise ValueError(f"--paths: this CPU does not run {', '.join(lacks)}; it runs "
+                         f"{', '.join(p for p in cpu.PATHS if cpu.runs(p))}")
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise ValueError(f"--shapes {args.shapes!r}: give BxT pairs of positive integers, e.g. 1x1,1x3,16x1")
+    for flag, v, least in (("--pos", args.pos, 0), ("--turns", args.turns, 1)):
+        if v < least:
+            raise ValueError(f"{flag} {v}: give at least {least}")
+    why = args.json and out_file_problem(args.json, "--json")
+    if why:
+        raise ValueError(why)
+    return paths, shapes
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.cpu_bench", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m eval.cpu_bench", description=__doc__.split("\n\n")[0], lead="cpu_bench")
     ap.add_argument("--paths", default=",".join(p for p in cpu.PATHS if cpu.runs(p)),
                     help="comma-separated CPU paths (default: every path this CPU runs)")
-    ap.add_argument("--target", default=None, help="an HF checkpoint dir (default: the embedded target)")
+    ap.add_argument("--target", default="embedded", help="an HF checkpoint dir, a GGUF, or 'embedded' (default)")
     ap.add_argument("--shapes", default="1x1,1x3,1x9,1x16,16x1,32x1,1x128", help="batch x tokens per forward")
     ap.add_argument("--pos", type=int, default=200, help="cached positions before each forward")
     ap.add_argument("--turns", type=int, default=7)
@@ -98,18 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", default=None, type=Path,
                     help="another version of eval/csrc/small_gemm.cpp, measured beside this checkout's as PATH@STEM")
     args = ap.parse_args(argv)
-    if args.against is not None and not args.against.is_file():
-        print(f"cpu_bench: --against {args.against} does not exist; write one with "
-              "`git show REV:eval/csrc/small_gemm.cpp > old.cpp`", file=sys.stderr)
-        return 2
     from transformers import AutoModelForCausalLM
 
-    from .loading import convert_embedded
+    from .bench import BenchError, resolve_target
+    from .loading import LoadError
 
-    model = AutoModelForCausalLM.from_pretrained(args.target or convert_embedded(), dtype=torch.bfloat16).eval()
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    res = measure(model, paths, shapes, args.pos, args.turns, against=args.against, fp32_cache=args.fp32_cache)
+    try:
+        paths, shapes = _check(args)
+        model = AutoModelForCausalLM.from_pretrained(resolve_target(args.target), dtype=torch.bfloat16).eval()
+        res = measure(model, paths, shapes, args.pos, args.turns, against=args.against, fp32_cache=args.fp32_cache)
+    except (ValueError, LoadError, BenchError, cpu.CpuPathError, kernels.KernelBuildError) as e:
+        print(f"cpu_bench: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     p = cpu.cpu_path()
     med = {name: {k: statistics.median(v) for k, v in rows.items()} for name, rows in res.items()}
     print(f"{p.cpu}; flags: {' '.join(p.flags)}; torch capability {torch.backends.cpu.get_cpu_capability()}")

@@ -26,7 +26,6 @@ last bits and a near-tie in a draft's choice may go the other way.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import statistics
 import sys
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cli_args import OneLineParser
 from .decoder import SpeculativeDecoder
 from .proposers import NoDraft, Proposer, Sampling, check_sampling, serve_with
 from .cpu import greedy_argmax
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     from .loading import LoadError
     from .proposers import load_proposer
 
-    ap = argparse.ArgumentParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0], lead="replay")
     ap.add_argument("--target", default="embedded", help="'embedded' (default) or a local HF checkpoint dir")
     ap.add_argument("--draft", required=True, help="what `draftsmith bench --draft` takes (e.g. hybrid:DIR, ngram)")
     ap.add_argument("--prompts", required=True, help="JSONL with 'prompt' or 'messages' per line")
@@ -322,12 +322,15 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.k < 1 or args.max_new_tokens < 1 or (args.n_prompts is not None and args.n_prompts < 1):
             raise BenchError("--k, --max-new-tokens and --n-prompts must be >= 1")
+        check_sampling(args.temperature, 0, args.top_p, names=("--temperature", "--top-k", "--top-p"))
+        if args.temperature == 0 and args.top_p < 1.0:
+            raise BenchError(f"--top-p {args.top_p} shapes sampling, which --temperature 0 (greedy) never does: "
+                             f"give --temperature > 0, or leave --top-p out")
         rows = load_prompts(args.prompts, args.n_prompts)  # a bad file is reported before the target loads
         path = resolve_target(args.target)
         tok = AutoTokenizer.from_pretrained(path)
         target = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         prompts = encode_prompts(rows, tok)
-        check_sampling(args.temperature, 0, args.top_p)
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed} \
             if args.temperature > 0 else None
         configs = [_parse_set(args.set)] + [_parse_set(args.set + [t]) for t in args.tries]

@@ -47,8 +47,8 @@ def _os_error_line(e: OSError) -> str | None:
     path = e.filename or "a file"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"disk full while writing {path}: free space and rerun (the finished parts are kept)"
-    # EEXIST/ENOTDIR: a file stands where a directory goes
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+    # EEXIST/ENOTDIR: a file stands where a directory goes; EISDIR: a directory where a file goes
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
         return (f"cannot write {path} ({e.strerror}): make it writable or choose another location (runs_dir=..., "
                 f"--out), then rerun (the finished parts are kept)")
     return None
@@ -122,8 +122,19 @@ def _runs(domain_dir: Path) -> list[tuple[Path, dict]]:
     return sorted(found, key=lambda x: (x[1].get("started") or 0, x[0].name))
 
 
-def open_run(recipe: Recipe, *, for_stage: bool, new: bool = False) -> Path:
-    """Pick the run directory.
+def record_recipe(run_dir: Path, recipe: Recipe) -> None:
+    """run_dir/recipe.yaml: the recipe the run's stages last ran with."""
+    import yaml
+
+    from .atomic import write_text_atomic
+
+    write_text_atomic(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+
+
+def open_run(recipe: Recipe, *, for_stage: bool, new: bool = False, creates: bool = True) -> Path:
+    """Pick the run directory (`creates`: a single stage that may begin a run with an explicit run_id, as generate
+    does; train and evaluate need one that exists). Its recipe.yaml is written here only for a run without one: a
+    command refused on an existing run leaves that run's recorded recipe as it was.
 
     distill: an explicit run_id; else the newest run of the same recipe if it was interrupted (so rerunning
     `make distill` resumes); else a new timestamped run.
@@ -151,12 +162,12 @@ def open_run(recipe: Recipe, *, for_stage: bool, new: bool = False) -> Path:
             except FileExistsError:
                 continue
     run_dir = domain_dir / run_id
+    if for_stage and not creates and not run_dir.is_dir():
+        raise RecipeError(f"--run-id {run_id}: no run {run_dir}; run `draftsmith generate` (or distill) with it first, "
+                          f"or leave --run-id out to continue the newest run")
     run_dir.mkdir(parents=True, exist_ok=True)
-    import yaml
-
-    from .atomic import write_text_atomic
-
-    write_text_atomic(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    if not (run_dir / "recipe.yaml").exists():  # a run's recipe is recorded again only once a stage succeeds
+        record_recipe(run_dir, recipe)
     if not _read_status(run_dir):
         _write_status(run_dir, recipe_hash=recipe.hash(), complete=False, started=time.time())
     from .lock import note_run
@@ -305,6 +316,7 @@ def distill(recipe: Recipe, new: bool = False, command: str | None = None) -> Pa
 
     admit_distill(recipe, run_dir, target, tok)  # best/ enters the registry; champion only through the gate
     stage_report(recipe, run_dir, target, tok, command)
+    record_recipe(run_dir, recipe)
     kill_point("cli.before_complete")
     _point_latest(run_dir)  # before `complete`: a run killed between the two is found again and finished
     _write_status(run_dir, complete=True, wall_s=time.time() - t0)
@@ -506,8 +518,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:32s} {default:32s} {h}")
             return 0
         if args.cmd == "prompts":
+            from eval.cli_args import out_file_problem
+
             from .data import export_heldout_jsonl
 
+            if out_file_problem(args.out, "--out"):
+                raise RecipeError(out_file_problem(args.out, "--out"))
             export_heldout_jsonl(args.out, run_dir=args.run_dir)
             return 0
         if args.cmd == "export":
@@ -519,8 +535,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"draftsmith: {args.format} export in {out}; serve with:\n" + "\n".join(serve.values()))
             return 0
         if args.cmd == "verify-export":
+            from eval.cli_args import out_file_problem
+
+            from .options import positive
             from .verify_export import verify_export
 
+            for flag, value in (("--n", args.n), ("--max-new-tokens", args.max_new_tokens), ("--k", 1 if args.k is None else args.k)):
+                positive(flag, value)  # checked before the engine starts, not minutes after
+            if args.json and out_file_problem(args.json, "--json"):
+                raise RecipeError(out_file_problem(args.json, "--json"))
             verify_export(args.export, target=args.target, k=args.k, draft=args.draft, prompts_path=args.prompts,
                           n=args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype, json_out=args.json,
                           workdir=args.workdir, eager=args.eager)
@@ -533,6 +556,10 @@ def main(argv: list[str] | None = None) -> int:
             from .config import load_recipe
             from .owner_report import report_run_dir
 
+            from eval.cli_args import out_file_problem
+
+            if args.out and out_file_problem(args.out, "--out"):  # before the curves are measured, not after
+                raise RecipeError(out_file_problem(args.out, "--out"))
             run_dir = report_run_dir(args.domain, args.runs_dir, args.run_dir)
             recipe = load_recipe(run_dir / "recipe.yaml", list(args.overrides))
             stage_report(recipe, run_dir, command=shlex.join(["draftsmith", *argv]), out=args.out, draft=args.draft,
@@ -559,10 +586,12 @@ def main(argv: list[str] | None = None) -> int:
             except RecipeError:
                 run_dir = open_run(recipe, for_stage=False)
             stage_compare(recipe, run_dir, args, methods, divergences)
+            record_recipe(run_dir, recipe)
             _point_latest(run_dir)  # the run has a result now: its comparison
             return 0
-        run_dir = open_run(recipe, for_stage=True)
+        run_dir = open_run(recipe, for_stage=True, creates=args.cmd == "generate")
         {"generate": stage_generate, "train": stage_train, "evaluate": stage_evaluate}[args.cmd](recipe, run_dir)
+        record_recipe(run_dir, recipe)
         if args.cmd == "evaluate":  # the run has a promoted draft now
             _point_latest(run_dir)
         return 0

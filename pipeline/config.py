@@ -572,6 +572,14 @@ def _check_type(name: str, value, tp):
         if not isinstance(value, list):
             raise RecipeError(f"recipe key '{name}' must be a list, got {type(value).__name__} {value!r}")
         return [_check_type(f"{name}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value)]
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is str and isinstance(value, bool):  # YAML 1.1 reads off/on/yes/no as booleans
+        raise RecipeError(f"recipe key '{name}' must be str, got the boolean {value!r} (YAML reads off/on/yes/no "
+                          f"as booleans): quote it, e.g. {name.split('.')[-1]}: \"off\" or {name}='\"off\"'")
     if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
         raise RecipeError(f"recipe key '{name}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
     return value
@@ -579,7 +587,9 @@ def _check_type(name: str, value, tp):
 
 def _build(cls, data: dict, prefix: str = ""):
     if not isinstance(data, dict):
-        raise RecipeError(f"recipe section '{prefix.rstrip('.') or '<top>'}' must be a mapping")
+        section = prefix.rstrip('.') or '<top>'
+        raise RecipeError(f"recipe section '{section}' must be a mapping of keys, got {data!r}; set its keys "
+                          f"({section}.<key>=value; `draftsmith recipe-help` lists them)")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -606,11 +616,18 @@ def parse_overrides(overrides: list[str]) -> dict:
         if "=" not in item:
             raise RecipeError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise RecipeError(f"override {item!r}: its value is not valid YAML ({str(e).splitlines()[0]}); quote "
+                              f"it, e.g. {key}='\"{raw}\"', or write a list as [1, 2]") from None
         node = out
         parts = key.strip().split(".")
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {item!r}: {'.'.join(parts[:i + 1])} is set to a value by another "
+                                  f"override, so it has no key {parts[i + 1]!r}")
         node[parts[-1]] = value
     return out
 
@@ -636,8 +653,13 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     if not path.exists():
         raise RecipeError(f"unknown domain or recipe '{path}': no such file; known domains: "
                           f"{', '.join(known_domains()) or '(none)'}")
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} is not a file; give a recipe's YAML file (e.g. recipes/code.yaml)")
     try:
         data = yaml.safe_load(path.read_text()) or {}
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"recipe {path} is not UTF-8 text ({e.reason} at byte {e.start}); give a recipe's YAML "
+                          f"file (e.g. recipes/code.yaml)") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -651,7 +673,8 @@ def recipe_from_dict(data: dict, overrides: list[str] | None = None) -> Recipe:
     train.method drops the file's sections of other methods (they were for the file's own method);
     any other key of a section that is not the method's is refused, naming it."""
     over = parse_overrides(overrides or [])
-    method = (over.get("train") or {}).get("method")
+    train = over.get("train")
+    method = train.get("method") if isinstance(train, dict) else None  # a section set to a value: _build refuses
     if method is not None and isinstance(data.get("train"), dict):
         data = {**data, "train": {k: v for k, v in data["train"].items() if k not in SECTIONS or k == method}}
     return _build(Recipe, _merge(data, over))

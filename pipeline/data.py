@@ -541,6 +541,9 @@ def build_prompt_sets(data_cfg, out_dir, tokenizer, seed: int, rows: list[dict] 
 
 def run_heldout(run_dir) -> list[dict]:
     """The held-out rows a run is judged on: its prompts/heldout.jsonl, written by build_prompt_sets."""
+    if not Path(run_dir).is_dir():
+        raise DataError(f"run directory {run_dir} does not exist or is not a directory; give a run's directory "
+                        f"(runs/<domain>/<run id>)")
     path = Path(run_dir) / "prompts" / "heldout.jsonl"
     if not path.exists():
         raise DataError(f"{path} is missing; run the generate stage first (it writes the prompt sets)")

@@ -136,6 +136,17 @@ def _disk_full_at(name: str):
     return patch
 
 
+def _cpu_path_env(value: str):
+    """DRAFTSMITH_CPU_PATH set to `value`, read afresh by bench (the process's path is decided once and cached)."""
+    def patch(mp: pytest.MonkeyPatch, c: Ctx):
+        import eval.bench
+        import eval.cpu
+
+        mp.setenv(eval.cpu.ENV_PATH, value)
+        mp.setattr(eval.bench, "cpu_path", eval.cpu.cpu_path.__wrapped__)
+    return patch
+
+
 BAD = "draftsmith: error:"
 # A tqdm progress bar as it is redrawn ("desc:  50%|█████     | 1/2 [00:00<00:00, 7.63it/s]"): the work done
 # before the failure (ours, or transformers' "Loading weights"), not a message; nothing else may be on stderr.
@@ -235,6 +246,35 @@ CASES = [
     Case("export-format-the-draft-lacks", lambda c: ["export", "--draft", str(c.run / "best"), "--format",
                                                      "eagle3", "--out", str(c.tmp / "out")],
          ("recurrent Medusa", "train.medusa.recurrent=false"), run=True),
+    # a refused stage leaves the run's recorded recipe; train and evaluate do not begin a run
+    Case("stage-refused-keeps-the-runs-recipe", lambda c: c.stage("generate", "seed=5"),
+         ("different seed/data settings", "new run id"), run=True),
+    Case("train-run-id-that-does-not-exist", lambda c: ["train", *_overrides(c.target, c.runs), "--run-id", "nosuch"],
+         ("nosuch", "draftsmith generate"), run=True),
+    # recipes and overrides YAML cannot read
+    Case("recipe-a-directory", lambda c: ["distill", "--recipe", str(c.tmp)], ("not a file", "recipes/code.yaml")),
+    Case("recipe-not-utf8", lambda c: ["distill", "--recipe", str(c.tmp / "r.yaml")], ("r.yaml", "not UTF-8"),
+         setup=_write_bytes("r.yaml", b"\xff\xfe\x00train")),
+    Case("override-not-yaml", lambda c: ["distill", *_overrides(c.target, c.runs), "train.steps=[1"],
+         ("train.steps=[1", "not valid YAML")),
+    Case("override-a-section-to-a-value", lambda c: ["distill", *_overrides(c.target, c.runs), "train=5"],
+         ("section 'train'", "train.<key>=value")),
+    Case("override-a-yaml-boolean", lambda c: ["distill", *_overrides(c.target, c.runs), "wandb.mode=off"],
+         ("wandb.mode", "quote it")),
+    # an output path that cannot take the file, refused before the work that fills it
+    Case("prompts-out-a-directory", lambda c: ["prompts", "--out", str(c.tmp)], ("--out", "is a directory")),
+    Case("prompts-run-dir-missing", lambda c: ["prompts", "--out", str(c.tmp / "h.jsonl"), "--run-dir",
+                                               str(c.tmp / "nosuch")], ("nosuch", "does not exist")),
+    Case("report-out-a-directory", lambda c: ["report", "--domain", "code", "--runs-dir", str(c.runs), "--out",
+                                              str(c.tmp / "cwd")], ("--out", "is a directory"), run=True),
+    Case("bench-json-a-directory", lambda c: _bench(c, "--json", str(c.tmp / "cwd")), ("--json", "is a directory"),
+         setup=_write("p.jsonl", '{"prompt": "def f():"}\n')),
+    Case("bench-n-prompts-0", lambda c: _bench(c, "--n-prompts", "0"), ("--n-prompts 0", "leave it out"),
+         setup=_write("p.jsonl", '{"prompt": "def f():"}\n')),
+    Case("bench-cpu-path-unknown", lambda c: _bench(c), ("DRAFTSMITH_CPU_PATH='bogus'", "unset it"),
+         setup=_write("p.jsonl", '{"prompt": "def f():"}\n'), patch=_cpu_path_env("bogus")),
+    Case("verify-export-k-0", lambda c: ["verify-export", "--export", str(c.tmp), "--k", "0"], ("--k=0", "> 0")),
+    Case("verify-export-n-negative", lambda c: ["verify-export", "--export", str(c.tmp), "--n", "-3"], ("--n=-3",)),
     # a command without recipe overrides: a mistyped option (to=ID for --to ID) is refused, not ignored
     Case("rollback-stray-key-value", lambda c: ["drafts", "rollback", "--domain", "code", "--runs-dir", str(c.runs),
                                                 "to=20261203-000000-abcd"],
@@ -343,6 +383,16 @@ TOOL_CASES = [
     ("generate-bench-n-0", "pipeline.generate_bench", "generate_bench:", lambda c: ["--n", "0"], ("--n=0", "> 0")),
     ("cpu-bench-against", "eval.cpu_bench", "cpu_bench:", lambda c: ["--against", str(c.tmp / "old.cpp")],
      ("old.cpp", "does not exist", "git show")),
+    ("cpu-bench-path", "eval.cpu_bench", "cpu_bench:", lambda c: ["--paths", "bogus"], ("bogus", "avx2")),
+    ("cpu-bench-shapes", "eval.cpu_bench", "cpu_bench:", lambda c: ["--shapes", "1xq"], ("--shapes", "BxT")),
+    ("cpu-bench-turns-0", "eval.cpu_bench", "cpu_bench:", lambda c: ["--turns", "0"], ("--turns 0", "at least 1")),
+    ("cpu-bench-json-dir", "eval.cpu_bench", "cpu_bench:", lambda c: ["--json", str(c.tmp)], ("--json", "directory")),
+    ("cpu-bench-bad-flag", "eval.cpu_bench", "cpu_bench:", lambda c: ["--turns", "x"], ("--turns", "--help")),
+    ("replay-top-p-greedy", "eval.replay", "replay:", lambda c: ["--draft", "ngram", "--prompts",
+                                                                 str(c.tmp / "p.jsonl"), "--top-p", "0.5"],
+     ("--top-p 0.5", "--temperature")),
+    ("replay-bad-flag", "eval.replay", "replay:", lambda c: ["--draft", "ngram", "--prompts", str(c.tmp / "p.jsonl"),
+                                                             "--k", "x"], ("--k", "--help")),
 ]
 
 
@@ -353,7 +403,10 @@ def test_measuring_tools_answer_bad_input_in_one_line(case, tiny_target, tmp_pat
     ctx = Ctx(tmp_path, tiny_target, tmp_path / "runs")
     before = _snapshot(tmp_path)
     capsys.readouterr()
-    rc = importlib.import_module(module).main(argv(ctx))
+    try:
+        rc = importlib.import_module(module).main(argv(ctx))
+    except SystemExit as e:  # argparse's errors exit by themselves
+        rc = e.code
     lines = _stderr_lines(capsys.readouterr().err)
     assert rc == 2 and len(lines) == 1 and lines[0].startswith(prog), lines
     for word in expect:
