@@ -447,7 +447,8 @@ class RetrainConfig:
     confidence: float = _f(0.95, "One-sided confidence of that lower bound.")
     bootstrap: int = _f(2000, "Bootstrap resamples of the prompts (fixed seed: the same figures on a rerun).")
     warm_start: bool = _f(True, "Train the challenger from the champion's weights (true) or from scratch (false); "
-                                "a champion of another draft method is never warm-started from.")
+                                "a champion of another draft method, or of another shape (e.g. another "
+                                "train.draft_vocab_size), is never warm-started from.")
     steps: typing.Optional[int] = _f(None, "Training steps of the challenger (None = train.steps).")
     fresh_prompts: int = _f(32, "At most this many of each batch's new prompts are held out as the fresh slice "
                                 "the challenger and champion are judged on (never trained on).")

@@ -359,7 +359,7 @@ def _run_batch(recipe, ddir: Path, ledger: Ledger, batch: dict) -> int:
     from .generate import reuse_key, run_generate_incremental
     from .models import load_target
     from .tracking import make_tracker
-    from .train import run_train
+    from .train import WarmStartError, run_train
 
     t0 = time.time()
     reg = Registry(ddir)
@@ -398,7 +398,12 @@ def _run_batch(recipe, ddir: Path, ledger: Ledger, batch: dict) -> int:
                   f"{recipe.train.method}: the challenger starts from scratch", file=sys.stderr)
     tracker = make_tracker(recipe, run_dir, "retrain", group=f"{recipe.domain}-retrain")
     try:
-        run_train(crecipe, run_dir, target=target, tokenizer=tok, tracker=tracker, init_from=init)
+        try:
+            run_train(crecipe, run_dir, target=target, tokenizer=tok, tracker=tracker, init_from=init)
+        except WarmStartError as e:  # as for a champion of another method: the weights cannot carry over
+            print(f"draftsmith: {e}: the challenger starts from scratch", file=sys.stderr)
+            init = None
+            run_train(crecipe, run_dir, target=target, tokenizer=tok, tracker=tracker)
         from .checkpoints import checkpoints
 
         challenger = serve_like(checkpoints(run_dir / "train")[-1], run_dir / "challenger", champion,

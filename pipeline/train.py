@@ -121,7 +121,13 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
     resume = ckpts[-1] if ckpts else None
     with accelerator.local_main_process_first():
         dataset = _dataset(method, recipe, target, rows, raw_feats, train_dir, gen_manifest)
-    module = method.build(tc, target, tokenizer, rows, resume or init_from)  # weights only: loop.run restores state
+    try:
+        module = method.build(tc, target, tokenizer, rows, resume or init_from)  # weights only: loop.run restores state
+    except RuntimeError as e:  # load_state_dict's missing keys and size mismatches
+        if resume is not None or init_from is None:
+            raise
+        raise WarmStartError(f"the draft {init_from} does not fit this recipe's {tc.method} draft "
+                             f"({str(e).splitlines()[-1].strip()[:200]})") from None
     store = _datastore(tc, rows[:n_gen], ckpts if accelerator.is_main_process else [])
 
     def save(directory: Path, step: int):
@@ -145,6 +151,10 @@ def run_train(recipe, run_dir, target=None, tokenizer=None, tracker=None, accele
     step = loop.run(resume)
     loop.finish(step, len(dataset), method.vocab_size(module, target))
     return train_dir
+
+
+class WarmStartError(TrainError):
+    """The draft to start from (init_from) has another shape than the recipe's draft (e.g. another draft vocabulary)."""
 
 
 def warm_start_key(draft: Path) -> str:

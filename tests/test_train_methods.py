@@ -286,3 +286,18 @@ def test_onpolicy_needs_a_token_level_draft():
         TrainConfig(method="eagle", data="onpolicy")
     with pytest.raises(RecipeError, match="train.data"):
         TrainConfig(data="web")
+
+
+def test_a_warm_start_from_a_draft_of_another_shape_is_named(tmp_path, gen_dir, target):
+    """init_from a draft whose weights do not fit the recipe's (Medusa heads over another draft vocabulary) is a
+    WarmStartError naming the draft, which retrain turns into training from scratch; a draft that fits warm-starts."""
+    from pipeline.train import WarmStartError
+
+    first = run_train(_recipe(method="medusa", medusa={"heads": 2}, draft_vocab_size=40),
+                      _copy_gen(gen_dir, tmp_path / "a"), target=target) / "checkpoint-000004"
+    with pytest.raises(WarmStartError, match=f"the draft {first} does not fit this recipe's medusa draft"):
+        run_train(_recipe(method="medusa", medusa={"heads": 2}, draft_vocab_size=60), _copy_gen(gen_dir, tmp_path / "b"),
+                  target=target, init_from=first)
+    warm = run_train(_recipe(method="medusa", medusa={"heads": 2}, draft_vocab_size=40), _copy_gen(gen_dir, tmp_path / "c"),
+                     target=target, init_from=first)
+    assert json.loads((warm / "checkpoint-000004" / "draftsmith_draft.json").read_text())["init_from"] == str(first)
