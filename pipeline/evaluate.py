@@ -194,6 +194,17 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return [Path(run_dir) / "train" / n for n in names]
 
 
+def check_draft_targets(ckpts: list[Path], target: str) -> None:
+    """Every checkpoint was trained for the recipe's target (a draft reads its hidden states): checked before any
+    decoding, which would otherwise fail in a matmul of mismatched shapes or judge a draft on a model it never saw."""
+    for ck in ckpts:
+        theirs = draft_dir.read_meta(ck).get("target")
+        if theirs is not None and theirs != target:
+            raise EvaluateError(f"{ck} was trained for target {theirs!r}, but this recipe's target is {target!r}: "
+                                f"evaluate with target={theirs}, or train the run again for this target (a new "
+                                f"--run-id)")
+
+
 def check_draft_tokenizers(ckpts: list[Path], tokenizer) -> None:
     """A draft LM must share the target's tokenizer (its ids must mean the same tokens): checked
     before any decoding."""
@@ -532,6 +543,7 @@ def run_evaluate(recipe, run_dir: Path, target, tokenizer, tracker=None) -> dict
     cfg = recipe.evaluate
     held = HeldOut.open(recipe, run_dir, target, tokenizer)
     ckpts = checkpoints(run_dir)
+    check_draft_targets(ckpts, recipe.target)
     check_draft_tokenizers(ckpts, tokenizer)
     check_exports(recipe, ckpts)
     results = measure_checkpoints(held, ckpts)

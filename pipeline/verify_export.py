@@ -18,6 +18,7 @@ ours (an engine that accepts what it should not: SGLang #27718 reported acceptan
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +35,10 @@ BATCH_SIZES = (1, 4)  # vLLM decodes each prompt alone and four at a time (its b
 
 class VerifyError(RuntimeError):
     """An export that cannot be verified, or that fails verification; one line naming the problem."""
+
+
+class EngineFailed(VerifyError):
+    """vLLM itself failed: the message names its log, which the run's working directory keeps."""
 
 
 @dataclass
@@ -247,6 +252,29 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
                   dtype="bfloat16", json_out=None, workdir=None, tolerance=TOLERANCE, eager=False) -> dict:
     """The whole command: plan, vLLM's two engines, ours, the table (printed) and the verdict
     (VerifyError when it fails, after the table and the JSON are written)."""
+    plan = plan_export(export_dir, target, k, draft)
+    engine_python()  # a missing engine stops here, before minutes of loading
+    if plan.source_draft is None and FORMATS[plan.format].decoder_proposer is None:
+        raise VerifyError(f"{export_dir} names no source draft (no {MANIFEST}); give --draft <draft dir>")
+    if workdir:
+        return _verify(plan, Path(workdir), prompts_path, n, max_new_tokens, dtype, json_out, tolerance, eager)
+    # one directory for the run's files (vLLM's jobs and logs, the prompts, the draft's chain form): removed after a
+    # verdict; kept when vLLM failed, whose error names its log there
+    workdir = Path(tempfile.mkdtemp(prefix="draftsmith-verify-"))
+    try:
+        summary = _verify(plan, workdir, prompts_path, n, max_new_tokens, dtype, json_out, tolerance, eager)
+    except EngineFailed:
+        raise  # its message names vLLM's log in workdir
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
+    return summary
+
+
+def _verify(plan: ExportPlan, workdir: Path, prompts_path, n: int, max_new_tokens: int, dtype: str, json_out,
+            tolerance: float, eager: bool) -> dict:
+    """verify_export's work in `workdir`: vLLM's two engines, ours, the table (printed), the JSON and the verdict."""
     import sys
 
     from eval.bench import encode_prompts, load_prompts
@@ -256,13 +284,7 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
     from .generate import target_eos_ids
     from .models import load_target, resolve_target
 
-    plan = plan_export(export_dir, target, k, draft)
-    engine_python()  # a missing engine stops here, before minutes of loading
-    # one directory for the run's files: vLLM's jobs and logs, the prompts, the draft's chain form
-    workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="draftsmith-verify-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    if plan.source_draft is None and FORMATS[plan.format].decoder_proposer is None:
-        raise VerifyError(f"{export_dir} names no source draft (no {MANIFEST}); give --draft <draft dir>")
     target_dir = resolve_target(plan.target)
     model, tok = load_target(plan.target, dtype, "cpu")
     if prompts_path is None:
@@ -274,7 +296,7 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
     try:
         vllm = vllm_side(plan, target_dir, prompts, max_new_tokens, dtype, eos, workdir, eager)
     except EngineError as e:
-        raise VerifyError(str(e)) from None
+        raise EngineFailed(str(e)) from None
     ours = ours_side(plan, model, prompts, max_new_tokens, eos, workdir)
     summary = summarize(plan, vllm, ours, compare_outputs(model, prompts, vllm, ours), exactness_rule(dtype, False),
                         tolerance)

@@ -251,6 +251,9 @@ CASES = [
          ("different seed/data settings", "new run id"), run=True),
     Case("train-run-id-that-does-not-exist", lambda c: ["train", *_overrides(c.target, c.runs), "--run-id", "nosuch"],
          ("nosuch", "draftsmith generate"), run=True),
+    Case("evaluate-for-another-target", lambda c: ["evaluate", *_overrides(c.tmp / "other", c.runs), "--run-id", RUN_ID],
+         ("trained for target", "evaluate with target="), run=True,
+         setup=lambda c: shutil.copytree(c.target, c.tmp / "other")),
     # recipes and overrides YAML cannot read
     Case("recipe-a-directory", lambda c: ["distill", "--recipe", str(c.tmp)], ("not a file", "recipes/code.yaml")),
     Case("recipe-not-utf8", lambda c: ["distill", "--recipe", str(c.tmp / "r.yaml")], ("r.yaml", "not UTF-8"),

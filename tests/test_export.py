@@ -527,7 +527,8 @@ def test_evaluate_refuses_serve_or_formats_the_runs_kind_cannot_meet(tmp_path, t
                       (["evaluate.serve=sglang"], r"sglang loads eagle3 drafts"),
                       (["export.formats=[medusa]"], r"export.formats: .*train\.medusa\.recurrent=false")):
         with pytest.raises(EvaluateError, match=msg):
-            run_evaluate(load_recipe(domain="code", overrides=over), run, target=None, tokenizer=real_tokenizer)
+            run_evaluate(load_recipe(domain="code", overrides=[f"target={target_dir}", *over]), run, target=None,
+                         tokenizer=real_tokenizer)
 
 
 @pytest.mark.parametrize("serve", ["vllm", "draftsmith"])
