@@ -213,6 +213,8 @@ class _TrainKeys:
         for k in ("steps", "batch_size", "seq_len", "save_every"):
             _positive(f"train.{k}", getattr(self, k))
         _positive("train.lr", self.lr)
+        _positive("train.weight_decay", self.weight_decay, zero_ok=True)
+        _positive("train.warmup_steps", self.warmup_steps, zero_ok=True)
         _positive("train.max_minutes", self.max_minutes, zero_ok=True)
         _positive("train.draft_vocab_size", self.draft_vocab_size, zero_ok=True)
         if not 0.0 < self.jsd_beta < 1.0:
@@ -517,8 +519,10 @@ class Recipe:
     def __post_init__(self):
         _one_of("dtype", self.dtype, {"bfloat16", "float32"})
         _one_of("device", self.device, {"auto", "cpu", "cuda"})
-        if not self.domain or "/" in self.domain:
-            raise RecipeError(f"domain={self.domain!r} must be a plain name")
+        if not self.domain or "/" in self.domain or self.domain.startswith("."):
+            raise RecipeError(f"domain={self.domain!r} must be a plain name, not starting with '.' (runs/<domain>/ "
+                              f"holds its runs), e.g. code or my-traffic")
+        _positive("seed", self.seed, zero_ok=True)
         if self.run_id is not None and (not self.run_id or "/" in self.run_id or self.run_id.startswith(".")
                                         or self.run_id in RESERVED_RUN_IDS):
             raise RecipeError(f"run_id={self.run_id!r} must be a plain directory name, not starting with '.', and "

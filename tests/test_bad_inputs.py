@@ -262,6 +262,10 @@ CASES = [
          ("train.steps=[1", "not valid YAML")),
     Case("override-a-section-to-a-value", lambda c: ["distill", *_overrides(c.target, c.runs), "train=5"],
          ("section 'train'", "train.<key>=value")),
+    Case("domain-outside-the-runs-dir", lambda c: ["distill", *_overrides(c.target, c.runs), "domain=.."],
+         ("domain='..'", "plain name")),
+    Case("warmup-steps-negative", lambda c: ["distill", *_overrides(c.target, c.runs), "train.warmup_steps=-3"],
+         ("train.warmup_steps=-3", ">= 0")),
     Case("override-a-yaml-boolean", lambda c: ["distill", *_overrides(c.target, c.runs), "wandb.mode=off"],
          ("wandb.mode", "quote it")),
     # an output path that cannot take the file, refused before the work that fills it
