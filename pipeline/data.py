@@ -380,7 +380,10 @@ def check_sources(data_cfg) -> None:
         if spec == "humaneval":
             humaneval_path()
         elif spec not in ("stdlib", "self", "split"):
-            load_source(spec, kind)
+            rows = load_source(spec, kind)
+            if kind == "data.source" and heldout_spec(data_cfg) == "split" and len(dedupe(rows)) < 2:
+                raise DataError(f"data.heldout='split' needs at least 2 distinct prompts in data.source={spec!r}, "
+                                f"got {len(dedupe(rows))}; add rows or give data.heldout a file")
 
 
 # ---------------------------------------------------------------------------------------------
