@@ -386,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "by default)")
     pr.add_argument("--run-dir", help="write the held-out prompts this run was judged on instead (runs/<domain>/<id>: "
                     "its own split of your data, or its synthesised requests)")
+    pr.add_argument("--force", action="store_true", help="replace an --out file that holds other content")
     r = sub.add_parser("retrain", help="the scheduled job: new traffic -> challenger -> gate -> promote or keep")
     _recipe_args(r)
     r.add_argument("--traffic", action="append", default=[], metavar="PATH", help="new traffic (repeat for more): "
@@ -524,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if out_file_problem(args.out, "--out"):
                 raise RecipeError(out_file_problem(args.out, "--out"))
-            export_heldout_jsonl(args.out, run_dir=args.run_dir)
+            export_heldout_jsonl(args.out, run_dir=args.run_dir, force=args.force)
             return 0
         if args.cmd == "export":
             from .export import MANIFEST, export_draft

@@ -598,9 +598,20 @@ def raw_text_chunks(source: str, tokenizer, n_chunks: int, chunk_len: int, seed:
     return out
 
 
-def export_heldout_jsonl(path, heldout: str = "humaneval", run_dir=None) -> Path:
+def export_heldout_jsonl(path, heldout: str = "humaneval", run_dir=None, force: bool = True) -> Path:
     """Write held-out prompts as JSONL, for `make bench`: a spec's (HumanEval by default), or with
-    `run_dir` the prompts that run was judged on (its data.heldout split included)."""
+    `run_dir` the prompts that run was judged on (its data.heldout split included). A file already there with
+    other content is replaced only with `force` (the same content: nothing to do)."""
     path = Path(path)
-    write_jsonl(path, run_heldout(run_dir) if run_dir is not None else load_source(heldout, "data.heldout"))
+    rows = run_heldout(run_dir) if run_dir is not None else load_source(heldout, "data.heldout")
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    if path.is_file() and not force:
+        try:
+            same = path.read_text(encoding="utf-8") == text
+        except (OSError, UnicodeDecodeError):
+            same = False
+        if same:
+            return path
+        raise DataError(f"{path} exists and holds other content; give --force to replace it, or another --out")
+    write_jsonl(path, rows)
     return path

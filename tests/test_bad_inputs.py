@@ -273,6 +273,8 @@ CASES = [
          ("wandb.mode", "quote it")),
     # an output path that cannot take the file, refused before the work that fills it
     Case("prompts-out-a-directory", lambda c: ["prompts", "--out", str(c.tmp)], ("--out", "is a directory")),
+    Case("prompts-out-a-file-of-other-content", lambda c: ["prompts", "--out", str(c.tmp / "mine.jsonl")],
+         ("mine.jsonl", "other content", "--force"), setup=_write("mine.jsonl", '{"prompt": "my own"}\n')),
     Case("prompts-run-dir-missing", lambda c: ["prompts", "--out", str(c.tmp / "h.jsonl"), "--run-dir",
                                                str(c.tmp / "nosuch")], ("nosuch", "does not exist")),
     Case("report-out-a-directory", lambda c: ["report", "--domain", "code", "--runs-dir", str(c.runs), "--out",

@@ -133,3 +133,18 @@ def test_encode_prompt_raw_and_chat():
     assert chat == tok("<user>Complete this Python function:\nab\n<assistant>")["input_ids"]
     msgs = encode_prompt({"messages": [{"role": "user", "content": "x"}]}, tok, chat=False)
     assert msgs == tok("<user>x\n<assistant>")["input_ids"]
+
+
+def test_prompts_rewrites_its_own_file_but_not_another(tmp_path, capsys):
+    """`draftsmith prompts --out F` again (make bench runs it every time) leaves F as it is; a file of other content
+    is replaced only with --force."""
+    from pipeline.cli import main
+
+    out = tmp_path / "he.jsonl"
+    assert main(["prompts", "--out", str(out)]) == 0
+    first = out.read_bytes()
+    assert main(["prompts", "--out", str(out)]) == 0 and out.read_bytes() == first
+    out.write_text('{"prompt": "mine"}\n')
+    assert main(["prompts", "--out", str(out)]) == 2 and out.read_text() == '{"prompt": "mine"}\n'
+    assert "--force" in capsys.readouterr().err
+    assert main(["prompts", "--out", str(out), "--force"]) == 0 and out.read_bytes() == first
