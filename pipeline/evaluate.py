@@ -194,12 +194,17 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return [Path(run_dir) / "train" / n for n in names]
 
 
+def _same_target(a: str, b: str) -> bool:
+    """Two recipe targets naming one model: the same spec, or one directory written two ways (./m and /abs/m)."""
+    return a == b or (Path(a).expanduser().is_dir() and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
+
+
 def check_draft_targets(ckpts: list[Path], target: str) -> None:
     """Every checkpoint was trained for the recipe's target (a draft reads its hidden states): checked before any
     decoding, which would otherwise fail in a matmul of mismatched shapes or judge a draft on a model it never saw."""
     for ck in ckpts:
         theirs = draft_dir.read_meta(ck).get("target")
-        if theirs is not None and theirs != target:
+        if theirs is not None and not _same_target(theirs, target):
             raise EvaluateError(f"{ck} was trained for target {theirs!r}, but this recipe's target is {target!r}: "
                                 f"evaluate with target={theirs}, or train the run again for this target (a new "
                                 f"--run-id)")
