@@ -82,6 +82,8 @@ def plan_export(export_dir, target: str | None = None, k: int | None = None, dra
     (format, k, source: the draft directory it was written from, verifier: the target), else what its
     config.json says; explicit arguments win."""
     d = Path(export_dir)
+    if d.exists() and not d.is_dir():
+        raise VerifyError(f"--export {d} is a file; give the directory `draftsmith export --out` wrote")
     if not d.is_dir():
         raise VerifyError(f"export directory {d} does not exist; write it with `draftsmith export --draft <draft dir> "
                           f"--format speculators --out {d}`")

@@ -285,6 +285,8 @@ CASES = [
          setup=_write("p.jsonl", '{"prompt": "def f():"}\n')),
     Case("bench-cpu-path-unknown", lambda c: _bench(c), ("DRAFTSMITH_CPU_PATH='bogus'", "unset it"),
          setup=_write("p.jsonl", '{"prompt": "def f():"}\n'), patch=_cpu_path_env("bogus")),
+    Case("verify-export-of-a-file", lambda c: ["verify-export", "--export", str(c.tmp / "f")], ("is a file",),
+         setup=_write("f", "x")),
     Case("verify-export-k-0", lambda c: ["verify-export", "--export", str(c.tmp), "--k", "0"], ("--k=0", "> 0")),
     Case("verify-export-n-negative", lambda c: ["verify-export", "--export", str(c.tmp), "--n", "-3"], ("--n=-3",)),
     # a command without recipe overrides: a mistyped option (to=ID for --to ID) is refused, not ignored
