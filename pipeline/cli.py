@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from eval.cli_args import OneLineParser
+from eval.cli_args import OneLineParser, out_file_problem
 
 from .config import Recipe, RecipeError, help_table, load_recipe
 from .faults import kill_point
@@ -52,6 +52,13 @@ def _os_error_line(e: OSError) -> str | None:
         return (f"cannot write {path} ({e.strerror}): make it writable or choose another location (runs_dir=..., "
                 f"--out), then rerun (the finished parts are kept)")
     return None
+
+
+def _check_out(path: str | None, flag: str) -> None:
+    """An output file given as `flag` (None: not given) refused in one line where it cannot be written."""
+    why = path and out_file_problem(path, flag)
+    if why:
+        raise RecipeError(why)
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -519,12 +526,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:32s} {default:32s} {h}")
             return 0
         if args.cmd == "prompts":
-            from eval.cli_args import out_file_problem
-
             from .data import export_heldout_jsonl
 
-            if out_file_problem(args.out, "--out"):
-                raise RecipeError(out_file_problem(args.out, "--out"))
+            _check_out(args.out, "--out")
             export_heldout_jsonl(args.out, run_dir=args.run_dir, force=args.force)
             return 0
         if args.cmd == "export":
@@ -536,15 +540,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"draftsmith: {args.format} export in {out}; serve with:\n" + "\n".join(serve.values()))
             return 0
         if args.cmd == "verify-export":
-            from eval.cli_args import out_file_problem
-
             from .options import positive
             from .verify_export import verify_export
 
-            for flag, value in (("--n", args.n), ("--max-new-tokens", args.max_new_tokens), ("--k", 1 if args.k is None else args.k)):
+            for flag, value in (("--n", args.n), ("--max-new-tokens", args.max_new_tokens),
+                                ("--k", 1 if args.k is None else args.k)):
                 positive(flag, value)  # checked before the engine starts, not minutes after
-            if args.json and out_file_problem(args.json, "--json"):
-                raise RecipeError(out_file_problem(args.json, "--json"))
+            _check_out(args.json, "--json")
             verify_export(args.export, target=args.target, k=args.k, draft=args.draft, prompts_path=args.prompts,
                           n=args.n, max_new_tokens=args.max_new_tokens, dtype=args.dtype, json_out=args.json,
                           workdir=args.workdir, eager=args.eager)
@@ -557,10 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             from .config import load_recipe
             from .owner_report import report_run_dir
 
-            from eval.cli_args import out_file_problem
-
-            if args.out and out_file_problem(args.out, "--out"):  # before the curves are measured, not after
-                raise RecipeError(out_file_problem(args.out, "--out"))
+            _check_out(args.out, "--out")  # before the curves are measured, not after
             run_dir = report_run_dir(args.domain, args.runs_dir, args.run_dir)
             recipe = load_recipe(run_dir / "recipe.yaml", list(args.overrides))
             stage_report(recipe, run_dir, command=shlex.join(["draftsmith", *argv]), out=args.out, draft=args.draft,

@@ -381,9 +381,8 @@ def check_sources(data_cfg) -> None:
             humaneval_path()
         elif spec not in ("stdlib", "self", "split"):
             rows = load_source(spec, kind)
-            if kind == "data.source" and heldout_spec(data_cfg) == "split" and len(dedupe(rows)) < 2:
-                raise DataError(f"data.heldout='split' needs at least 2 distinct prompts in data.source={spec!r}, "
-                                f"got {len(dedupe(rows))}; add rows or give data.heldout a file")
+            if kind == "data.source" and heldout_spec(data_cfg) == "split":
+                check_splittable(dedupe(rows), data_cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,11 +407,15 @@ def encode_prompt(row: dict, tokenizer, chat: bool) -> list[int]:
 # prompt sets
 
 
+def jsonl_text(rows: list[dict]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     from .atomic import write_text_atomic
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(Path(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    write_text_atomic(Path(path), jsonl_text(rows))
 
 
 def read_jsonl(path) -> list[dict]:
@@ -464,13 +467,18 @@ def heldout_spec(data_cfg) -> str:
     return "humaneval" if data_cfg.source == "stdlib" else "split"
 
 
+def check_splittable(rows: list[dict], data_cfg) -> None:
+    """data.heldout='split' needs at least 2 distinct prompts (deduplicated `rows`): one held out, one to train on."""
+    if len(rows) < 2:
+        raise DataError(f"data.heldout='split' needs at least 2 distinct prompts in data.source={data_cfg.source!r}, "
+                        f"got {len(rows)}; add rows or give data.heldout a file")
+
+
 def split_heldout(rows: list[dict], data_cfg, tokenizer, seed: int) -> tuple[list[dict], list[dict]]:
     """data.heldout='split': (held-out rows, the rest) of deduplicated `rows`. A `seed`-shuffled pick of
     round(heldout_fraction * len(rows)) rows (at least 1, at most heldout_max, never all) among those
     within data.max_prompt_tokens, so the held-out prompts are like the training ones."""
-    if len(rows) < 2:
-        raise DataError(f"data.heldout='split' needs at least 2 distinct prompts in data.source={data_cfg.source!r}, "
-                        f"got {len(rows)}; add rows or give data.heldout a file")
+    check_splittable(rows, data_cfg)
     want = min(data_cfg.heldout_max, len(rows) - 1, max(1, round(len(rows) * data_cfg.heldout_fraction)))
     order = list(range(len(rows)))
     random.Random(seed + 2).shuffle(order)
@@ -604,10 +612,9 @@ def export_heldout_jsonl(path, heldout: str = "humaneval", run_dir=None, force: 
     other content is replaced only with `force` (the same content: nothing to do)."""
     path = Path(path)
     rows = run_heldout(run_dir) if run_dir is not None else load_source(heldout, "data.heldout")
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     if path.is_file() and not force:
         try:
-            same = path.read_text(encoding="utf-8") == text
+            same = path.read_text(encoding="utf-8") == jsonl_text(rows)
         except (OSError, UnicodeDecodeError):
             same = False
         if same:

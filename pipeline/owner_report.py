@@ -299,8 +299,9 @@ def _files(found: list[tuple[str, float]]) -> str:
 def acceptance_warnings(verify: list[tuple[str, dict]]) -> list[str]:
     """A paragraph for the verify-export runs whose engine accepted less, and one for those whose engine accepted
     more, than our decoder by more than the run's tolerance at any batch size it measured."""
-    low = [(p, _tol(d)) for p, d in verify if min(_tau_ratios(d)) < 1 - _tol(d)]
-    high = [(p, _tol(d)) for p, d in verify if max(_tau_ratios(d)) > 1 + _tol(d)]
+    judged = [(p, _tol(d), _tau_ratios(d)) for p, d in verify]
+    low = [(p, tol) for p, tol, r in judged if min(r) < 1 - tol]
+    high = [(p, tol) for p, tol, r in judged if max(r) > 1 + tol]
     out = []
     if low:
         out.append(f"<p><b>The engine accepts less than our decoder</b> in {esc(_files(low))} (its mean acceptance "

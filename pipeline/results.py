@@ -265,8 +265,8 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
            "not the embedded SmolLM2-135M-Instruct, greedy or the temperature), judged on each domain's own "
            "held-out prompts: HumanEval for code, and for chat and json requests the target wrote from a seed "
            "never used for training (data/README.md); a distill's sampled columns are at the recipe's serving "
-           "temperature (evaluate.temperature). Speedups are over plain decoding in this project's decoder, the two taking turns prompt by "
-           "prompt. Speed on these machines drifts from minute to minute, so only ratios within one run "
+           "temperature (evaluate.temperature). Speedups are over plain decoding in this project's decoder, the "
+           "two taking turns prompt by prompt. Speed on these machines drifts from minute to minute, so only ratios within one run "
            "compare.", "",
            "## Headline", "", render_headline(results, machines), "",
            "## Distill runs", "", render_distills(results, machines), ""]

@@ -125,8 +125,6 @@ def vllm_side(plan: ExportPlan, target_dir: str, prompts, max_new_tokens: int, d
 def chain_form(draft: str, workdir: Path) -> str:
     """The draft served alone, as the engines serve it: a draft promoted as a hybrid (n-gram lookups and a
     token tree, which no engine runs) is copied without its "proposer"/"serve" keys and datastore."""
-    import shutil
-
     from eval import draft_dir
 
     meta = draft_dir.read_meta(draft)
@@ -263,15 +261,15 @@ def verify_export(export_dir, *, target=None, k=None, draft=None, prompts_path=N
     # one directory for the run's files (vLLM's jobs and logs, the prompts, the draft's chain form): removed after a
     # verdict; kept when vLLM failed, whose error names its log there
     workdir = Path(tempfile.mkdtemp(prefix="draftsmith-verify-"))
+    keep = False
     try:
-        summary = _verify(plan, workdir, prompts_path, n, max_new_tokens, dtype, json_out, tolerance, eager)
+        return _verify(plan, workdir, prompts_path, n, max_new_tokens, dtype, json_out, tolerance, eager)
     except EngineFailed:
-        raise  # its message names vLLM's log in workdir
-    except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
+        keep = True  # its message names vLLM's log in workdir
         raise
-    shutil.rmtree(workdir, ignore_errors=True)
-    return summary
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _verify(plan: ExportPlan, workdir: Path, prompts_path, n: int, max_new_tokens: int, dtype: str, json_out,
